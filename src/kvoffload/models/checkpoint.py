@@ -1,0 +1,413 @@
+"""Checkpoint conversion: HF safetensors (single or sharded), pytorch_model.bin, GGUF -> parameter
+pytrees, and orbax save/restore of converted parameters.
+
+Every HF or GGUF tensor name maps through one key map per family to a slot in the parameter pytree;
+tensors are converted one at a time so host memory stays near the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import sys
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from kvoffload.config import ModelConfig, UnsupportedModelError
+from kvoffload.models import llama, opt
+
+
+class CheckpointError(ValueError):
+    """A missing, corrupt or mismatched checkpoint; the message names the file and tensor."""
+
+
+# ----------------------------------------------------------------------------- key maps
+# Each entry: HF suffix pattern -> (field, transform). Layer entries use "layers.{i}." prefixes.
+_LLAMA_LAYER = {
+    "input_layernorm.weight": ("attn_norm", "id"),
+    "self_attn.q_proj.weight": ("wq", "T"),
+    "self_attn.k_proj.weight": ("wk", "T"),
+    "self_attn.v_proj.weight": ("wv", "T"),
+    "self_attn.o_proj.weight": ("wo", "T"),
+    "self_attn.q_proj.bias": ("bq", "id"),
+    "self_attn.k_proj.bias": ("bk", "id"),
+    "self_attn.v_proj.bias": ("bv", "id"),
+    "self_attn.o_proj.bias": ("bo", "id"),
+    "post_attention_layernorm.weight": ("mlp_norm", "id"),
+    "mlp.gate_proj.weight": ("w_gate", "T"),
+    "mlp.up_proj.weight": ("w_up", "T"),
+    "mlp.down_proj.weight": ("w_down", "T"),
+    "mlp.gate_proj.bias": ("b_gate", "id"),
+    "mlp.up_proj.bias": ("b_up", "id"),
+    "mlp.down_proj.bias": ("b_down", "id"),
+}
+_LLAMA_TOP = {
+    "embed_tokens.weight": ("embed", "id"),
+    "norm.weight": ("final_norm", "id"),
+    "lm_head.weight": ("lm_head", "T"),
+}
+_OPT_LAYER = {
+    "self_attn_layer_norm.weight": ("attn_ln_w", "id"),
+    "self_attn_layer_norm.bias": ("attn_ln_b", "id"),
+    "self_attn.q_proj.weight": ("wq", "T"),
+    "self_attn.q_proj.bias": ("bq", "id"),
+    "self_attn.k_proj.weight": ("wk", "T"),
+    "self_attn.k_proj.bias": ("bk", "id"),
+    "self_attn.v_proj.weight": ("wv", "T"),
+    "self_attn.v_proj.bias": ("bv", "id"),
+    "self_attn.out_proj.weight": ("wo", "T"),
+    "self_attn.out_proj.bias": ("bo", "id"),
+    "final_layer_norm.weight": ("mlp_ln_w", "id"),
+    "final_layer_norm.bias": ("mlp_ln_b", "id"),
+    "fc1.weight": ("fc1", "T"),
+    "fc1.bias": ("b1", "id"),
+    "fc2.weight": ("fc2", "T"),
+    "fc2.bias": ("b2", "id"),
+}
+_OPT_TOP = {
+    "embed_tokens.weight": ("embed", "id"),
+    "embed_positions.weight": ("pos_embed", "id"),
+    "final_layer_norm.weight": ("final_ln_w", "id"),
+    "final_layer_norm.bias": ("final_ln_b", "id"),
+    "project_in.weight": ("project_in", "T"),
+    "project_out.weight": ("project_out", "T"),
+}
+_PREFIXES = ("model.decoder.", "decoder.", "model.", "")
+
+
+def hf_key_map(cfg: ModelConfig, name: str):
+    """HF tensor name -> (layer index or None, field, transform) or None for tensors we ignore."""
+    layer_map, top_map = (_LLAMA_LAYER, _LLAMA_TOP) if cfg.family == "llama" else (_OPT_LAYER, _OPT_TOP)
+    if name == "lm_head.weight":
+        return None if cfg.family == "opt" or cfg.tie_word_embeddings else (None, "lm_head", "T")
+    for prefix in _PREFIXES:
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):]
+        m = re.match(r"layers\.(\d+)\.(.+)$", rest)
+        if m and m.group(2) in layer_map:
+            return (int(m.group(1)),) + layer_map[m.group(2)]
+        if rest in top_map and rest != "lm_head.weight":
+            return (None,) + top_map[rest]
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    return None
+
+
+def _param_classes(cfg: ModelConfig):
+    return (llama.LlamaParams, llama.LlamaLayer) if cfg.family == "llama" else (opt.OPTParams, opt.OPTLayer)
+
+
+def expected_shapes(cfg: ModelConfig):
+    """The parameter pytree of this config with jax.ShapeDtypeStruct leaves (float32)."""
+    from kvoffload.models.transformer import init_params
+
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.float32))
+
+
+def assemble_params(cfg: ModelConfig, tensors: Iterator[tuple[str, str, Any]], dtype, source: str):
+    """Builds the parameter pytree from (name, slot, file, array) items produced in any order;
+    slot is (layer index or None, field, "T" to transpose or "id") or None to skip the tensor.
+
+    Checks every slot is filled exactly once with the expected shape; returns the pytree with
+    leaves as jax arrays of `dtype`.
+    """
+    params_cls, layer_cls = _param_classes(cfg)
+    expect = expected_shapes(cfg)
+    top: dict[str, Any] = {}
+    layers: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
+    for name, slot, file, arr in tensors:
+        if slot is None:
+            continue
+        layer, field, transform = slot
+        if layer is not None and layer >= cfg.num_layers:
+            raise CheckpointError(f"{file}: tensor {name} is for layer {layer}, but the config has {cfg.num_layers} layers")
+        arr = np.asarray(arr)
+        if transform == "T":
+            arr = arr.T
+        want = getattr(expect.layers[layer] if layer is not None else expect, field)
+        if want is None:
+            raise CheckpointError(f"{file}: unexpected tensor {name} (the config does not use {field})")
+        if tuple(arr.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{file}: tensor {name} has shape {tuple(np.asarray(arr).shape)}, expected "
+                f"{tuple(want.shape) if transform == 'id' else tuple(reversed(want.shape))} for {cfg.model_type}"
+            )
+        val = jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 and dtype == jnp.float32 else arr, dtype=dtype)
+        (layers[layer] if layer is not None else top)[field] = val
+    missing = []
+    for f, want in vars(expect).items():
+        if f == "layers" or want is None:
+            continue
+        if f not in top:
+            missing.append(f)
+    for i in range(cfg.num_layers):
+        for f, want in vars(expect.layers[i]).items():
+            if want is not None and f not in layers[i]:
+                missing.append(f"layers.{i}.{f}")
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"{source}: missing tensors for {cfg.model_type}: {shown}")
+    return params_cls(**top, layers=tuple(layer_cls(**d) for d in layers))
+
+
+# ----------------------------------------------------------------------------- safetensors
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def iter_safetensors(path: str):
+    """Yields (name, path, array) from one safetensors file, memory-mapped (no full read)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n <= 0 or 8 + n > size:
+                raise CheckpointError(f"{path}: corrupt safetensors file (header length {n}, file size {size})")
+            header = json.loads(f.read(n))
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
+    header.pop("__metadata__", None)
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
+    for name, info in header.items():
+        dt = _ST_DTYPES.get(info.get("dtype"))
+        if dt is None:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')}")
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end > mm.shape[0] or end - start != int(np.prod(shape)) * np.dtype(dt).itemsize:
+            raise CheckpointError(f"{path}: tensor {name} is truncated or corrupt (data_offsets {start}..{end})")
+        yield name, path, mm[start:end].view(dt).reshape(shape)
+
+
+def iter_torch_bin(path: str):
+    try:
+        import torch
+    except ImportError as e:
+        raise CheckpointError(
+            f"{path}: reading pytorch_model.bin needs torch; install it (pip install torch) or convert "
+            "the checkpoint to safetensors"
+        ) from e
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many types for corrupt pickles
+        raise CheckpointError(f"{path}: corrupt pytorch checkpoint ({type(e).__name__}: {e})") from e
+    for name in list(sd):
+        t = sd.pop(name)
+        yield name, path, t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def hf_weight_files(directory: str) -> list[str]:
+    """The weight files of an HF checkpoint directory, sharded (index json) or single."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = os.path.join(directory, index_name)
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: corrupt index file ({e})") from e
+            files = sorted(set(weight_map.values()))
+            paths = [os.path.join(directory, x) for x in files]
+            for p in paths:
+                if not os.path.exists(p):
+                    raise CheckpointError(f"{index}: shard {os.path.basename(p)} is missing")
+            return paths
+        if os.path.exists(os.path.join(directory, single)):
+            return [os.path.join(directory, single)]
+    raise CheckpointError(
+        f"{directory}: no weights found (expected model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin or pytorch_model.bin.index.json)"
+    )
+
+
+def load_hf_params(directory: str, cfg: ModelConfig, dtype=jnp.float32, progress: Callable[[int, int], None] | None = None):
+    files = hf_weight_files(directory)
+
+    def tensors():
+        for i, p in enumerate(files):
+            for name, file, arr in iter_torch_bin(p) if p.endswith(".bin") else iter_safetensors(p):
+                yield name, hf_key_map(cfg, name), file, arr
+            if progress:
+                progress(i + 1, len(files))
+
+    return assemble_params(cfg, tensors(), dtype, directory)
+
+
+# ----------------------------------------------------------------------------- GGUF
+_GGUF_LAYER = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_output.weight": "wo", "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+}
+_GGUF_TOP = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's per-head row permutation of q/k projections (rows = output features):
+    llama.cpp interleaves the two RoPE halves; HF keeps them split."""
+    rows = w.shape[0]
+    # llama.cpp's convert did reshape(n_heads, 2, half, ...).swapaxes(1, 2); this is its inverse
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_reader(path: str):
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise CheckpointError("reading GGUF files needs the `gguf` package (pip install gguf)") from e
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: GGUF file not found")
+    try:
+        return GGUFReader(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: corrupt or unreadable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader, path: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported (llama)")
+    a = "llama."
+    n_heads = int(_field(reader, a + "attention.head_count"))
+    hidden = int(_field(reader, a + "embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, a + "vocab_size") or len(_field(reader, "tokenizer.ggml.tokens") or [])
+    d = {
+        "model_type": "llama",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, a + "feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, a + "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_field(reader, a + "attention.head_count_kv", n_heads)),
+        "head_dim": int(_field(reader, a + "rope.dimension_count", hidden // n_heads)),
+        "max_position_embeddings": int(_field(reader, a + "context_length")),
+        "rms_norm_eps": float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, a + "rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": False,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    if "blk.0.attn_q.bias" in names:
+        d["model_type"] = "qwen2"
+    stype = _field(reader, a + "rope.scaling.type")
+    if stype in ("linear",):
+        d["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, a + "rope.scaling.factor"))}
+    elif stype not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: GGUF rope scaling {stype!r} is not supported")
+    return ModelConfig.from_hf_dict(d)
+
+
+def load_gguf(path: str, dtype=jnp.float32, progress: Callable[[int, int], None] | None = None):
+    """Returns (config, params, reader). Quantized tensors are dequantized with the gguf package."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    cfg = gguf_config(reader, path)
+
+    def tensors():
+        n = len(reader.tensors)
+        for i, t in enumerate(reader.tensors):
+            m = re.match(r"blk\.(\d+)\.(.+)$", t.name)
+            if m:
+                layer, field = int(m.group(1)), _GGUF_LAYER.get(m.group(2))
+            else:
+                layer, field = None, _GGUF_TOP.get(t.name)
+            if field is None:
+                continue
+            try:
+                if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                    arr = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+                else:
+                    arr = dequantize(t.data, t.tensor_type)
+            except Exception as e:
+                raise CheckpointError(f"{path}: cannot dequantize tensor {t.name} ({type(e).__name__}: {e})") from e
+            if field == "wq":
+                arr = unpermute_qk(arr, cfg.num_heads)
+            elif field == "wk":
+                arr = unpermute_qk(arr, cfg.num_kv_heads)
+            transform = "id" if arr.ndim == 1 or field == "embed" else "T"
+            yield t.name, (layer, field, transform), path, arr
+            if progress:
+                progress(i + 1, n)
+
+    return cfg, assemble_params(cfg, tensors(), dtype, path), reader
+
+
+# ----------------------------------------------------------------------------- orbax
+CONVERTED_MARKER = "kvoffload.json"
+
+
+def save_converted(directory: str, cfg: ModelConfig, params, tokenizer=None):
+    """Writes an orbax checkpoint of params plus the config (and tokenizer) beside it."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    leaves = jax.tree.leaves(params)
+    meta = {"config": dataclasses.asdict(cfg), "dtype": str(leaves[0].dtype), "format": 1}
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.join(directory, "params"), params, force=True)
+    ckpt.wait_until_finished()
+    if tokenizer is not None:
+        tokenizer.save(directory)
+    with open(os.path.join(directory, CONVERTED_MARKER), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def load_converted(directory: str):
+    """Returns (config, params) from a directory written by save_converted."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    marker = os.path.join(directory, CONVERTED_MARKER)
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+        c = meta["config"]
+        c["eos_token_ids"] = tuple(c.get("eos_token_ids") or ())
+        cfg = ModelConfig(**c)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{marker}: corrupt kvoffload checkpoint metadata ({e})") from e
+    dtype = jnp.dtype(meta.get("dtype", "float32"))
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), expected_shapes(cfg))
+    try:
+        params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
+    except Exception as e:
+        raise CheckpointError(f"{directory}/params: cannot restore orbax checkpoint ({type(e).__name__}: {e})") from e
+    return cfg, params
+
+
+def print_progress(label: str):
+    """A progress callback writing one updating line to stderr."""
+
+    def cb(done, total):
+        sys.stderr.write(f"\r{label}: {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return cb

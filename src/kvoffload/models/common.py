@@ -1,0 +1,128 @@
+"""Pieces shared by the model families: pytree dataclasses, norms, RoPE, prefill attention."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvoffload.config import ModelConfig
+
+
+def pytree_dataclass(cls):
+    """A dataclass registered as a pytree; every field is a child (None fields are empty)."""
+    cls = dataclasses.dataclass(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+    return cls
+
+
+def rms_norm(x, weight, eps):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x, weight, bias, eps):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def linear(x, w, b=None):
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Inverse frequencies as HF computes them, including linear and llama3 scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if cfg.rope_type == "linear":
+        inv = inv / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        low_wl = cfg.rope_original_max_position / cfg.rope_low_freq_factor
+        high_wl = cfg.rope_original_max_position / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wl, inv / cfg.rope_factor, inv)
+        smooth = (cfg.rope_original_max_position / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(cfg: ModelConfig, positions):
+    """cos, sin of shape positions.shape + (head_dim // 2,), float32."""
+    ang = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+    """HF split-half RoPE. x [B, n, T, d]; cos, sin [B, T, d/2]."""
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    c = cos[:, None]
+    s = sin[:, None]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def split_heads(x, n_heads, head_dim):
+    """[B, T, n*d] -> [B, n, T, d] (the cache layout)."""
+    b, t, _ = x.shape
+    return x.reshape(b, t, n_heads, head_dim).transpose(0, 2, 1, 3)
+
+
+def merge_heads(o):
+    """[B, n, T, d] -> [B, T, n*d]."""
+    b, n, t, d = o.shape
+    return o.transpose(0, 2, 1, 3).reshape(b, t, n * d)
+
+
+PREFILL_QUERY_CHUNK = 512
+
+
+def prefill_attention(q, k, v, lengths, *, scale=None):
+    """Causal attention of a prompt over itself, keys at positions >= lengths[b] masked.
+
+    q [B, nh, T, d]; k, v [B, nkv, T, d]. Queries are processed in chunks so the score matrix stays
+    small for long prompts. Returns [B, nh, T, d] in q.dtype.
+    """
+    b, nh, t, d = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, nkv, g, t, d)
+    kpos = jnp.arange(t)
+
+    def chunk(q_c, qpos):
+        s = jnp.einsum("bkgqd,bksd->bkgqs", q_c, k, preferred_element_type=jnp.float32) * scale
+        valid = (kpos[None, :] <= qpos[:, None])[None] & (kpos[None, None, :] < lengths[:, None, None])
+        s = jnp.where(valid[:, None, None], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return (o / jnp.where(denom > 0, denom, 1.0)).astype(q.dtype)
+
+    if t <= PREFILL_QUERY_CHUNK:
+        o = chunk(qg, kpos)
+    else:
+        n_chunks = -(-t // PREFILL_QUERY_CHUNK)
+        pad = n_chunks * PREFILL_QUERY_CHUNK - t
+        qp = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
+        qc = qp.reshape(b, nkv, g, n_chunks, PREFILL_QUERY_CHUNK, d).transpose(3, 0, 1, 2, 4, 5)
+        pos = jnp.arange(n_chunks * PREFILL_QUERY_CHUNK).reshape(n_chunks, PREFILL_QUERY_CHUNK)
+        oc = jax.lax.map(lambda a: chunk(*a), (qc, pos))
+        o = oc.transpose(1, 2, 3, 0, 4, 5).reshape(b, nkv, g, n_chunks * PREFILL_QUERY_CHUNK, d)[:, :, :, :t]
+    return o.reshape(b, nh, t, d)

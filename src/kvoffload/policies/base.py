@@ -1,0 +1,61 @@
+"""The policy interface and registry.
+
+A policy owns where K/V (and stored activations) live and how attention reaches them. The engine
+only calls `prefill` once and `decode_step` per token; layered policies share one layer-by-layer
+driver. New policies register a name and appear everywhere (CLI, eval runner) without other changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+_REGISTRY: dict[str, Callable[..., "Policy"]] = {}
+
+
+class Policy:
+    name = "base"
+
+    def prefill(self, model, tokens, lengths, capacity: int) -> tuple[Any, Any]:
+        """tokens [B, T] right-padded, lengths [B] -> (logits at each last token [B, V], state).
+        capacity: the most tokens any sequence will hold (prompt + generated)."""
+        raise NotImplementedError
+
+    def decode_step(self, model, state, tokens) -> tuple[Any, Any]:
+        """tokens [B] (the tokens just chosen) -> (next logits [B, V], new state)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """What the policy did (e.g. split points, bytes moved); shown in traces and eval reports."""
+        return {"policy": self.name}
+
+
+def register_policy(name: str):
+    def deco(factory):
+        _REGISTRY[name] = factory
+        factory.name = name
+        return factory
+
+    return deco
+
+
+def available_policies() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, **options) -> Policy:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**options)
+
+
+def _load_builtin():
+    import importlib
+    import pkgutil
+
+    import kvoffload.policies as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name != "base":
+            importlib.import_module(f"kvoffload.policies.{mod.name}")
