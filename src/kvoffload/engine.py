@@ -18,10 +18,15 @@ from kvoffload.policies.base import Policy
 
 PROMPT_BUCKET = 64
 CAPACITY_BUCKET = 128
+LONG = 1024  # past this length buckets are 4x coarser: fewer compilations for long-context eval
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def bucket(n: int, step: int) -> int:
+    return _round_up(n, step if n <= LONG else 4 * step)
 
 
 def check_lengths(model, prompts: Sequence[Sequence[int]], max_new_tokens: int):
@@ -46,7 +51,7 @@ def check_lengths(model, prompts: Sequence[Sequence[int]], max_new_tokens: int):
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
     """Right-pads to a bucketed length. Returns (tokens [B, T] int32, lengths [B] int32)."""
     longest = max(len(p) for p in prompts)
-    t = _round_up(longest, PROMPT_BUCKET)
+    t = bucket(longest, PROMPT_BUCKET)
     tokens = np.full((len(prompts), t), pad_id, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = np.asarray(p, np.int32)
@@ -67,7 +72,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, polic
     check_lengths(model, prompts, max_new_tokens)
     pol = resolve_policy(policy, policy_options)
     tokens, lengths = pad_prompts(prompts)
-    capacity = _round_up(max(len(p) for p in prompts) + max_new_tokens, CAPACITY_BUCKET)
+    capacity = bucket(max(len(p) for p in prompts) + max_new_tokens, CAPACITY_BUCKET)
     logits, state = pol.prefill(model, tokens, lengths, capacity)
     eos = set(model.config.eos_token_ids) | set(getattr(model.tokenizer, "eos_token_ids", ()) or ())
     key = jax.random.key(seed)
@@ -103,7 +108,7 @@ def teacher_forced_logprobs(model, tokens: Sequence[int], prefix_len: int, polic
     check_lengths(model, [tokens[:prefix_len]], len(tokens) - prefix_len)
     pol = resolve_policy(policy, policy_options)
     toks, lengths = pad_prompts([tokens[:prefix_len]])
-    logits, state = pol.prefill(model, toks, lengths, _round_up(len(tokens), CAPACITY_BUCKET))
+    logits, state = pol.prefill(model, toks, lengths, bucket(len(tokens), CAPACITY_BUCKET))
     out = []
     for t in range(prefix_len, len(tokens)):
         lp = jax.nn.log_softmax(logits[0].astype(jnp.float32))
