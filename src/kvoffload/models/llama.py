@@ -96,8 +96,9 @@ def post_attention(cfg: ModelConfig, lp: LlamaLayer, h, attn):
 
 def logits(cfg: ModelConfig, params: LlamaParams, h):
     h = rms_norm(h, params.final_norm, cfg.norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    return jnp.einsum("...h,hv->...v", h, head, preferred_element_type=jnp.float32)
+    if params.lm_head is None:  # tied: contract with the embedding directly (a transpose would copy it)
+        return jnp.einsum("...h,vh->...v", h, params.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,hv->...v", h, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def init_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02) -> LlamaParams:

@@ -72,7 +72,10 @@ class DenseKVCache:
         return self.k[0].shape[2]
 
 
+@functools.partial(jax.jit, static_argnames=("capacity",))
 def dense_cache_from_prefill(ks, vs, lengths, capacity: int) -> DenseKVCache:
+    """Pads prefill K/V to the cache capacity. Jitted so every leaf comes out committed to the
+    device, like the decode step's outputs: otherwise the second step would compile again."""
     t = ks[0].shape[2]
     pad = ((0, 0), (0, 0), (0, capacity - t), (0, 0))
     return DenseKVCache(
