@@ -1,0 +1,312 @@
+"""Public jit-able building blocks of kvoffload.
+
+Every op takes ``impl="auto" | "kernel" | "reference"``: "auto" runs the Pallas
+(Triton) kernel on GPU when the shapes are supported and the pure-jnp reference
+otherwise (CPU, TPU, unsupported shapes); "kernel" forces the Pallas kernel (with
+``interpret=True`` it runs anywhere, for tests); "reference" forces the reference.
+All functions can be called inside ``jax.jit``.
+
+Conventions
+-----------
+* KV cache layout: k, v [B, n_kv, S, d]. Query heads n_heads = n_kv * group; query
+  head h uses kv head h // group (HF GQA convention).
+* Attention returns (out [B, n_heads, d] in q.dtype, lse [B, n_heads] float32); an
+  empty key set gives out = 0, lse = -inf. ``merge_attention`` combines partial
+  results over disjoint key sets exactly (never concatenate K/V copies).
+* Top-k: score functions return [B, n_kv, N] float32 (higher = better, -inf invalid);
+  ``select_topk`` returns (indices [B, n_kv, K] int32, num_valid [B, n_kv] int32)
+  for ``sparse_attention``.
+* HATA packed sign codes: r bits (r % 32 == 0) packed into uint32 words, code shape
+  [..., r // 32]; bit j = 1 where (x @ W)_j > 0, stored in word j // 32 at bit
+  position j % 32 (LSB first): word_w = sum_i bit_{32w+i} << i. ``hata_encode``
+  writes this format; codes produced elsewhere (the HATA trainer) must match it.
+* int4: group-wise asymmetric (FlexGen) along the last dim, group 64 by default;
+  packed split-half: byte j = code[j] | code[j + D//2] << 4. See ``quantize_int4``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvoffload.pallas import common as _c
+from kvoffload.pallas import decode_attention as _da
+from kvoffload.pallas import quant as _q
+from kvoffload.pallas import recompute as _rc
+from kvoffload.pallas import sparse_attention as _sa
+from kvoffload.pallas import topk as _tk
+from kvoffload.pallas.decode_attention import merge_attention  # noqa: F401  (public)
+from kvoffload.pallas.quant import (  # noqa: F401  (public)
+    QuantizedInt4,
+    dequantize_int4,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+from kvoffload.pallas.topk import (  # noqa: F401  (public)
+    hamming_distance,
+    hata_encode,
+    quest_page_minmax,
+    select_topk,
+)
+
+__all__ = [
+    "decode_attention", "merge_attention", "sparse_attention", "sparse_attention_path",
+    "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
+    "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk",
+    "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
+    "QuantizedInt4", "decode_attention_int4", "kernel_default",
+]
+
+_IMPLS = ("auto", "kernel", "reference")
+
+
+def kernel_default() -> bool:
+    """Whether impl="auto" picks the Pallas kernels here (True on GPU)."""
+    return _c.on_gpu()
+
+
+def _use_kernel(impl: str, supported: bool = True) -> bool:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "reference":
+        return False
+    if impl == "kernel":
+        return True
+    return supported and _c.on_gpu()
+
+
+# ----------------------------------------------------------------------------
+# decode attention
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_s", "num_splits"))
+def _decode_kernel_jit(q, k, v, lengths, scale, interpret, block_s=None, num_splits=None):
+    return _da.decode_attention_kernel(q, k, v, lengths, scale=scale, interpret=interpret,
+                                       block_s=block_s, num_splits=num_splits)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _decode_ref_jit(q, k, v, lengths, scale):
+    return _da.decode_attention_reference(q, k, v, lengths, scale=scale)
+
+
+def decode_attention(q, k, v, lengths, *, scale=None, impl="auto", interpret=False):
+    """Decode attention of one query token per sequence over a KV cache.
+
+    q [B, n_heads, d]; k, v [B, n_kv, S, d]; lengths [B] int32 (keys at positions
+    < lengths[b] are valid; 0 allowed -> out 0, lse -inf). scale defaults to d**-0.5.
+    Returns (out [B, n_heads, d] in q.dtype, lse [B, n_heads] float32).
+    """
+    lengths = jnp.asarray(lengths, jnp.int32)
+    scale = None if scale is None else float(scale)
+    if _use_kernel(impl):
+        return _decode_kernel_jit(q, k, v, lengths, scale, interpret)
+    return _decode_ref_jit(q, k, v, lengths, scale)
+
+
+# ----------------------------------------------------------------------------
+# sparse attention
+# ----------------------------------------------------------------------------
+
+_LAST_SPARSE_PATH = {"path": None}
+
+
+def sparse_attention_path():
+    """Which path the last eager ``sparse_attention`` call took:
+    'kernel_zero_copy' (Pallas kernel reading K/V in pinned_host memory directly),
+    'kernel' (Pallas kernel, K/V in device memory), 'reference',
+    'reference_device_copy' (K/V were in host memory and copied to the device first),
+    'traced' (called under jit: kernel/reference chosen by platform), or None."""
+    return _LAST_SPARSE_PATH["path"]
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scale", "interpret"))
+def _sparse_kernel_jit(q, k, v, indices, num_valid, lengths, page_size, scale, interpret):
+    return _sa.sparse_attention_kernel(q, k, v, indices, num_valid=num_valid,
+                                       page_size=page_size, scale=scale, lengths=lengths,
+                                       interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scale"))
+def _sparse_ref_jit(q, k, v, indices, num_valid, lengths, page_size, scale):
+    return _sa.sparse_attention_reference(q, k, v, indices, num_valid=num_valid,
+                                          page_size=page_size, scale=scale, lengths=lengths)
+
+
+# whether the zero-copy (pinned_host -> Triton kernel) path works here; None = untested
+_ZERO_COPY_OK = {"ok": None}
+
+
+def sparse_attention(q, k, v, indices, *, num_valid=None, page_size=1, scale=None,
+                     lengths=None, impl="auto", interpret=False):
+    """Attention over selected positions / pages only.
+
+    q [B, n_heads, d]; k, v [B, n_kv, S, d]; indices [B, n_kv, K] int32 per KV head:
+    token positions (page_size=1) or page indices (page_size>1: page p covers positions
+    p*page_size ... p*page_size+page_size-1). num_valid [B, n_kv] (optional): only the
+    first num_valid entries count. lengths [B] (optional): positions >= lengths[b] are
+    ignored (partial last page). Returns (out [B, n_heads, d] in q.dtype, lse [B, n_heads]).
+
+    k, v may live in ``pinned_host`` memory. On GPU the Pallas kernel then reads the
+    selected rows straight from host memory (zero-copy); where that fails (or on CPU)
+    the arrays are copied to device memory first. ``sparse_attention_path()`` tells
+    which path ran.
+    """
+    scale = None if scale is None else float(scale)
+    page_size = int(page_size)
+    indices = jnp.asarray(indices, jnp.int32)
+    if num_valid is not None:
+        num_valid = jnp.asarray(num_valid, jnp.int32)
+    if lengths is not None:
+        lengths = jnp.asarray(lengths, jnp.int32)
+    traced = isinstance(k, jax.core.Tracer)
+    host = (not traced) and _c.memory_kind(k) not in (None, "device")
+    use_kernel = _use_kernel(impl)
+    if traced:
+        _LAST_SPARSE_PATH["path"] = "traced"
+        if use_kernel:
+            return _sa.sparse_attention_kernel(q, k, v, indices, num_valid=num_valid,
+                                               page_size=page_size, scale=scale,
+                                               lengths=lengths, interpret=interpret)
+        return _sa.sparse_attention_reference(q, k, v, indices, num_valid=num_valid,
+                                              page_size=page_size, scale=scale,
+                                              lengths=lengths)
+    if use_kernel and host and not interpret and _ZERO_COPY_OK["ok"] is not False:
+        try:
+            res = _sparse_kernel_jit(q, k, v, indices, num_valid, lengths, page_size,
+                                     scale, False)
+            _ZERO_COPY_OK["ok"] = True
+            _LAST_SPARSE_PATH["path"] = "kernel_zero_copy"
+            return res
+        except Exception:  # lowering/runtime refused host operands: fall back
+            _ZERO_COPY_OK["ok"] = False
+    if host:
+        k = _c.to_device_memory(k)
+        v = _c.to_device_memory(v)
+    if use_kernel:
+        _LAST_SPARSE_PATH["path"] = "kernel_device_copy" if host else "kernel"
+        return _sparse_kernel_jit(q, k, v, indices, num_valid, lengths, page_size, scale,
+                                  interpret)
+    _LAST_SPARSE_PATH["path"] = "reference_device_copy" if host else "reference"
+    return _sparse_ref_jit(q, k, v, indices, num_valid, lengths, page_size, scale)
+
+
+# ----------------------------------------------------------------------------
+# recompute
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("n_kv", "interpret"))
+def _recompute_kernel_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret):
+    return _rc.recompute_kv_kernel(x, w_k, b_k, w_v, b_v, cos, sin, n_kv=n_kv,
+                                   interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("n_kv",))
+def _recompute_ref_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv):
+    return _rc.recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos, sin, n_kv=n_kv)
+
+
+def recompute_kv(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, impl="auto",
+                 interpret=False):
+    """Recompute K, V from stored attention-input activations.
+
+    x [B, T, H]; w_k, w_v [H, n_kv*d]; b_k, b_v [n_kv*d] or None; cos, sin [B, T, d//2]
+    or None (no RoPE). RoPE is HF split-half: rot = [x1*cos - x2*sin, x2*cos + x1*sin].
+    Returns k, v each [B, n_kv, T, d] (cache layout) in x.dtype, fp32 accumulation.
+    """
+    n_kv = int(n_kv)
+    ok = _rc.recompute_kv_supported(x, w_k, n_kv)
+    if _use_kernel(impl, ok) and (ok or impl == "kernel"):
+        return _recompute_kernel_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret)
+    return _recompute_ref_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv)
+
+
+# ----------------------------------------------------------------------------
+# top-k selection
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "group_reduce", "interpret"))
+def _scores_kernel_jit(q, k, lengths, scale, group_reduce, interpret):
+    return _tk.topk_scores_exact_kernel(q, k, lengths, scale=scale,
+                                        group_reduce=group_reduce, interpret=interpret)
+
+
+def topk_scores_exact(q, k, lengths=None, *, scale=None, group_reduce="sum", impl="auto",
+                      interpret=False):
+    """Exact scores scale*q.K per KV head, aggregated over the GQA group
+    (group_reduce 'sum' | 'max' | 'mean'). q [B, n_heads, d], k [B, n_kv, S, d],
+    lengths [B] or None. Returns [B, n_kv, S] float32, -inf past lengths."""
+    scale = None if scale is None else float(scale)
+    if _use_kernel(impl):
+        if lengths is not None:
+            lengths = jnp.asarray(lengths, jnp.int32)
+        return _scores_kernel_jit(q, k, lengths, scale, group_reduce, interpret)
+    return _tk.topk_scores_exact_reference(q, k, lengths, scale=scale,
+                                           group_reduce=group_reduce)
+
+
+def quest_page_scores(q, kmin, kmax, num_pages=None, *, group_reduce="sum", impl="auto",
+                      interpret=False):
+    """Quest page upper bounds sum_c max(q_c min_c, q_c max_c) from per-page
+    channel-wise min/max keys (see ``quest_page_minmax``). Returns [B, n_kv, P] float32.
+    (Metadata-sized: the reference is used on every platform.)"""
+    del impl, interpret
+    return _tk.quest_page_scores_reference(q, kmin, kmax, num_pages, group_reduce=group_reduce)
+
+
+def hata_scores(q_codes, k_codes, lengths=None, *, k_norm=None, group_reduce="sum",
+                impl="auto", interpret=False):
+    """HATA similarity r - hamming(q_code, k_code) (optionally times key norm), per KV head
+    aggregated over the group. q_codes [B, n_heads, r//32] uint32, k_codes [B, n_kv, S,
+    r//32] uint32 (packing convention in the module docstring). Returns [B, n_kv, S]."""
+    del impl, interpret
+    return _tk.hata_scores_reference(q_codes, k_codes, lengths, k_norm=k_norm,
+                                     group_reduce=group_reduce)
+
+
+def tokenselect_scores(q, k, lengths=None, *, scale=None, shared=False, impl="auto",
+                       interpret=False):
+    """TokenSelect soft vote: per-head softmax of scale*q.K summed over the heads of each
+    GQA group (shared=True: over all heads, same selection for every KV head)."""
+    del impl, interpret
+    return _tk.tokenselect_scores_reference(q, k, lengths, scale=scale, shared=shared)
+
+
+def topk_indices(scores, k, *, lengths=None, num_sink=4, num_recent=64, page_size=1):
+    """``select_topk`` with the library's default sink (4) / recent (64) windows."""
+    return select_topk(scores, k, lengths=lengths, num_sink=num_sink,
+                       num_recent=num_recent, page_size=page_size)
+
+
+# ----------------------------------------------------------------------------
+# int4
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _int4_kernel_jit(q, kq, vq, lengths, scale, interpret):
+    return _q.decode_attention_int4_kernel(q, kq, vq, lengths, scale=scale, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _int4_ref_jit(q, kq, vq, lengths, scale):
+    return _q.decode_attention_int4_reference(q, kq, vq, lengths, scale=scale)
+
+
+def decode_attention_int4(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *, scale=None,
+                          impl="auto", interpret=False):
+    """Decode attention reading int4 K/V (``quantize_int4`` of [B, n_kv, S, d] caches)
+    without dequantising the cache in memory. Same returns as ``decode_attention``."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    scale = None if scale is None else float(scale)
+    d = q.shape[-1]
+    ok = _q.int4_kernel_supported(d, kq.group_size)
+    if _use_kernel(impl, ok) and (ok or impl == "kernel"):
+        return _int4_kernel_jit(q, kq, vq, lengths, scale, interpret)
+    return _int4_ref_jit(q, kq, vq, lengths, scale)

@@ -1,0 +1,573 @@
+"""Correctness checks of every kernel and reference against float64 NumPy.
+
+Used by tests/test_kernels*.py (CPU: references, and kernels with interpret=True) and by
+scripts/check_kernels.py (GPU: compiled Triton kernels). Each ``check_*`` draws fresh
+random inputs (never zeros), runs one implementation and returns a dict with the
+relative error(s) and pass/fail. Kernel outputs are poisoned (NaN-initialised via
+aliasing) so unwritten elements fail.
+
+mode: "reference" (pure jnp), "kernel" (compiled Pallas), "interpret" (Pallas interpret).
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from kvoffload.pallas import decode_attention as _da
+from kvoffload.pallas import quant as _q
+from kvoffload.pallas import recompute as _rc
+from kvoffload.pallas import sparse_attention as _sa
+from kvoffload.pallas import topk as _tk
+
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+# The kernels' bf16 path rounds p to bf16 before p @ V (as every flash kernel does);
+# the float64 NumPy reference does not, hence the bf16 tolerance.
+
+
+def _dt(name):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def _rand(rng, shape, dtype, scale=1.0):
+    x = rng.standard_normal(shape) * scale
+    x = np.where(np.abs(x) < 1e-3, 1e-3, x)  # never exact zeros
+    a = jnp.asarray(x, _dt(dtype))
+    return a, np.asarray(a.astype(jnp.float32), np.float64)
+
+
+def rel_err(out, ref):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    ref = np.asarray(ref, np.float64)
+    if out.shape != ref.shape:
+        return float("inf")
+    if not np.all(np.isfinite(out)):
+        return float("nan")
+    den = np.linalg.norm(ref.ravel())
+    return float(np.linalg.norm((out - ref).ravel()) / max(den, 1e-30))
+
+
+def lse_err(lse, ref):
+    lse = np.asarray(lse, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if lse.shape != ref.shape or np.any(np.isnan(lse)):
+        return float("nan")
+    fin = np.isfinite(ref)
+    if np.any(np.isfinite(lse) != fin) or np.any(lse[~fin] != ref[~fin]):
+        return float("inf")
+    if not fin.any():
+        return 0.0
+    return float(np.max(np.abs(lse[fin] - ref[fin]) / np.maximum(1.0, np.abs(ref[fin]))))
+
+
+def _result(name, mode, errs, tol, **info):
+    worst = max(errs.values()) if errs else 0.0
+    ok = bool(np.isfinite(worst) and worst < tol)
+    return dict(name=name, mode=mode, err=worst, tol=tol, ok=ok, **errs, **info)
+
+
+# ----------------------------------------------------------------------------
+# float64 NumPy references
+# ----------------------------------------------------------------------------
+
+
+def np_attend(q, k, v, valid, scale):
+    """q [B, H, d]; k, v [B, n_kv, N, d]; valid [B, n_kv, N] -> out [B,H,d], lse [B,H]."""
+    B, H, d = q.shape
+    n_kv = k.shape[1]
+    G = H // n_kv
+    out = np.zeros((B, H, d))
+    lse = np.full((B, H), -np.inf)
+    for b in range(B):
+        for h in range(H):
+            kh = h // G
+            m = valid[b, kh]
+            if not m.any():
+                continue
+            s = (k[b, kh][m] @ q[b, h]) * scale
+            mx = s.max()
+            p = np.exp(s - mx)
+            out[b, h] = p @ v[b, kh][m] / p.sum()
+            lse[b, h] = mx + np.log(p.sum())
+    return out, lse
+
+
+def np_positions(indices, num_valid, page_size, S, lengths=None):
+    B, n_kv, K = indices.shape
+    N = K * page_size
+    pos = np.zeros((B, n_kv, N), np.int64)
+    ok = np.zeros((B, n_kv, N), bool)
+    for b in range(B):
+        lim = S if lengths is None else min(S, int(lengths[b]))
+        for h in range(n_kv):
+            nv = K if num_valid is None else int(num_valid[b, h])
+            for e in range(K):
+                for j in range(page_size):
+                    p = int(indices[b, h, e]) * page_size + j
+                    pos[b, h, e * page_size + j] = min(max(p, 0), S - 1)
+                    ok[b, h, e * page_size + j] = e < nv and 0 <= p < lim
+    return pos, ok
+
+
+# ----------------------------------------------------------------------------
+# checks
+# ----------------------------------------------------------------------------
+
+
+def check_decode(B=3, n_kv=2, G=4, S=200, d=128, dtype="float32", lengths=None,
+                 mode="reference", seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, k64 = _rand(rng, (B, n_kv, S, d), dtype)
+    v, v64 = _rand(rng, (B, n_kv, S, d), dtype)
+    if lengths is None:
+        lengths = [S, 1] + list(rng.integers(1, S + 1, B - 2)) if B >= 2 else [S]
+    lengths = np.asarray(lengths[:B], np.int32)
+    scale = d ** -0.5
+    valid = np.arange(S)[None, None, :] < lengths[:, None, None]
+    valid = np.broadcast_to(valid, (B, n_kv, S))
+    ro, rl = np_attend(q64, k64, v64, valid, scale)
+    L = jnp.asarray(lengths)
+    if mode == "reference":
+        o, l = jax.jit(_da.decode_attention_reference)(q, k, v, L)
+    else:
+        o, l = jax.jit(lambda *a: _da.decode_attention_kernel(
+            *a, interpret=(mode == "interpret"), poison=True, **kw))(q, k, v, L)
+    errs = dict(err_out=rel_err(o, ro), err_lse=lse_err(l, rl))
+    ok_dtype = o.dtype == q.dtype
+    r = _result(f"decode B{B} kv{n_kv} G{G} S{S} d{d} {dtype}", mode, errs, TOL[dtype])
+    r["ok"] = r["ok"] and ok_dtype
+    return r
+
+
+def check_merge(dtype="float32", seed=0):
+    """Split the keys into 3 disjoint sources (one empty for some rows), attend each with
+    the reference, merge, compare with attention over the union."""
+    rng = np.random.default_rng(seed)
+    B, n_kv, G, S, d = 2, 2, 3, 96, 64
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, k64 = _rand(rng, (B, n_kv, S, d), dtype)
+    v, v64 = _rand(rng, (B, n_kv, S, d), dtype)
+    lengths = np.array([S, 10], np.int32)
+    valid = np.broadcast_to(np.arange(S)[None, None] < lengths[:, None, None], (B, n_kv, S))
+    ro, rl = np_attend(q64, k64, v64, valid, d ** -0.5)
+    cuts = [0, 8, 40, S]
+    parts = []
+    for a, b_ in zip(cuts[:-1], cuts[1:]):
+        ln = np.clip(lengths - a, 0, b_ - a).astype(np.int32)
+        parts.append(_da.decode_attention_reference(q, k[:, :, a:b_], v[:, :, a:b_],
+                                                    jnp.asarray(ln)))
+    o, l = _da.merge_attention(parts)
+    errs = dict(err_out=rel_err(o, ro), err_lse=lse_err(l, rl))
+    # all-empty merge -> (0, -inf)
+    e = [(jnp.ones((2, 3, 4)), jnp.full((2, 3), -jnp.inf))] * 2
+    eo, el = _da.merge_attention(e)
+    empty_ok = bool(np.all(np.asarray(eo) == 0) and np.all(np.isneginf(np.asarray(el))))
+    r = _result(f"merge 3 sources {dtype}", "reference", errs, TOL[dtype])
+    r["ok"] = r["ok"] and empty_ok
+    return r
+
+
+def check_sparse(B=2, n_kv=2, G=4, S=256, d=128, K=24, page_size=1, dtype="float32",
+                 mode="reference", seed=0, with_lengths=False, **kw):
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, k64 = _rand(rng, (B, n_kv, S, d), dtype)
+    v, v64 = _rand(rng, (B, n_kv, S, d), dtype)
+    n_entries = -(-S // page_size)
+    K = min(K, n_entries)
+    idx = np.stack([np.stack([rng.permutation(n_entries)[:K] for _ in range(n_kv)])
+                    for _ in range(B)]).astype(np.int32)
+    nv = rng.integers(1, K + 1, (B, n_kv)).astype(np.int32)
+    nv[0, 0] = K
+    if B > 1:
+        nv[-1, -1] = 0  # an empty selection -> out 0, lse -inf
+    lengths = None
+    if with_lengths:
+        lengths = rng.integers(S // 2, S + 1, B).astype(np.int32)
+    pos, ok = np_positions(idx, nv, page_size, S, lengths)
+    kg = np.take_along_axis(k64, pos[..., None], axis=2)
+    vg = np.take_along_axis(v64, pos[..., None], axis=2)
+    ro, rl = np_attend(q64, kg, vg, ok, d ** -0.5)
+    args = (q, k, v, jnp.asarray(idx))
+    kwargs = dict(num_valid=jnp.asarray(nv), page_size=page_size,
+                  lengths=None if lengths is None else jnp.asarray(lengths))
+    if mode == "reference":
+        o, l = _sa.sparse_attention_reference(*args, **kwargs)
+    else:
+        o, l = _sa.sparse_attention_kernel(*args, **kwargs, interpret=(mode == "interpret"),
+                                           poison=True, **kw)
+    errs = dict(err_out=rel_err(o, ro), err_lse=lse_err(l, rl))
+    return _result(f"sparse B{B} kv{n_kv} G{G} S{S} d{d} K{K} page{page_size} {dtype}",
+                   mode, errs, TOL[dtype])
+
+
+def check_recompute(B=2, T=40, H=128, n_kv=2, d=64, dtype="float32", bias=True, rope=True,
+                    mode="reference", seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    x, x64 = _rand(rng, (B, T, H), dtype)
+    wk, wk64 = _rand(rng, (H, n_kv * d), dtype, scale=H ** -0.5)
+    wv, wv64 = _rand(rng, (H, n_kv * d), dtype, scale=H ** -0.5)
+    if bias:
+        bk, bk64 = _rand(rng, (n_kv * d,), dtype)
+        bv, bv64 = _rand(rng, (n_kv * d,), dtype)
+    else:
+        bk = bv = None
+        bk64 = bv64 = np.zeros(n_kv * d)
+    if rope:
+        ang = rng.uniform(0, 2 * np.pi, (B, T, d // 2))
+        cos, cos64 = _rand(rng, (B, T, d // 2), dtype)
+        cos = jnp.asarray(np.cos(ang), _dt(dtype))
+        sin = jnp.asarray(np.sin(ang), _dt(dtype))
+        cos64 = np.asarray(cos.astype(jnp.float32), np.float64)
+        sin64 = np.asarray(sin.astype(jnp.float32), np.float64)
+    else:
+        cos = sin = None
+    k64 = (x64 @ wk64 + bk64).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+    v64 = (x64 @ wv64 + bv64).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+    if rope:
+        c, s = cos64[:, None], sin64[:, None]
+        h = d // 2
+        k1, k2 = k64[..., :h], k64[..., h:]
+        k64 = np.concatenate([k1 * c - k2 * s, k2 * c + k1 * s], -1)
+    args = (x, wk, bk, wv, bv, cos, sin)
+    if mode == "reference":
+        k, v = _rc.recompute_kv_reference(*args, n_kv=n_kv)
+    else:
+        k, v = _rc.recompute_kv_kernel(*args, n_kv=n_kv, interpret=(mode == "interpret"),
+                                       poison=True, **kw)
+    errs = dict(err_k=rel_err(k, k64), err_v=rel_err(v, v64))
+    r = _result(f"recompute B{B} T{T} H{H} kv{n_kv} d{d} bias{int(bias)} rope{int(rope)} "
+                f"{dtype}", mode, errs, TOL[dtype])
+    r["ok"] = r["ok"] and k.dtype == x.dtype and v.dtype == x.dtype
+    return r
+
+
+def check_scores_exact(B=2, n_kv=2, G=4, S=150, d=96, dtype="float32", group_reduce="sum",
+                       mode="reference", seed=0):
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, k64 = _rand(rng, (B, n_kv, S, d), dtype)
+    lengths = np.array([S] + list(rng.integers(1, S + 1, B - 1)), np.int32)
+    s = np.einsum("bhgd,bhsd->bhgs", q64.reshape(B, n_kv, G, d), k64) * d ** -0.5
+    red = {"sum": np.sum, "max": np.max, "mean": np.mean}[group_reduce]
+    ref = red(s, axis=2)
+    valid = np.arange(S)[None, None] < lengths[:, None, None]
+    L = jnp.asarray(lengths)
+    if mode == "reference":
+        out = _tk.topk_scores_exact_reference(q, k, L, group_reduce=group_reduce)
+    else:
+        out = _tk.topk_scores_exact_kernel(q, k, L, group_reduce=group_reduce,
+                                           interpret=(mode == "interpret"), poison=True)
+    out = np.asarray(out, np.float64)
+    inval_ok = bool(np.all(np.isneginf(out[~np.broadcast_to(valid, out.shape)])))
+    vm = np.broadcast_to(valid, out.shape)
+    errs = dict(err_scores=rel_err(out[vm], ref[vm]) if inval_ok else float("inf"))
+    return _result(f"scores_exact {group_reduce} B{B} kv{n_kv} G{G} S{S} d{d} {dtype}", mode,
+                   errs, TOL[dtype])
+
+
+def check_quest(B=2, n_kv=2, G=3, S=200, d=64, page_size=16, seed=0):
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), "float32")
+    k, k64 = _rand(rng, (B, n_kv, S, d), "float32")
+    lengths = np.array([S, 37][:B], np.int32)
+    kmin, kmax = _tk.quest_page_minmax(k, page_size, jnp.asarray(lengths))
+    P = -(-S // page_size)
+    ref = np.full((B, n_kv, P), -np.inf)
+    for b in range(B):
+        for h in range(n_kv):
+            for p in range(P):
+                a, e = p * page_size, min((p + 1) * page_size, lengths[b])
+                if a >= e:
+                    continue
+                mn, mx = k64[b, h, a:e].min(0), k64[b, h, a:e].max(0)
+                tot = 0.0
+                for g in range(G):
+                    qq = q64[b, h * G + g]
+                    tot += np.maximum(qq * mn, qq * mx).sum()
+                ref[b, h, p] = tot
+    npages = jnp.asarray(-(-lengths // page_size))
+    out = np.asarray(_tk.quest_page_scores_reference(q, kmin, kmax, npages), np.float64)
+    fin = np.isfinite(ref)
+    ok_inf = bool(np.all(np.isneginf(out[~fin])))
+    errs = dict(err_scores=rel_err(out[fin], ref[fin]) if ok_inf else float("inf"))
+    return _result(f"quest B{B} kv{n_kv} G{G} S{S} d{d} page{page_size}", "reference", errs,
+                   1e-5)
+
+
+def np_hata_encode(x64, w64):
+    proj = x64 @ w64
+    bits = (proj > 0).astype(np.uint64)
+    r = w64.shape[1]
+    bits = bits.reshape(*bits.shape[:-1], r // 32, 32)
+    return (bits << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+
+
+def check_hata(B=2, n_kv=2, G=4, S=100, d=64, r=128, seed=0, with_norm=True):
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), "float32")
+    k, k64 = _rand(rng, (B, n_kv, S, d), "float32")
+    w, w64 = _rand(rng, (d, r), "float32")
+    qc = _tk.hata_encode(q, w)
+    kc = _tk.hata_encode(k, w)
+    qc_ref = np_hata_encode(q64, w64)
+    kc_ref = np_hata_encode(k64, w64)
+    codes_ok = bool(np.array_equal(np.asarray(qc), qc_ref) and
+                    np.array_equal(np.asarray(kc), kc_ref))
+    # explicit bit-layout check: bit j in word j//32 at position j%32
+    proj = q64[0, 0] @ w64
+    j = int(rng.integers(0, r))
+    layout_ok = bool(((int(qc_ref[0, 0, j // 32]) >> (j % 32)) & 1) == int(proj[j] > 0))
+    kn = np.linalg.norm(k64, axis=-1) if with_norm else None
+    lengths = np.array([S, 7][:B], np.int32)
+    ham = np.zeros((B, n_kv, G, S))
+    for b in range(B):
+        for h in range(n_kv):
+            for g in range(G):
+                x = np.bitwise_xor(qc_ref[b, h * G + g][None, :], kc_ref[b, h])
+                ham[b, h, g] = np.unpackbits(x.view(np.uint8), axis=-1).sum(-1)
+    sc = r - ham
+    if with_norm:
+        sc = sc * kn[:, :, None]
+    ref = sc.sum(2)
+    out = np.asarray(_tk.hata_scores_reference(
+        qc, kc, jnp.asarray(lengths), k_norm=None if kn is None else jnp.asarray(kn, jnp.float32)),
+        np.float64)
+    vm = np.broadcast_to(np.arange(S)[None, None] < lengths[:, None, None], out.shape)
+    ok_inf = bool(np.all(np.isneginf(out[~vm])))
+    errs = dict(err_scores=rel_err(out[vm], ref[vm]) if ok_inf else float("inf"))
+    r_ = _result(f"hata B{B} kv{n_kv} G{G} S{S} d{d} r{r} norm{int(with_norm)}", "reference",
+                 errs, 1e-5)
+    r_["ok"] = r_["ok"] and codes_ok and layout_ok
+    return r_
+
+
+def check_tokenselect(B=2, n_kv=2, G=4, S=120, d=64, shared=False, seed=0):
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), "float32")
+    k, k64 = _rand(rng, (B, n_kv, S, d), "float32")
+    lengths = np.array([S, 9][:B], np.int32)
+    s = np.einsum("bhgd,bhsd->bhgs", q64.reshape(B, n_kv, G, d), k64) * d ** -0.5
+    valid = np.arange(S)[None, None, None] < lengths[:, None, None, None]
+    s = np.where(valid, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    vote = p.sum(2)
+    if shared:
+        vote = np.broadcast_to(vote.sum(1, keepdims=True), vote.shape)
+    out = np.asarray(_tk.tokenselect_scores_reference(q, k, jnp.asarray(lengths),
+                                                      shared=shared), np.float64)
+    vm = np.broadcast_to(valid[:, :, 0], out.shape)
+    ok_inf = bool(np.all(np.isneginf(out[~vm])))
+    errs = dict(err_scores=rel_err(out[vm], vote[vm]) if ok_inf else float("inf"))
+    return _result(f"tokenselect B{B} kv{n_kv} G{G} S{S} shared{int(shared)}", "reference",
+                   errs, 1e-5)
+
+
+def check_select(B=3, n_kv=2, N=300, k=40, num_sink=4, num_recent=16, page_size=1, seed=0):
+    """select_topk: forced sink/recent included, remaining slots = best other scores,
+    indices unique, in range, ascending, num_valid right."""
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((B, n_kv, N)).astype(np.float32)
+    lengths = np.array([N * page_size, 3, 100][:B], np.int32)
+    idx, nv = _tk.select_topk(jnp.asarray(scores), k, lengths=jnp.asarray(lengths),
+                              num_sink=num_sink, num_recent=num_recent, page_size=page_size)
+    idx, nv = np.asarray(idx), np.asarray(nv)
+    ok = True
+    for b in range(B):
+        n_ent = -(-int(lengths[b]) // page_size)
+        n_ent = min(n_ent, N)
+        ent = np.arange(n_ent)
+        forced = set(ent[(ent * page_size < num_sink) |
+                         ((ent + 1) * page_size > lengths[b] - num_recent)].tolist())
+        for h in range(n_kv):
+            want_n = min(k, n_ent)
+            got = idx[b, h, : nv[b, h]]
+            ok &= nv[b, h] == want_n
+            ok &= len(set(got.tolist())) == len(got)
+            ok &= bool(np.all(np.diff(got) > 0))
+            ok &= forced.issubset(set(got.tolist())) or len(forced) > want_n
+            rest = [e for e in np.argsort(-scores[b, h, :n_ent]) if e not in forced]
+            want = set(list(forced)[:want_n]) | set(rest[: max(0, want_n - len(forced))])
+            ok &= set(got.tolist()) == want
+            ok &= bool(np.all(idx[b, h, nv[b, h]:] == 0))
+    return _result(f"select_topk B{B} N{N} k{k} sink{num_sink} recent{num_recent} "
+                   f"page{page_size}", "reference", {}, 1.0, ) | {"ok": bool(ok)}
+
+
+def check_quantize(shape=(2, 3, 50, 128), group_size=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x, x64 = _rand(rng, shape, "float32", scale=2.0)
+    qx = _q.quantize_int4(x, group_size)
+    D = shape[-1]
+    xg = x64.reshape(*shape[:-1], D // group_size, group_size)
+    mn = xg.min(-1)
+    step = (xg.max(-1) - mn) / 15
+    codes_ref = np.clip(np.round((xg - mn[..., None]) / step[..., None]), 0, 15).reshape(shape)
+    codes = np.asarray(_q.unpack_int4(qx.codes)).astype(np.float64)
+    mism = np.abs(codes - codes_ref)
+    codes_ok = bool(mism.max() <= 1 and (mism > 0).mean() < 1e-3)
+    deq = np.asarray(_q.dequantize_int4(qx), np.float64)
+    bound = np.repeat(step, group_size, axis=-1).reshape(shape) * 0.5 * (1 + 1e-4) + 1e-6
+    deq_ok = bool(np.all(np.abs(deq - x64) <= bound))
+    # pack/unpack round trip and layout (byte j = code j | code j+D/2 << 4)
+    c = jnp.asarray(rng.integers(0, 16, shape), jnp.uint8)
+    pk = _q.pack_int4(c)
+    rt_ok = bool(np.array_equal(np.asarray(_q.unpack_int4(pk)), np.asarray(c)))
+    lay_ok = bool(np.array_equal(np.asarray(pk) & 15, np.asarray(c)[..., : D // 2]))
+    errs = dict(err_step=rel_err(qx.step, step), err_min=rel_err(qx.mn, mn))
+    r = _result(f"quantize_int4 {shape} g{group_size}", "reference", errs, 1e-5)
+    r["ok"] = r["ok"] and codes_ok and deq_ok and rt_ok and lay_ok
+    return r
+
+
+def check_int4_decode(B=3, n_kv=2, G=4, S=150, d=128, group_size=64, dtype="float32",
+                      mode="reference", seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, _ = _rand(rng, (B, n_kv, S, d), "float32")
+    v, _ = _rand(rng, (B, n_kv, S, d), "float32")
+    kq = _q.quantize_int4(k, group_size)
+    vq = _q.quantize_int4(v, group_size)
+    k64 = np.asarray(_q.dequantize_int4(kq), np.float64)
+    v64 = np.asarray(_q.dequantize_int4(vq), np.float64)
+    lengths = np.array([S, 1] + list(rng.integers(1, S + 1, max(0, B - 2))), np.int32)[:B]
+    valid = np.broadcast_to(np.arange(S)[None, None] < lengths[:, None, None], (B, n_kv, S))
+    ro, rl = np_attend(q64, k64, v64, valid, d ** -0.5)
+    L = jnp.asarray(lengths)
+    if mode == "reference":
+        o, l = _q.decode_attention_int4_reference(q, kq, vq, L)
+    else:
+        o, l = _q.decode_attention_int4_kernel(q, kq, vq, L, interpret=(mode == "interpret"),
+                                               poison=True, **kw)
+    errs = dict(err_out=rel_err(o, ro), err_lse=lse_err(l, rl))
+    return _result(f"int4_decode B{B} kv{n_kv} G{G} S{S} d{d} g{group_size} {dtype}", mode,
+                   errs, TOL[dtype])
+
+
+# ----------------------------------------------------------------------------
+# suites
+# ----------------------------------------------------------------------------
+
+GROUPS = (1, 3, 4, 7, 8)
+HEAD_DIMS = (64, 80, 96, 128)
+DTYPES = ("float32", "bfloat16")
+
+
+def kernel_cases(full=False):
+    """(fn, kwargs) for every kernel check; full=True is the exhaustive sweep."""
+    cases = []
+    if full:
+        dec = [(g, d, dt) for g in GROUPS for d in HEAD_DIMS for dt in DTYPES]
+    else:
+        dec = [(1, 64, "float32"), (3, 80, "bfloat16"), (4, 96, "float32"),
+               (7, 128, "bfloat16"), (8, 80, "float32")]
+    for g, d, dt in dec:
+        cases.append((check_decode, dict(G=g, d=d, dtype=dt, S=200 if not full else 333)))
+    cases.append((check_decode, dict(B=2, G=4, d=128, S=1, lengths=[1, 0])))
+    cases.append((check_decode, dict(B=2, G=4, d=64, S=300, num_splits=2, block_s=32)))
+    sp = ([(g, d, dt, ps) for g in (1, 4, 7) for d in HEAD_DIMS for dt in DTYPES
+           for ps in (1, 16)] if full else
+          [(4, 128, "float32", 1), (3, 80, "bfloat16", 16), (8, 96, "float32", 4),
+           (1, 64, "bfloat16", 1)])
+    for g, d, dt, ps in sp:
+        cases.append((check_sparse, dict(G=g, d=d, dtype=dt, page_size=ps,
+                                         with_lengths=(ps > 1))))
+    rc = ([(d, dt, b, r) for d in (64, 128) for dt in DTYPES for b in (True, False)
+           for r in (True, False)] if full else
+          [(64, "float32", True, True), (128, "bfloat16", False, False)])
+    for d, dt, b, r in rc:
+        cases.append((check_recompute, dict(d=d, dtype=dt, bias=b, rope=r, T=40 if not full else 77)))
+    for g, d, dt, red in ([(4, 96, "float32", "sum"), (7, 64, "bfloat16", "max")] if not full
+                          else [(g, d, dt, red) for g in GROUPS for d in HEAD_DIMS
+                                for dt in DTYPES for red in ("sum", "max")]):
+        cases.append((check_scores_exact, dict(G=g, d=d, dtype=dt, group_reduce=red)))
+    for d, gs, dt, g in ([(128, 64, "float32", 4), (64, 64, "bfloat16", 3)] if not full else
+                         [(d, gs, dt, g) for d in (64, 128) for gs in (32, 64) for dt in DTYPES
+                          for g in (1, 4, 7)]):
+        cases.append((check_int4_decode, dict(d=d, group_size=gs, dtype=dt, G=g)))
+    return cases
+
+
+def reference_cases(full=False):
+    cases = [(fn, kw) for fn, kw in kernel_cases(full)
+             if "num_splits" not in kw and "block_s" not in kw]
+    if not full:  # the default run: two shapes per reference (the kernels cover all)
+        picked, count = [], {}
+        for fn, kw in cases:
+            if count.get(fn, 0) < 2:
+                picked.append((fn, kw))
+                count[fn] = count.get(fn, 0) + 1
+        cases = picked
+    cases += [
+        (check_merge, dict(dtype="float32")), (check_merge, dict(dtype="bfloat16")),
+        (check_quest, dict()), (check_quest, dict(G=1, d=128, page_size=32)),
+        (check_hata, dict()), (check_hata, dict(G=7, r=64, with_norm=False)),
+        (check_tokenselect, dict()), (check_tokenselect, dict(shared=True, G=3)),
+        (check_select, dict()), (check_select, dict(page_size=16, N=30, k=8)),
+        (check_quantize, dict()), (check_quantize, dict(shape=(4, 96), group_size=32)),
+        (check_int4_decode, dict(d=96, group_size=32)),
+    ]
+    return cases
+
+
+def case_id(fn, kw):
+    return fn.__name__.replace("check_", "") + "-" + "-".join(f"{k}{v}" for k, v in kw.items())
+
+
+def gpu_cases():
+    """The GPU suite: the default subset, the full decode sweep (every group x head dim x
+    dtype), every head dim for the other kernels, and larger sequences (many splits)."""
+    cases = list(kernel_cases(full=False))
+    seen = {(f, repr(sorted(k.items()))) for f, k in cases}
+
+    def add(f, kw):
+        key = (f, repr(sorted(kw.items())))
+        if key not in seen:
+            seen.add(key)
+            cases.append((f, kw))
+
+    for g in GROUPS:
+        for d in HEAD_DIMS:
+            for dt in DTYPES:
+                add(check_decode, dict(G=g, d=d, dtype=dt, S=333))
+    for d in HEAD_DIMS:
+        for dt in DTYPES:
+            add(check_sparse, dict(G=4, d=d, dtype=dt, page_size=1))
+            add(check_sparse, dict(G=7, d=d, dtype=dt, page_size=16, with_lengths=True))
+            add(check_scores_exact, dict(G=3, d=d, dtype=dt))
+    for d in (64, 128):
+        for dt in DTYPES:
+            for b in (True, False):
+                add(check_recompute, dict(d=d, dtype=dt, bias=b, rope=True, T=77, H=256))
+            add(check_int4_decode, dict(d=d, dtype=dt, G=8, group_size=64))
+            add(check_int4_decode, dict(d=d, dtype=dt, G=1, group_size=32))
+    # long sequences / many splits / batch
+    add(check_decode, dict(B=4, n_kv=8, G=4, d=128, dtype="bfloat16", S=5000,
+                           lengths=[5000, 1, 4097, 63]))
+    add(check_decode, dict(B=2, n_kv=2, G=8, d=96, dtype="float32", S=3000))
+    add(check_sparse, dict(B=2, n_kv=8, G=4, d=128, dtype="bfloat16", S=8192, K=900))
+    add(check_sparse, dict(B=1, n_kv=4, G=4, d=128, dtype="bfloat16", S=8192, K=64,
+                           page_size=16, with_lengths=True))
+    add(check_recompute, dict(B=2, T=300, H=1024, n_kv=4, d=128, dtype="bfloat16"))
+    add(check_int4_decode, dict(B=2, n_kv=8, G=4, d=128, dtype="bfloat16", S=4000))
+    return cases
+
+
+KERNEL_FNS = (check_decode, check_sparse, check_recompute, check_scores_exact,
+              check_int4_decode)
+
+
+def run_case(fn, kw, mode):
+    return fn(mode=mode, **kw) if fn in KERNEL_FNS else fn(**kw)

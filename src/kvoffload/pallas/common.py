@@ -1,0 +1,168 @@
+"""Shared helpers for the Pallas kernels (Triton lowering) and their references."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+# A large finite negative used inside kernels instead of -inf so that
+# exp(s - m) never evaluates (-inf) - (-inf) = nan.
+MASK_VALUE = -1e30
+
+
+def next_pow2(n: int) -> int:
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_scale(d: int, scale):
+    return float(d) ** -0.5 if scale is None else float(scale)
+
+
+def on_gpu() -> bool:
+    try:
+        return jax.default_backend() == "gpu"
+    except Exception:  # pragma: no cover
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_params_cls():
+    """The Triton compiler-params class; its name changed across JAX versions."""
+    try:
+        from jax.experimental.pallas import triton as plgpu
+    except Exception:  # pragma: no cover
+        return None
+    for name in ("CompilerParams", "TritonCompilerParams"):
+        cls = getattr(plgpu, name, None)
+        if cls is not None:
+            return cls
+    return None
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 2):
+    """compiler_params for pl.pallas_call on the Triton backend (None if unavailable)."""
+    cls = _compiler_params_cls()
+    if cls is None:
+        return None
+    try:
+        return cls(num_warps=num_warps, num_stages=num_stages)
+    except TypeError:  # pragma: no cover - very old signature
+        return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def memory_kind(x) -> str | None:
+    """Memory kind of a concrete jax.Array ('device', 'pinned_host', ...) or None for tracers."""
+    try:
+        sh = x.sharding
+    except Exception:
+        return None
+    return getattr(sh, "memory_kind", None)
+
+
+def to_device_memory(x):
+    """Copy an array that lives in a host memory kind to device memory (eager)."""
+    mk = memory_kind(x)
+    if mk is None or mk == "device":
+        return x
+    return jax.device_put(x, x.sharding.with_memory_kind("device"))
+
+
+def softmax_stats_to_out(acc, l, m):
+    """acc/l with l == 0 -> 0; lse = m + log(l), -inf where l == 0."""
+    safe_l = jnp.where(l > 0, l, 1.0)
+    out = acc / safe_l[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
+    return out, lse
+
+
+def load(ref, mask=None, other=None):
+    """Masked load from a (possibly indexed, ``ref.at[...]``) ref inside a Triton kernel."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(ref, mask=mask, other=other)
+
+
+def dot(a, b, trans_b=False):
+    """2-D matmul with fp32 accumulation; fp32 operands use IEEE (not tf32) precision."""
+    contract_b = 1 if trans_b else 0
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())),
+        precision=prec, preferred_element_type=jnp.float32,
+    )
+
+
+def pallas_call(kernel, *, out_shape, in_specs, out_specs, poison=False, **kwargs):
+    """pl.pallas_call wrapper; with poison=True the outputs start as NaN (floats) /
+    min-int buffers aliased in, so elements the kernel never writes show up in checks."""
+    from jax.experimental import pallas as pl
+
+    if not poison:
+        return pl.pallas_call(kernel, out_shape=out_shape, in_specs=in_specs,
+                              out_specs=out_specs, **kwargs)
+    outs = list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
+    ospecs = list(out_specs) if isinstance(out_specs, (list, tuple)) else [out_specs]
+    n_out = len(outs)
+
+    def call(*args):
+        n_in = len(args)
+
+        def wrapped(*refs):
+            kernel(*refs[:n_in], *refs[n_in + n_out:])
+
+        inits = []
+        for o in outs:
+            if jnp.issubdtype(o.dtype, jnp.floating):
+                inits.append(jnp.full(o.shape, jnp.nan, o.dtype))
+            else:
+                inits.append(jnp.full(o.shape, jnp.iinfo(o.dtype).min, o.dtype))
+        aliases = {n_in + i: i for i in range(n_out)}
+        return pl.pallas_call(
+            wrapped, out_shape=out_shape, in_specs=list(in_specs) + ospecs,
+            out_specs=out_specs, input_output_aliases=aliases, **kwargs,
+        )(*args, *inits)
+
+    return call
+
+
+def dot_split(a, b, n_terms=3, trans_b=False):
+    """a (float32) @ b (bf16-exact values, e.g. int4 codes) on bf16 tensor cores with a
+    split into n_terms bf16 pieces (3 terms ~ fp32 accuracy); fp32 accumulation."""
+    bb = b.astype(jnp.bfloat16)
+    rest = a.astype(jnp.float32)
+    acc = None
+    for i in range(n_terms):
+        piece = rest.astype(jnp.bfloat16)
+        t = dot(piece, bb, trans_b=trans_b)
+        acc = t if acc is None else acc + t
+        if i + 1 < n_terms:
+            rest = rest - piece.astype(jnp.float32)
+    return acc
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (132 on H100/H200 if unknown)."""
+    try:
+        n = int(getattr(jax.devices()[0], "core_count", 0) or 0)
+    except Exception:  # pragma: no cover
+        n = 0
+    return n if n > 0 else 132
+
+
+def choose_splits(B, n_kv, n_blocks, programs_per_sm=2, max_splits=128):
+    """Number of sequence splits so that B*n_kv*splits ~ programs_per_sm * SMs (one
+    wave, no tail); any integer (chunks stay block-aligned)."""
+    target = programs_per_sm * num_sms()
+    splits = max(1, min(cdiv(target, B * n_kv), n_blocks, max_splits))
+    # equalise the chunks: the same number of blocks per split
+    per = cdiv(n_blocks, splits)
+    return cdiv(n_blocks, per)

@@ -1,0 +1,265 @@
+"""Group-wise asymmetric int4 quantization (FlexGen style) and int4 decode attention.
+
+Quantization of x [..., D] along the last dim with groups of ``group_size``
+(default 64; must divide D):
+    mn = min over group, mx = max over group, step = (mx - mn) / 15
+    code = clip(round((x - mn) / step), 0, 15)       (step == 0 -> code 0)
+    x_hat = code * step + mn
+``step`` and ``mn`` are stored as float32 [..., D // group_size].
+
+Packing (split-half, chosen so a kernel unpacks into two contiguous halves):
+packed [..., D // 2] uint8, byte j = code[j] | (code[j + D // 2] << 4).
+
+A QuantizedKV is a pytree (codes, step, mn). ``decode_attention_int4`` attends over
+int4 K/V without materialising the dequantised cache: per group g,
+q.k = step_g * (q_g . code_g) + mn_g * sum(q_g), and likewise for p @ V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvoffload.pallas.common import (
+    MASK_VALUE,
+    NEG_INF,
+    cdiv,
+    choose_splits,
+    default_scale,
+    dot_split,
+    load,
+    next_pow2,
+    pallas_call,
+    triton_params,
+)
+from kvoffload.pallas.decode_attention import _attend_masked, merge_splits
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["codes", "step", "mn"], meta_fields=["group_size"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedInt4:
+    codes: jax.Array  # uint8 [..., D // 2] packed (split-half)
+    step: jax.Array  # float32 [..., D // group_size]
+    mn: jax.Array  # float32 [..., D // group_size]
+    group_size: int = 64
+
+    @property
+    def shape(self):
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
+
+
+def pack_int4(codes):
+    """codes uint8/int [..., D] in [0, 15] -> packed uint8 [..., D // 2] (split-half)."""
+    D = codes.shape[-1]
+    c = codes.astype(jnp.uint8)
+    return (c[..., : D // 2] | (c[..., D // 2:] << 4)).astype(jnp.uint8)
+
+
+def unpack_int4(packed):
+    """packed uint8 [..., D // 2] -> codes uint8 [..., D]."""
+    lo = packed & jnp.uint8(15)
+    hi = packed >> 4
+    return jnp.concatenate([lo, hi], axis=-1)
+
+
+def quantize_int4(x, group_size=64):
+    """x [..., D] -> QuantizedInt4 (see module docstring)."""
+    D = x.shape[-1]
+    if D % group_size or D % 2:
+        raise ValueError(f"group_size {group_size} must divide D={D} (D even)")
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], D // group_size, group_size)
+    mn = jnp.min(xf, axis=-1)
+    mx = jnp.max(xf, axis=-1)
+    step = (mx - mn) / 15.0
+    inv = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
+    codes = jnp.clip(jnp.round((xf - mn[..., None]) * inv[..., None]), 0, 15)
+    codes = codes.astype(jnp.uint8).reshape(x.shape)
+    return QuantizedInt4(pack_int4(codes), step, mn, group_size)
+
+
+def dequantize_int4(qx: QuantizedInt4, dtype=jnp.float32):
+    codes = unpack_int4(qx.codes).astype(jnp.float32)
+    D = codes.shape[-1]
+    gs = qx.group_size
+    c = codes.reshape(*codes.shape[:-1], D // gs, gs)
+    x = c * qx.step[..., None] + qx.mn[..., None]
+    return x.reshape(codes.shape).astype(dtype)
+
+
+# ----------------------------------------------------------------------------
+# int4 decode attention
+# ----------------------------------------------------------------------------
+
+
+def decode_attention_int4_reference(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *,
+                                    scale=None):
+    """Decode attention over int4 K/V (dequantise, then attend). kq/vq [B, n_kv, S, d]."""
+    B, H, d = q.shape
+    k = dequantize_int4(kq)
+    v = dequantize_int4(vq)
+    _, n_kv, S, _ = k.shape
+    G = H // n_kv
+    scale = default_scale(d, scale)
+    qg = q.reshape(B, n_kv, G, d).astype(jnp.float32)  # int4 path computes in fp32
+    valid = jnp.arange(S)[None, None, :] < lengths.astype(jnp.int32)[:, None, None]
+    out, lse = _attend_masked(qg, k, v, valid, scale)
+    return out.reshape(B, H, d).astype(q.dtype), lse.reshape(B, H)
+
+
+def int4_kernel_supported(d, group_size) -> bool:
+    half = d // 2
+    w = min(group_size, half)
+    return (d % group_size == 0 and next_pow2(half) == half and half >= 16
+            and next_pow2(w) == w and w >= 16 and half % w == 0)
+
+
+def _chunks(d, gs):
+    """Static list of (nibble_half, col_offset_in_half, width, group_id)."""
+    half = d // 2
+    w = min(gs, half)
+    out = []
+    for h in range(2):
+        for c in range(half // w):
+            out.append((h, c * w, w, (h * half + c * w) // gs))
+    return out
+
+
+def _int4_kernel(len_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref, vm_ref,
+                 o_ref, lse_ref, *, scale, block_s, blocks_per_split, d, gs, S, n_groups,
+                 q_terms, p_terms):
+    # q_ref [Gp, d] (fp32); kc/vc [S, d//2] uint8; ks/km/vs/vm [S, n_groups] f32
+    # o_ref [Gp, d]; lse_ref [Gp]
+    split = pl.program_id(2)
+    length = jnp.minimum(len_ref[0], S)
+    chunk_start = split * (blocks_per_split * block_s)
+    n_valid = jnp.clip((length - chunk_start + block_s - 1) // block_s, 0, blocks_per_split)
+    half = d // 2
+    w = min(gs, half)
+    offs = list(range(0, half, w))  # byte-column chunks; each holds a lo and a hi part
+    # (offset, half) -> group id
+    gid = {(off, h): (h * half + off) // gs for off in offs for h in (0, 1)}
+    q_lo = [q_ref[:, pl.ds(off, w)] for off in offs]
+    q_hi = [q_ref[:, pl.ds(half + off, w)] for off in offs]
+    Gp = q_lo[0].shape[0]
+    qsum = [None] * n_groups
+    for off, ql, qh in zip(offs, q_lo, q_hi):
+        for h, qc in ((0, ql), (1, qh)):
+            g = gid[(off, h)]
+            t = jnp.sum(qc, axis=1)
+            qsum[g] = t if qsum[g] is None else qsum[g] + t
+
+    def body(i, carry):
+        acc_lo, acc_hi, m, l = carry
+        start = chunk_start + i * block_s
+        rows = start + jnp.arange(block_s, dtype=jnp.int32)
+        row_ok = rows < length
+        rsl = pl.ds(start, block_s)
+        kstep = [load(ks_ref.at[rsl, jnp.int32(g)], mask=row_ok, other=0.0)
+                 for g in range(n_groups)]
+        kmn = [load(km_ref.at[rsl, jnp.int32(g)], mask=row_ok, other=0.0)
+               for g in range(n_groups)]
+        s = jnp.zeros((Gp, block_s), jnp.float32)
+        for off, ql, qh in zip(offs, q_lo, q_hi):
+            byte = load(kc_ref.at[rsl, pl.ds(off, w)], mask=row_ok[:, None], other=0)
+            for h, qc in ((0, ql), (1, qh)):
+                code = (byte >> 4) if h else (byte & 15)
+                g = gid[(off, h)]
+                s = s + dot_split(qc, code.astype(jnp.float32), q_terms,
+                                  trans_b=True) * kstep[g][None, :]
+        for g in range(n_groups):
+            s = s + qsum[g][:, None] * kmn[g][None, :]
+        s = jnp.where(row_ok[None, :], s * scale, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(row_ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        vstep = [load(vs_ref.at[rsl, jnp.int32(g)], mask=row_ok, other=0.0)
+                 for g in range(n_groups)]
+        vmn = [load(vm_ref.at[rsl, jnp.int32(g)], mask=row_ok, other=0.0)
+               for g in range(n_groups)]
+        pm = [jnp.sum(p * vmn[g][None, :], axis=1) for g in range(n_groups)]
+        new_lo, new_hi = [], []
+        for off, al, ah in zip(offs, acc_lo, acc_hi):
+            byte = load(vc_ref.at[rsl, pl.ds(off, w)], mask=row_ok[:, None], other=0)
+            for h, acc, dst in ((0, al, new_lo), (1, ah, new_hi)):
+                code = ((byte >> 4) if h else (byte & 15)).astype(jnp.float32)
+                g = gid[(off, h)]
+                pv = dot_split(p * vstep[g][None, :], code, p_terms) + pm[g][:, None]
+                dst.append(acc * alpha[:, None] + pv)
+        return tuple(new_lo), tuple(new_hi), m_new, l_new
+
+    z = tuple(jnp.zeros((Gp, w), jnp.float32) for _ in offs)
+    m0 = jnp.full((Gp,), MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((Gp,), jnp.float32)
+    acc_lo, acc_hi, m, l = jax.lax.fori_loop(0, n_valid, body, (z, z, m0, l0))
+    safe_l = jnp.where(l > 0, l, 1.0)
+    for off, al, ah in zip(offs, acc_lo, acc_hi):
+        o_ref[:, pl.ds(off, w)] = (al / safe_l[:, None]).astype(o_ref.dtype)
+        o_ref[:, pl.ds(half + off, w)] = (ah / safe_l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
+
+
+def decode_attention_int4_kernel(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *,
+                                 scale=None, interpret=False, poison=False, block_s=64, num_splits=None,
+                                 num_warps=4, num_stages=2):
+    """Pallas (Triton) decode attention reading packed int4 K/V directly.
+
+    Needs d//2 a power of two >= 16 and min(group_size, d//2) a power of two >= 16
+    (d = 64, 128 with group 32/64); the op layer falls back to the reference otherwise.
+    Code dots run on bf16 tensor cores (codes 0..15 are exact in bf16); the fp32 operand
+    (q, and p * step) is split into 3 bf16 pieces for fp32 inputs (1 for bf16 inputs).
+    """
+    B, H, d = q.shape
+    _, n_kv, S, _ = kq.codes.shape
+    G = H // n_kv
+    gs = kq.group_size
+    if not int4_kernel_supported(d, gs) or vq.group_size != gs:
+        raise ValueError(f"int4 kernel unsupported for d={d}, group_size={gs}")
+    scale = default_scale(d, scale)
+    Gp = max(16, next_pow2(G))
+    n_groups = d // gs
+    block_s = min(block_s, max(16, next_pow2(S)))
+    n_blocks = cdiv(S, block_s)
+    if num_splits is None:
+        num_splits = choose_splits(B, n_kv, n_blocks)
+    blocks_per_split = cdiv(n_blocks, num_splits)
+    num_splits = cdiv(n_blocks, blocks_per_split)
+    qg = jnp.pad(q.reshape(B, n_kv, G, d).astype(jnp.float32),
+                 ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    kernel = functools.partial(
+        _int4_kernel, scale=scale, block_s=block_s, blocks_per_split=blocks_per_split,
+        d=d, gs=gs, S=S, n_groups=n_groups,
+        q_terms=1 if q.dtype == jnp.bfloat16 else 3,
+        p_terms=2 if q.dtype == jnp.bfloat16 else 3)
+    full = lambda last: pl.BlockSpec((None, None, S, last), lambda b, h, s: (b, h, 0, 0))
+    o, lse = pallas_call(
+        kernel, poison=poison,
+        grid=(B, n_kv, num_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, s: (b,)),
+            pl.BlockSpec((None, None, Gp, d), lambda b, h, s: (b, h, 0, 0)),
+            full(d // 2), full(n_groups), full(n_groups),
+            full(d // 2), full(n_groups), full(n_groups),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, Gp, d), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp), jnp.float32),
+        ],
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kvo_decode_attention_int4",
+    )(lengths.astype(jnp.int32), qg, kq.codes, kq.step.astype(jnp.float32),
+      kq.mn.astype(jnp.float32), vq.codes, vq.step.astype(jnp.float32),
+      vq.mn.astype(jnp.float32))
+    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret,
+                            poison=poison)
+    return out.reshape(B, H, d), lse.reshape(B, H)

@@ -1,0 +1,178 @@
+"""Sparse (top-k) decode attention over selected token positions or pages.
+
+indices [B, n_kv, K] int32 per KV head: token positions (page_size == 1) or page
+indices (page_size > 1; page p covers positions p*page_size ... p*page_size+page_size-1).
+Only the first num_valid[b, h] entries count (all K if num_valid is None). Positions
+>= S (or >= lengths[b] when given) are ignored. Entries should be unique; a duplicated
+entry is attended twice (as if its key appeared twice).
+
+The kernel gathers the selected K/V rows itself (pointer arithmetic from the indices),
+so K/V may be arrays in ``pinned_host`` memory: on GPU with JAX's Triton lowering the
+host pointer reaches the kernel and the rows are read over PCIe with no staging copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvoffload.pallas.common import (
+    MASK_VALUE,
+    NEG_INF,
+    cdiv,
+    choose_splits,
+    default_scale,
+    dot,
+    load,
+    next_pow2,
+    pallas_call,
+    triton_params,
+)
+from kvoffload.pallas.decode_attention import _attend_masked, merge_splits
+
+
+def expand_indices(indices, num_valid, page_size, S, lengths=None):
+    """-> positions [B, n_kv, K*page_size] int32 (clamped into range) and valid mask."""
+    B, n_kv, K = indices.shape
+    indices = indices.astype(jnp.int32)
+    entry_ok = jnp.ones((B, n_kv, K), bool)
+    if num_valid is not None:
+        entry_ok = jnp.arange(K)[None, None, :] < num_valid.astype(jnp.int32)[:, :, None]
+    if page_size > 1:
+        pos = indices[..., None] * page_size + jnp.arange(page_size, dtype=jnp.int32)
+        ok = jnp.broadcast_to(entry_ok[..., None], pos.shape)
+        pos = pos.reshape(B, n_kv, K * page_size)
+        ok = ok.reshape(B, n_kv, K * page_size)
+    else:
+        pos, ok = indices, entry_ok
+    limit = jnp.int32(S)
+    if lengths is not None:
+        limit = jnp.minimum(lengths.astype(jnp.int32), S)[:, None, None]
+    ok = ok & (pos >= 0) & (pos < limit)
+    pos = jnp.clip(pos, 0, S - 1)
+    return pos, ok
+
+
+def sparse_attention_reference(
+    q, k, v, indices, *, num_valid=None, page_size=1, scale=None, lengths=None
+):
+    """Pure-jnp sparse attention (gathers the selected rows, then attends)."""
+    B, H, d = q.shape
+    _, n_kv, S, _ = k.shape
+    G = H // n_kv
+    scale = default_scale(d, scale)
+    pos, ok = expand_indices(indices, num_valid, page_size, S, lengths)
+    ks = jnp.take_along_axis(k, pos[..., None], axis=2)
+    vs = jnp.take_along_axis(v, pos[..., None], axis=2)
+    qg = q.reshape(B, n_kv, G, d)
+    out, lse = _attend_masked(qg, ks, vs, ok, scale)
+    return out.reshape(B, H, d).astype(q.dtype), lse.reshape(B, H)
+
+
+# ----------------------------------------------------------------------------
+# kernel: gathers rows straight from k/v (device or pinned_host memory)
+# ----------------------------------------------------------------------------
+
+
+def _sparse_kernel(
+    pos_ref, ok_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+    scale, block_n, blocks_per_split, d, dp,
+):
+    # pos_ref, ok_ref: [Np] (positions of this (b, h)); q_ref [Gp, dp];
+    # k_ref, v_ref: [S, d]; o_ref [Gp, dp]; lse_ref [Gp]
+    split = pl.program_id(2)
+    q = q_ref[...]
+    Gp = q.shape[0]
+    cols = jnp.arange(dp, dtype=jnp.int32)
+    col_ok = cols < d
+    base = split * (blocks_per_split * block_n)
+
+    def body(i, carry):
+        acc, m, l = carry
+        start = base + i * block_n
+        rows = load(pos_ref.at[pl.ds(start, block_n)])
+        row_ok = load(ok_ref.at[pl.ds(start, block_n)]) != 0
+        msk = row_ok[:, None] & col_ok[None, :]
+        kb = load(k_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
+        vb = load(v_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
+        s = dot(q, kb, trans_b=True) * scale
+        s = jnp.where(row_ok[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(row_ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
+        return acc, m_new, l_new
+
+    acc0 = jnp.zeros((Gp, dp), jnp.float32)
+    m0 = jnp.full((Gp,), MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((Gp,), jnp.float32)
+    acc, m, l = jax.lax.fori_loop(0, blocks_per_split, body, (acc0, m0, l0))
+    safe_l = jnp.where(l > 0, l, 1.0)
+    o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
+
+
+def sparse_attention_kernel(
+    q, k, v, indices, *, num_valid=None, page_size=1, scale=None, lengths=None,
+    interpret=False, poison=False, block_n=None, num_splits=None, num_warps=4, num_stages=2,
+):
+    """Pallas (Triton) sparse attention; same semantics as the reference.
+
+    The (small) position list is expanded and padded on the device with jnp; the
+    kernel gathers K/V rows by pointer arithmetic, so k/v are never copied whole.
+    """
+    B, H, d = q.shape
+    _, n_kv, S, _ = k.shape
+    G = H // n_kv
+    scale = default_scale(d, scale)
+    dp = max(16, next_pow2(d))
+    Gp = max(16, next_pow2(G))
+    pos, ok = expand_indices(indices, num_valid, page_size, S, lengths)
+    N = pos.shape[-1]
+    if block_n is None:
+        block_n = 64 if dp <= 128 else 32
+    block_n = min(block_n, max(16, next_pow2(N)))
+    n_blocks = cdiv(N, block_n)
+    if num_splits is None:
+        num_splits = choose_splits(B, n_kv, n_blocks)
+    blocks_per_split = cdiv(n_blocks, num_splits)
+    num_splits = cdiv(n_blocks, blocks_per_split)
+    Np = num_splits * blocks_per_split * block_n
+    pos = jnp.pad(pos, ((0, 0), (0, 0), (0, Np - N)))
+    ok = jnp.pad(ok.astype(jnp.int32), ((0, 0), (0, 0), (0, Np - N)))
+
+    qg = q.reshape(B, n_kv, G, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
+    kernel = functools.partial(
+        _sparse_kernel, scale=scale, block_n=block_n,
+        blocks_per_split=blocks_per_split, d=d, dp=dp,
+    )
+    o, lse = pallas_call(
+        kernel, poison=poison,
+        grid=(B, n_kv, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, Np), lambda b, h, s: (b, h, 0)),
+            pl.BlockSpec((None, None, Np), lambda b, h, s: (b, h, 0)),
+            pl.BlockSpec((None, None, Gp, dp), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, Gp, dp), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp, dp), jnp.float32),
+            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp), jnp.float32),
+        ],
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kvo_sparse_attention",
+    )(pos, ok, qg, k, v)
+    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret,
+                            poison=poison)
+    return out.reshape(B, H, d), lse.reshape(B, H)

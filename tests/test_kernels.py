@@ -1,0 +1,172 @@
+"""Kernel and reference checks against float64 NumPy (CPU: kernels in interpret mode).
+
+Default run: a covering subset (each GQA group 1/3/4/7/8, head_dim 64/80/96/128, fp32 and
+bf16, ragged lengths, length 1 and 0). ``-m slow`` adds the exhaustive sweeps.
+"""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from kvoffload import ops
+from kvoffload.pallas import checks as C
+
+_KERNEL_FNS = (C.check_decode, C.check_sparse, C.check_recompute, C.check_scores_exact,
+               C.check_int4_decode)
+
+
+def _run(fn, kw, mode):
+    if fn in _KERNEL_FNS:
+        return fn(mode=mode, **kw)
+    return fn(**kw)
+
+
+def _assert(r):
+    assert r["ok"], r
+
+
+_REF = C.reference_cases()
+_KER = C.kernel_cases()
+
+
+@pytest.mark.parametrize("fn,kw", _REF, ids=[C.case_id(f, k) for f, k in _REF])
+def test_reference(fn, kw):
+    _assert(_run(fn, kw, "reference"))
+
+
+@pytest.mark.parametrize("fn,kw", _KER, ids=[C.case_id(f, k) for f, k in _KER])
+def test_kernel_interpret(fn, kw):
+    _assert(_run(fn, kw, "interpret"))
+
+
+def test_coverage_of_shapes():
+    """The default subset covers every group size and head dim for decode attention."""
+    dec = [kw for f, kw in _KER if f is C.check_decode]
+    assert {kw.get("G", 4) for kw in dec} >= {1, 3, 4, 7, 8}
+    assert {kw.get("d", 128) for kw in dec} >= {64, 80, 96, 128}
+    assert {kw.get("dtype", "float32") for kw in dec} == {"float32", "bfloat16"}
+
+
+def _inputs(B=2, n_kv=2, G=3, S=64, d=64, seed=1):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, n_kv * G, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, n_kv, S, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, n_kv, S, d)), jnp.float32)
+    return q, k, v
+
+
+def test_ops_dispatch_and_jit():
+    q, k, v = _inputs()
+    L = jnp.array([64, 5], jnp.int32)
+    assert not ops.kernel_default()  # CPU
+    o1, l1 = ops.decode_attention(q, k, v, L)
+    o2, l2 = ops.decode_attention(q, k, v, L, impl="kernel", interpret=True)
+    o3, l3 = jax.jit(lambda *a: ops.decode_attention(*a))(q, k, v, L)
+    for o, l in ((o2, l2), (o3, l3)):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o1), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(l), np.asarray(l1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        ops.decode_attention(q, k, v, L, impl="bogus")
+
+
+def test_merge_kernel_sources():
+    """Kernel partials over two disjoint sources merge to the full attention."""
+    q, k, v = _inputs(S=96)
+    L = jnp.array([96, 50], jnp.int32)
+    full = ops.decode_attention(q, k, v, L)
+    a = ops.decode_attention(q, k[:, :, :32], v[:, :, :32], jnp.minimum(L, 32), impl="kernel",
+                             interpret=True)
+    b = ops.decode_attention(q, k[:, :, 32:], v[:, :, 32:], L - 32, impl="kernel",
+                             interpret=True)
+    o, l = ops.merge_attention([a, b])
+    np.testing.assert_allclose(np.asarray(o), np.asarray(full[0]), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(l), np.asarray(full[1]), rtol=2e-5, atol=2e-6)
+
+
+def test_sparse_paths_and_pinned_host():
+    q, k, v = _inputs(S=128)
+    idx = jnp.asarray(np.random.default_rng(2).permutation(128)[:16].reshape(1, 1, 16)
+                      .repeat(2, 0).repeat(2, 1), jnp.int32)
+    ref = ops.sparse_attention(q, k, v, idx)
+    assert ops.sparse_attention_path() == "reference"
+    ker = ops.sparse_attention(q, k, v, idx, impl="kernel", interpret=True)
+    assert ops.sparse_attention_path() == "kernel"
+    np.testing.assert_allclose(np.asarray(ker[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-6)
+    dev = jax.devices()[0]
+    kinds = {m.kind for m in dev.addressable_memories()}
+    if "pinned_host" in kinds:
+        sh = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        kh, vh = jax.device_put(k, sh), jax.device_put(v, sh)
+        out = ops.sparse_attention(q, kh, vh, idx)
+        assert ops.sparse_attention_path() == "reference_device_copy"
+        np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-6)
+    # under jit the choice is by platform
+    jax.jit(lambda *a: ops.sparse_attention(*a))(q, k, v, idx)
+    assert ops.sparse_attention_path() == "traced"
+
+
+def test_topk_pipeline_to_sparse_attention():
+    """scores -> select_topk (sink/recent forced) -> sparse attention equals dense
+    attention restricted to the selection."""
+    q, k, v = _inputs(S=200, G=4)
+    L = jnp.array([200, 70], jnp.int32)
+    sc = ops.topk_scores_exact(q, k, L)
+    idx, nv = ops.topk_indices(sc, 32, lengths=L, num_sink=4, num_recent=8)
+    assert np.all(np.asarray(nv) == 32)
+    out, lse = ops.sparse_attention(q, k, v, idx, num_valid=nv)
+    # dense with a mask
+    mask = np.zeros((2, 2, 200), bool)
+    for b in range(2):
+        for h in range(2):
+            mask[b, h, np.asarray(idx[b, h, : nv[b, h]])] = True
+            assert mask[b, h, :4].all() and mask[b, h, int(L[b]) - 8: int(L[b])].all()
+    o64, l64 = C.np_attend(np.asarray(q, np.float64), np.asarray(k, np.float64),
+                           np.asarray(v, np.float64), mask, 64 ** -0.5)
+    assert C.rel_err(out, o64) < 1e-5
+    assert C.lse_err(lse, l64) < 1e-5
+
+
+def test_int4_ops_and_recompute_ops():
+    rng = np.random.default_rng(3)
+    q, k, v = _inputs(S=80, d=128)
+    kq, vq = ops.quantize_int4(k), ops.quantize_int4(v)
+    assert kq.codes.dtype == jnp.uint8 and kq.codes.shape == (2, 2, 80, 64)
+    L = jnp.array([80, 3], jnp.int32)
+    a = ops.decode_attention_int4(q, kq, vq, L)
+    b = ops.decode_attention_int4(q, kq, vq, L, impl="kernel", interpret=True)
+    c = ops.decode_attention(q, ops.dequantize_int4(kq), ops.dequantize_int4(vq), L)
+    for o in (b, c):
+        np.testing.assert_allclose(np.asarray(o[0]), np.asarray(a[0]), rtol=1e-5, atol=1e-5)
+    x = jnp.asarray(rng.standard_normal((1, 9, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 2 * 80)) * 0.1, jnp.float32)
+    kk, vv = ops.recompute_kv(x, w, None, w, None, n_kv=2)  # d=80: reference everywhere
+    assert kk.shape == (1, 2, 9, 80)
+
+
+_REF_FULL = C.reference_cases(full=True)
+_KER_FULL = C.kernel_cases(full=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn,kw", _REF_FULL, ids=[C.case_id(f, k) for f, k in _REF_FULL])
+def test_reference_full(fn, kw):
+    _assert(_run(fn, kw, "reference"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn,kw", _KER_FULL, ids=[C.case_id(f, k) for f, k in _KER_FULL])
+def test_kernel_interpret_full(fn, kw):
+    _assert(_run(fn, kw, "interpret"))
+
+
+_GPU = C.gpu_cases()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn,kw", _GPU, ids=[C.case_id(f, k) for f, k in _GPU])
+def test_kernel_compiled_gpu(fn, kw):
+    """Compiled Triton kernels on a GPU (pytest -m gpu); same suite as scripts/check_kernels.py."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _assert(_run(fn, kw, "kernel"))
