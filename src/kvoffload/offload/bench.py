@@ -1,0 +1,394 @@
+"""Decode benchmark: full, offload, kvpr, the cost model's prediction for each, and HF transformers'
+offloaded / on-GPU caches on the same shapes (random weights in real shapes). `kvoffload bench` and
+scripts/bench_decode.py run it; one call prints a table last and writes JSON.
+
+Method. A step's time is affine in the context length s (attention and K/V transfer grow with s,
+the rest is constant), so for each policy and batch the benchmark prefills at a few contexts s,
+runs `warmup` decode steps (compilation) and times `steps` more, one by one (each ends when its
+greedy tokens are on the host, as in generation), fits t(s) = a + b s to the per-step medians,
+and reports decode time for (prompt P, gen G) as sum_{t<G} t(P + t) = G t(P + (G-1)/2). It does
+not generate all G tokens (that would not fit one device call). The HF baseline is timed as
+(generate(1 + n) - generate(1)) / n in a separate process (so JAX and torch do not share the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+QUICK_WORKLOADS = ["opt67b", "llama8b"]
+
+
+def _workloads(quick: bool):
+    w = {
+        "opt67b": dict(shape="opt-6.7b", batch=64, gpu_batches=1, schedule="row", offload_weights=False,
+                       prompts=(512, 1024), gens=(32, 128), contexts=(512,) if quick else (512, 1024, 1152),
+                       policies=("full", "offload", "kvpr"), hf=True, kvpr_store="both"),
+        "opt13b_col": dict(shape="opt-13b", batch=128, gpu_batches=4, schedule="column", offload_weights=True,
+                           prompts=(512,), gens=(32,), contexts=(512,), policies=("offload", "kvpr"), hf=False,
+                           kvpr_store="split"),
+        "llama8b": dict(shape="llama-3-8b", batch=32, gpu_batches=1, schedule="row", offload_weights=False,
+                        prompts=(1024,), gens=(32,), contexts=(1024,), policies=("full", "offload", "kvpr"),
+                        hf=False, kvpr_store="both"),
+        # CPU smoke test of the whole path (tests, `kvoffload bench --workloads tiny`)
+        "tiny": dict(shape="tiny-opt", batch=4, gpu_batches=2, schedule="column", offload_weights=True,
+                     prompts=(64,), gens=(8,), contexts=(64, 128), policies=("offload", "kvpr"), hf=True,
+                     kvpr_store="both"),
+        "tiny_row": dict(shape="tiny-opt", batch=4, gpu_batches=1, schedule="row", offload_weights=False,
+                         prompts=(64,), gens=(8,), contexts=(64,), policies=("full", "offload", "kvpr"), hf=False,
+                         kvpr_store="both"),
+    }
+    return w
+
+
+# ------------------------------------------------------------------------------------------------
+# HF transformers baseline (own process)
+# ------------------------------------------------------------------------------------------------
+
+HF_SNIPPET = r"""
+import json, sys, time, torch, transformers
+spec = json.loads(sys.argv[1])
+cfg = transformers.AutoConfig.for_model(**spec["shape"])
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.float16 if dev == "cuda" else torch.float32
+torch.manual_seed(0)
+with torch.device(dev):
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+model.eval()
+B, P, n = spec["batch"], spec["prompt"], spec["steps"]
+ids = torch.randint(4, cfg.vocab_size - 1, (B, P), device=dev)
+mask = torch.ones_like(ids)
+out = {}
+for cache in spec["caches"]:
+    kw = {} if cache == "dynamic" else {"cache_implementation": cache}
+    def run(k):
+        if dev == "cuda": torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                           pad_token_id=0, **kw)
+        if dev == "cuda": torch.cuda.synchronize()
+        return time.perf_counter() - t
+    try:
+        run(2)  # warm-up
+        t1 = run(1)
+        tn = run(1 + n)
+    except Exception as e:
+        out[cache] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"[hf] {cache}: FAILED {out[cache]['error']}", file=sys.stderr, flush=True)
+        continue
+    out[cache] = {"step_s": (tn - t1) / n, "prefill_s": t1}
+    print(f"[hf] {cache}: {(tn - t1) / n * 1e3:.1f} ms/step (prefill {t1:.2f} s)", file=sys.stderr, flush=True)
+    if dev == "cuda": torch.cuda.empty_cache()
+print("HFJSON" + json.dumps(out))
+"""
+
+
+def run_hf(shape: dict, batch: int, prompt: int, steps: int, caches=("offloaded", "dynamic"), python=None,
+           timeout=240) -> dict:
+    spec = json.dumps({"shape": shape, "batch": batch, "prompt": prompt, "steps": steps, "caches": list(caches)})
+    py = python or os.environ.get("KVOFFLOAD_HF_PYTHON") or sys.executable
+    try:
+        r = subprocess.run([py, "-c", HF_SNIPPET, spec], capture_output=True, text=True, timeout=timeout)
+    except Exception as e:  # pragma: no cover
+        return {"error": f"{type(e).__name__}: {e}"}
+    sys.stderr.write(r.stderr[-3000:])
+    for line in r.stdout.splitlines():
+        if line.startswith("HFJSON"):
+            return json.loads(line[6:])
+    return {"error": (r.stderr or r.stdout)[-800:]}
+
+
+# ------------------------------------------------------------------------------------------------
+# kvoffload policies
+# ------------------------------------------------------------------------------------------------
+
+
+def _full_prefill(model, tokens, lengths, capacity):
+    """The `full` policy's cache, built layer by layer (the whole-prompt prefill keeps every layer's
+    unpadded K/V and a padded copy alive at once, which does not fit the big shapes)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvoffload.models.transformer import DenseKVCache
+    from kvoffload.offload.runtime import _embed, _last_hidden, _layer_prefill, _logits, without_layers
+
+    cfg = model.config
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    fp = without_layers(model.params)
+    h = _embed(cfg, fp, tokens, pos)
+    ks, vs = [], []
+    pad = jax.jit(lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, capacity - t), (0, 0))))
+    for lp in model.params.layers:
+        h, k, v, _ = _layer_prefill(cfg, lp, h, pos, lengths, False)
+        ks.append(pad(k))
+        vs.append(pad(v))
+        del k, v
+    logits = _logits(cfg, fp, _last_hidden(cfg, h, lengths))
+    return logits, DenseKVCache(k=tuple(ks), v=tuple(vs), lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0):
+    import jax.numpy as jnp
+
+    from kvoffload.models.transformer import dense_decode_step
+    from kvoffload.policies.kvpr import KVPRPolicy
+    from kvoffload.policies.offload import OffloadPolicy
+
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(4, cfg.vocab_size - 1, (batch, context)), jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    capacity = context + warmup + steps
+    pol = None
+    t0 = time.perf_counter()
+    if policy_name == "full":
+        logits, state = _full_prefill(model, tokens, lengths, capacity)
+
+        def step(state, nxt):
+            return dense_decode_step(cfg, model.params, state, nxt)
+    else:
+        pol = (KVPRPolicy if policy_name == "kvpr" else OffloadPolicy)(**opts)
+        logits, state = pol.prefill(model, tokens, lengths, capacity)
+
+        def step(state, nxt):
+            return pol.decode_step(model, state, nxt)
+    nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    np.asarray(nxt)
+    prefill_s = time.perf_counter() - t0
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        logits, state = step(state, nxt)
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        np.asarray(nxt)
+        times.append(time.perf_counter() - t)
+    res = {"policy": policy_name, "context": context, "prefill_s": prefill_s, "step_times_s": times[warmup:],
+           "step_s": float(np.median(times[warmup:])), "warmup_s": times[:warmup]}
+    if pol is not None:
+        res["plan"] = pol.runtime.last_plan
+        res["memory_plan"] = pol.runtime.memory_plan.describe() if pol.runtime.memory_plan else None
+        res["trace"] = pol.runtime.trace_rows
+    del state, logits, pol
+    gc.collect()
+    return res
+
+
+def make_model(shape_name: str, dtype, offload_weights: bool, seed=0):
+    """Random weights in the shape; offloaded layers are put in host memory one by one (never all
+    on the GPU at once); all layers share one random draw (timing only)."""
+    import jax
+
+    from kvoffload.models import Model
+    from kvoffload.models.transformer import init_params
+    from kvoffload.offload import memory as M
+    from kvoffload.plan.profiler import model_shape
+
+    cfg = model_shape(shape_name)
+    one = dataclasses.replace(cfg, num_layers=1)
+    p1 = init_params(one, jax.random.key(seed), dtype)
+    lp = p1.layers[0]
+    if offload_weights:
+        layers = tuple(jax.block_until_ready(M.to_host(lp)) for _ in range(cfg.num_layers))
+    else:
+        layers = tuple(jax.tree.map(lambda a: a.copy(), lp) for _ in range(cfg.num_layers))
+    params = dataclasses.replace(p1, layers=layers)
+    jax.block_until_ready(params)
+    return Model(cfg, params)
+
+
+def run(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from kvoffload.offload import memory as M
+    from kvoffload.plan.cost import LayerShape, predict_step
+    from kvoffload.plan.profiler import MODEL_SHAPES, model_shape, run_profile, write_profile
+    from kvoffload.offload.planner import weight_bytes
+
+    out_dir = args.out or os.environ.get("OUT") or "."
+    os.makedirs(out_dir, exist_ok=True)
+    dtype = jnp.dtype(args.dtype)
+    wl_all = _workloads(args.quick)
+    names = args.workloads.split(",") if args.workloads else (
+        QUICK_WORKLOADS if args.quick else [n for n in wl_all if not n.startswith("tiny")])
+    hf = {}
+    if not args.no_hf:  # first, in its own process, before JAX takes the GPU memory
+        for name in names:
+            wl = wl_all[name]
+            if wl["hf"]:
+                print(f"[bench] HF transformers {wl['shape']} batch {wl['batch']} prompt {wl['prompts'][0]}",
+                      file=sys.stderr, flush=True)
+                hf[name] = run_hf(MODEL_SHAPES[wl["shape"]], wl["batch"], wl["prompts"][0], args.hf_steps)
+    dev = M.default_device()
+    results = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "dtype": str(dtype),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "quick": args.quick,
+               "method": __doc__.split("Method.")[1].strip(), "workloads": {}}
+    for name in names:
+        wl = wl_all[name]
+        cfg = model_shape(wl["shape"])
+        print(f"[bench] {name}: {wl['shape']} batch {wl['batch']} ({wl['gpu_batches']} GPU batches, "
+              f"{wl['schedule']}), weights {'offloaded' if wl['offload_weights'] else 'on GPU'}",
+              file=sys.stderr, flush=True)
+        sub_b = wl["batch"] // wl["gpu_batches"]
+        prof = run_profile(cfg, sub_b, str(dtype), quick=True, progress=lambda m: print(f"[profile] {m}",
+                                                                                       file=sys.stderr, flush=True))
+        ppath = os.path.join(out_dir, f"profile_{name}.json")
+        write_profile(prof, ppath)
+        from kvoffload.plan.cost import CostModel
+
+        cost = CostModel.from_fits(prof["fits"], prof["device"])
+        model = make_model(wl["shape"], dtype, wl["offload_weights"])
+        wb = weight_bytes(cfg, dtype, model.params)
+        shape = LayerShape.of(cfg, dtype.itemsize, wb.per_layer, wb.kv_per_layer)
+        rows = []
+        for pol in wl["policies"]:
+            for ctx in wl["contexts"]:
+                opts = dict(schedule=wl["schedule"], offload_weights=wl["offload_weights"],
+                            gpu_batches=wl["gpu_batches"], profile=ppath, flush_block=64, split_bucket=128,
+                            sync_depth=args.sync_depth)
+                if pol == "kvpr":
+                    opts["kvpr_store"] = wl["kvpr_store"]
+                if pol == "full" and wl["offload_weights"]:
+                    continue
+                print(f"[bench]   {pol} at context {ctx}", file=sys.stderr, flush=True)
+                try:
+                    r = measure(model, pol, opts, wl["batch"], ctx, args.warmup, args.steps)
+                except Exception as e:  # keep the other numbers
+                    r = {"policy": pol, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+                    print(f"[bench]   FAILED: {r['error']}", file=sys.stderr, flush=True)
+                    rows.append(r)
+                    continue
+                l = (r.get("plan") or {}).get("split_point", 0) or 0
+                pred = predict_step(cost, cfg, shape, sub_b, ctx, l, offload_weights=wl["offload_weights"],
+                                    gpu_batches=wl["gpu_batches"], policy=pol)
+                r["predicted_step_s"] = pred["step_s"]
+                r["predicted"] = pred
+                r["split_point"] = l
+                if pol != "full":
+                    moved = (r.get("plan") or {}).get("bytes_h2d", 0)
+                    r["bytes_h2d"] = moved
+                    r["bytes_over_bw_s"] = moved / cost.pcie_bw
+                print(f"[bench]   {pol} ctx {ctx}: {r['step_s'] * 1e3:.1f} ms/step (model {pred['step_s'] * 1e3:.1f}), "
+                      f"l={l}, prefill {r['prefill_s']:.1f} s", file=sys.stderr, flush=True)
+                if pol == "kvpr" and args.trace and "trace" in r:
+                    with open(os.path.join(out_dir, f"trace_{name}_kvpr_{ctx}.json"), "w") as f:
+                        json.dump({"policy": "kvpr", "workload": name, "steps": r["trace"]}, f, indent=1)
+                r.pop("trace", None)
+                rows.append(r)
+        del model
+        gc.collect()
+        results["workloads"][name] = {"spec": wl, "rows": rows, "hf": hf.get(name),
+                                      "cost_model": cost.to_json(), "summary": summarize(wl, rows, hf.get(name))}
+        with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return results
+
+
+def _fit(rows, pol, key="step_s"):
+    pts = [(r["context"], r[key]) for r in rows if r.get("policy") == pol and key in r]
+    if not pts:
+        return None
+    if len(pts) == 1:
+        c, t = pts[0]
+        return lambda s, c=c, t=t: t  # one context: no slope known
+    xs, ys = np.array(pts, float).T
+    b, a = np.polyfit(xs, ys, 1)
+    return lambda s: a + b * s
+
+
+def summarize(wl, rows, hf) -> list:
+    """Per (prompt, gen): decode seconds of each policy, predicted, and the targets' ratios."""
+    out = []
+    for p in wl["prompts"]:
+        for g in wl["gens"]:
+            mid = p + (g - 1) / 2
+            d = {"prompt": p, "gen": g}
+            for pol in wl["policies"]:
+                f, fp = _fit(rows, pol), _fit(rows, pol, "predicted_step_s")
+                if f is not None:
+                    d[f"{pol}_step_ms"] = f(mid) * 1e3
+                    d[f"{pol}_decode_s"] = f(mid) * g
+                    d[f"{pol}_tok_s"] = wl["batch"] / f(mid)
+                if fp is not None:
+                    d[f"{pol}_pred_step_ms"] = fp(mid) * 1e3
+            fb = _fit(rows, "offload", "bytes_over_bw_s")
+            if fb is not None:
+                d["offload_bytes_over_bw_ms"] = fb(mid) * 1e3
+            if "kvpr_step_ms" in d and "offload_step_ms" in d:
+                d["kvpr_over_offload"] = d["kvpr_step_ms"] / d["offload_step_ms"]
+            if "kvpr_pred_step_ms" in d and "kvpr_step_ms" in d:
+                d["kvpr_vs_model"] = d["kvpr_step_ms"] / d["kvpr_pred_step_ms"] - 1
+            if "offload_bytes_over_bw_ms" in d and "offload_step_ms" in d:
+                d["offload_vs_bytes_bw"] = d["offload_step_ms"] / d["offload_bytes_over_bw_ms"] - 1
+            if hf and p == wl["prompts"][0]:
+                if "step_s" in hf.get("offloaded", {}) and "kvpr_step_ms" in d:
+                    d["hf_offloaded_step_ms"] = hf["offloaded"]["step_s"] * 1e3
+                    d["kvpr_speedup_vs_hf_offloaded"] = d["hf_offloaded_step_ms"] / d["kvpr_step_ms"]
+                if "step_s" in hf.get("dynamic", {}) and "full_step_ms" in d:
+                    d["hf_dynamic_step_ms"] = hf["dynamic"]["step_s"] * 1e3
+                    d["full_speedup_vs_hf_dynamic"] = d["hf_dynamic_step_ms"] / d["full_step_ms"]
+            out.append(d)
+    return out
+
+
+def table(results) -> str:
+    lines = [f"device {results['device']} | jax {results['jax']} | {results['dtype']} | {results['date']}"]
+    hdr = (f"{'workload':12s} {'P':>5s} {'G':>4s} | {'full':>7s} {'offload':>8s} {'kvpr':>7s} ms/step | "
+           f"{'pred off':>8s} {'pred kvpr':>9s} | {'kvpr/off':>8s} {'kvpr-model':>10s} {'off-B/bw':>8s} | "
+           f"{'HF off':>7s} {'HF gpu':>7s} {'x HFoff':>7s} {'x HFgpu':>7s}")
+    lines.append(hdr)
+
+    def f(d, k, fmt="{:.1f}"):
+        v = d.get(k)
+        return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+    for name, w in results["workloads"].items():
+        for d in w["summary"]:
+            lines.append(
+                f"{name:12s} {d['prompt']:5d} {d['gen']:4d} | {f(d, 'full_step_ms'):>7s} {f(d, 'offload_step_ms'):>8s} "
+                f"{f(d, 'kvpr_step_ms'):>7s}         | {f(d, 'offload_pred_step_ms'):>8s} {f(d, 'kvpr_pred_step_ms'):>9s} | "
+                f"{f(d, 'kvpr_over_offload', '{:.3f}'):>8s} {f(d, 'kvpr_vs_model', '{:+.1%}'):>10s} "
+                f"{f(d, 'offload_vs_bytes_bw', '{:+.1%}'):>8s} | {f(d, 'hf_offloaded_step_ms'):>7s} "
+                f"{f(d, 'hf_dynamic_step_ms'):>7s} {f(d, 'kvpr_speedup_vs_hf_offloaded', '{:.2f}'):>7s} "
+                f"{f(d, 'full_speedup_vs_hf_dynamic', '{:.2f}'):>7s}")
+        errs = [r for r in w["rows"] if "error" in r]
+        for r in errs:
+            lines.append(f"  {name} {r['policy']} ctx {r['context']}: ERROR {r['error'][:200]}")
+    return "\n".join(lines)
+
+
+def build_parser(prog="kvoffload bench"):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a subset: OPT-6.7B batch 64 at context 512 and "
+                    "Llama-3-8B batch 32 at 1024")
+    ap.add_argument("--workloads", default=None, help="comma list of: opt67b, opt13b_col, llama8b")
+    ap.add_argument("--out", default=None, help="output folder (default $OUT or .)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--hf-steps", type=int, default=4)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--sync-depth", type=int, default=3)
+    ap.add_argument("--trace", action="store_true", help="write kvpr's per-step traces")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    t = time.time()
+    res = run(args)
+    print(f"[bench] done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    print(table(res), flush=True)
+    return 0

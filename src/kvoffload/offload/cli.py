@@ -1,0 +1,56 @@
+"""`kvoffload profile` and `kvoffload bench` (the lead wires them into kvoffload.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def profile_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kvoffload profile", description=(
+        "Measure host<->GPU bandwidth over transfer sizes, recompute matmul rate, attention and MLP time per "
+        "layer at the planned batch; fit the cost model; write a JSON profile for --profile."))
+    ap.add_argument("--model-shape", default=None,
+                    help="opt-6.7b, opt-13b, llama-3-8b, tiny-opt, or an HF config.json / checkpoint directory "
+                         "(default: opt-6.7b on GPU, tiny-opt on CPU)")
+    ap.add_argument("--batch", type=int, default=None, help="planned batch per GPU batch (default 64 on GPU, 4 on CPU)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    ap.add_argument("--out", default="kvoffload_profile.json", help="where the JSON profile goes")
+    ap.add_argument("--sizes-mb", default=None, help="transfer sizes in MB, comma separated")
+    ap.add_argument("--tokens", default=None, help="recompute token counts T, comma separated")
+    ap.add_argument("--contexts", default=None, help="attention context lengths, comma separated")
+    args = ap.parse_args(argv)
+
+    def nums(s, cast):
+        return tuple(cast(v) for v in s.split(",")) if s else None
+
+    from kvoffload.offload import memory as M
+    from kvoffload.plan.profiler import model_shape, run_profile, write_profile
+
+    cpu = M.default_device().platform == "cpu"
+    try:
+        cfg = model_shape(args.model_shape or ("tiny-opt" if cpu else "opt-6.7b"))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kvoffload profile: {e}", file=sys.stderr)
+        return 2
+    batch = args.batch or (4 if cpu else 64)
+    dtype = "float32" if cpu and args.dtype == "bfloat16" else args.dtype  # CPUs have no fast bf16 matmul
+    prof = run_profile(cfg, batch, dtype, quick=args.quick, sizes_mb=nums(args.sizes_mb, float),
+                       tokens=nums(args.tokens, int), contexts=nums(args.contexts, int))
+    d = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(d, exist_ok=True)
+    write_profile(prof, args.out)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def bench_main(argv=None) -> int:
+    from kvoffload.offload.bench import main
+
+    return main(argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(profile_main(sys.argv[1:]))

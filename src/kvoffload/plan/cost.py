@@ -1,0 +1,165 @@
+"""Cost model: linear fits of measured times, and the per-layer / per-step predictions every
+offloading policy shares (DESIGN.md, cost model).
+
+Per layer, with layer i+1's transfers overlapping layer i's compute, a decode step costs about
+max(PCIe time, GPU time): PCIe = weights (if offloaded) + activations X fetched + K/V fetched, GPU =
+recomputation + attention + projections and MLP. A step is num_layers such layers plus the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from kvoffload.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """t = intercept + slope * x for x > 0, and 0 for x <= 0 (nothing to do costs nothing)."""
+
+    intercept: float
+    slope: float
+
+    def __call__(self, x: float) -> float:
+        return 0.0 if x <= 0 else self.intercept + self.slope * float(x)
+
+    @classmethod
+    def fit(cls, xs, ys) -> "Linear":
+        """Least squares with intercept >= 0 and slope > 0."""
+        xs = np.asarray(xs, np.float64)
+        ys = np.asarray(ys, np.float64)
+        if len(xs) >= 2 and np.ptp(xs) > 0:
+            a = np.stack([np.ones_like(xs), xs], 1)
+            (c, m), *_ = np.linalg.lstsq(a, ys, rcond=None)
+        else:
+            c, m = 0.0, float(ys.mean() / max(xs.mean(), 1e-30))
+        if c < 0 or m <= 0:  # refit through the origin
+            c = 0.0
+            m = float((xs @ ys) / max(xs @ xs, 1e-30))
+        return cls(float(max(c, 0.0)), float(max(m, 1e-30)))
+
+    def to_json(self):
+        return [self.intercept, self.slope]
+
+    @classmethod
+    def from_json(cls, v):
+        return cls(float(v[0]), float(v[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    h2d: Linear  # seconds vs bytes moved host -> GPU (one transfer)
+    d2h: Linear  # seconds vs bytes moved GPU -> host
+    recompute: Linear  # seconds vs flops of K/V recomputation (X @ [W_K W_V])
+    attention: Linear  # seconds vs K/V bytes read by decode attention
+    dense: Linear  # seconds vs flops of a layer's projections + MLP at decode
+    hbm_bw: float  # bytes/s: floor for reading the layer's weights at decode
+    device: str = "unknown"
+    source: str = "default"
+
+    @property
+    def pcie_bw(self) -> float:
+        return 1.0 / self.h2d.slope
+
+    # -- (de)serialisation -------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"h2d": self.h2d.to_json(), "d2h": self.d2h.to_json(), "recompute": self.recompute.to_json(),
+                "attention": self.attention.to_json(), "dense": self.dense.to_json(), "hbm_bw": self.hbm_bw,
+                "device": self.device}
+
+    @classmethod
+    def from_fits(cls, fits: dict, device="unknown", source="profile") -> "CostModel":
+        return cls(h2d=Linear.from_json(fits["h2d"]), d2h=Linear.from_json(fits["d2h"]),
+                   recompute=Linear.from_json(fits["recompute"]), attention=Linear.from_json(fits["attention"]),
+                   dense=Linear.from_json(fits["dense"]), hbm_bw=float(fits["hbm_bw"]), device=device, source=source)
+
+    @classmethod
+    def load(cls, path: str) -> "CostModel":
+        """From a profile JSON written by `kvoffload profile`."""
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"profile not found: {path} (write one with `kvoffload profile --out {path}`)")
+        with open(path) as f:
+            prof = json.load(f)
+        if "fits" not in prof:
+            raise ValueError(f"{path} is not a kvoffload profile (no 'fits')")
+        return cls.from_fits(prof["fits"], prof.get("device", "unknown"), source=path)
+
+    @classmethod
+    def default(cls, platform: str = "gpu") -> "CostModel":
+        """Rough numbers used when no profile is given (H100-class GPU, or a CPU)."""
+        if platform in ("gpu", "cuda", "rocm"):
+            return cls(h2d=Linear(2e-5, 1 / 50e9), d2h=Linear(2e-5, 1 / 50e9), recompute=Linear(2e-5, 1 / 400e12),
+                       attention=Linear(1e-5, 1 / 2.5e12), dense=Linear(3e-5, 1 / 500e12), hbm_bw=2.5e12,
+                       device="default-gpu", source="default")
+        return cls(h2d=Linear(1e-5, 1 / 10e9), d2h=Linear(1e-5, 1 / 10e9), recompute=Linear(1e-5, 1 / 50e9),
+                   attention=Linear(1e-5, 1 / 20e9), dense=Linear(1e-5, 1 / 50e9), hbm_bw=20e9,
+                   device="default-cpu", source="default")
+
+
+def dense_flops_per_token(cfg: ModelConfig) -> float:
+    """Projections (q, k, v, o) and MLP matmul flops per token per layer."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    proj = h * (cfg.num_heads * d) * 2 + h * (cfg.num_kv_heads * d) * 2
+    mlp = h * cfg.intermediate_size * (3 if cfg.family == "llama" else 2)
+    return 2.0 * (proj + mlp)
+
+
+def recompute_flops_per_token(cfg: ModelConfig) -> float:
+    return 2.0 * cfg.hidden_size * 2 * cfg.num_kv_heads * cfg.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """What one layer of one decode step moves and computes (bytes per token etc.)."""
+
+    x_tok: float  # bytes of one stored activation (h * p)
+    kv_tok: float  # bytes of one token's K and V (2 * n_kv * d * p)
+    recompute_flops_tok: float
+    dense_flops_tok: float
+    w_layer: float  # bytes of the layer's weights
+    w_kv: float  # of which W_K, W_V
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, dtype_bytes: int, w_layer: float = 0.0, w_kv: float = 0.0) -> "LayerShape":
+        return cls(x_tok=cfg.hidden_size * dtype_bytes, kv_tok=cfg.kv_bytes_per_token * dtype_bytes,
+                   recompute_flops_tok=recompute_flops_per_token(cfg), dense_flops_tok=dense_flops_per_token(cfg),
+                   w_layer=w_layer, w_kv=w_kv)
+
+
+def layer_terms(cost: CostModel, shape: LayerShape, batch: int, s: int, l: int, *, tail: int = 1,
+                offload_weights: bool = False, gpu_batches: int = 1) -> dict:
+    """Times of one layer of one decode step for gpu_batches batches of `batch` sequences with `s`
+    host slots each, of which the first l are recomputed from X (l = 0: plain offload)."""
+    g = gpu_batches
+    x_b = batch * l * shape.x_tok
+    kv_b = batch * (s - l) * shape.kv_tok
+    w_b = shape.w_layer if offload_weights else 0.0
+    transfer = cost.h2d(g * (x_b + kv_b) + w_b)  # queued back to back: one latency per layer
+    recompute = cost.recompute(batch * l * shape.recompute_flops_tok)
+    attention = cost.attention(batch * (s + tail) * shape.kv_tok)
+    dense = max(cost.dense(batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw)
+    gpu = g * (recompute + attention + dense)
+    return {"transfer_s": transfer, "gpu_s": gpu, "recompute_s": g * recompute, "attention_s": g * attention,
+            "dense_s": g * dense, "bytes_h2d": g * (x_b + kv_b) + w_b, "bytes_x": g * x_b, "bytes_kv": g * kv_b,
+            "bytes_w": w_b, "layer_s": max(transfer, gpu)}
+
+
+def predict_step(cost: CostModel, cfg: ModelConfig, shape: LayerShape, batch: int, s: int, l: int, *,
+                 tail: int = 1, offload_weights: bool = False, gpu_batches: int = 1, policy: str = "kvpr") -> dict:
+    """Predicted seconds of one decode step (all layers, all GPU batches). policy 'full': no
+    transfers (K/V on the GPU); 'offload': l = 0; 'kvpr': the given l."""
+    if policy == "full":
+        t = layer_terms(cost, shape, batch, 0, 0, tail=s + tail, offload_weights=False, gpu_batches=gpu_batches)
+        per_layer = t["gpu_s"]
+        t = {**t, "transfer_s": 0.0, "bytes_h2d": 0.0, "bytes_kv": 0.0, "layer_s": per_layer}
+    else:
+        t = layer_terms(cost, shape, batch, s, 0 if policy == "offload" else l, tail=tail,
+                        offload_weights=offload_weights, gpu_batches=gpu_batches)
+    out = {k: v * cfg.num_layers for k, v in t.items()}
+    out["step_s"] = t["layer_s"] * cfg.num_layers
+    out["bound"] = "pcie" if t["transfer_s"] >= t["gpu_s"] else "gpu"
+    return out
