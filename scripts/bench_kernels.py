@@ -360,11 +360,110 @@ def bench_scores(ceil, quick):
     record("select_topk", f"B{B} S{S} k=10%", t_s, None, sc.nbytes, 0, ceil)
 
 
+def _sweep(name, make, args, grid, t_default):
+    """Time make(**params)(*args) for each params dict in grid (unless --no-sweep);
+    returns (best time, best params) with the default launch as the starting point."""
+    best = (t_default, {})
+    if NO_SWEEP:
+        return best
+    for params in grid:
+        try:
+            t = timeit(make(**params), *args)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name} variant {params} failed: {str(e)[:200]}", flush=True)
+            continue
+        print(f"  {name} {params}: {t*1e6:.1f}us", flush=True)
+        if t < best[0]:
+            best = (t, params)
+    return best
+
+
+def bench_quest(ceil, quick):
+    """Quest page bounds, Llama-3-8B layer (h32/kv8 d128), 128K tokens in pages of 16,
+    fp32 kmin/kmax (as quest_page_minmax makes them): bound by reading the metadata."""
+    n_heads, n_kv, d, S, B, page = 32, 8, 128, (1024 if TINY else 131072), 1, 16
+    q = rand(jax.random.PRNGKey(13), (B, n_heads, d), jnp.bfloat16)
+    k = rand(jax.random.PRNGKey(14), (B, n_kv, S, d), jnp.bfloat16)
+    kmin, kmax = jax.jit(lambda k: _tk.quest_page_minmax(k, page))(k)
+    del k
+    P = kmin.shape[2]
+    npg = jnp.full((B,), P, jnp.int32)
+    make = lambda **kw: jax.jit(lambda q, a, b, n: _tk.quest_page_scores_kernel(q, a, b, n, **kw))
+    f = make()
+    r = jax.jit(lambda q, a, b, n: _tk.quest_page_scores_reference(q, a, b, n))
+    args = (q, kmin, kmax, npg)
+    t_k, t_r = timeit(f, *args), timeit(r, *args)
+    bytes_ = kmin.nbytes + kmax.nbytes + q.nbytes + B * n_kv * P * 4
+    flops = 4 * B * n_heads * P * d
+    t_b, best = _sweep("quest", make, args, [dict(block_p=bp, num_warps=nw)
+                                              for bp in (32, 64, 128) for nw in (4, 8)], t_k)
+    record("quest_page_scores", f"B{B} S{S} page{page} (P{P}) h32/kv8 d128 f32 meta", t_k, t_r,
+           bytes_, flops, ceil, extra=dict(rel_err_vs_xla=relerr(f(*args), r(*args)),
+                                           best_us=t_b * 1e6, best_params=best))
+
+
+def bench_hata(ceil, quick):
+    """HATA Hamming scores, 128-bit codes (4 uint32 words per key and kv head) with key
+    norms, Llama-3-8B layer at 128K: bound by reading codes + norms."""
+    n_heads, n_kv, S, B, r_bits = 32, 8, (1024 if TINY else 131072), 1, 128
+    W = r_bits // 32
+    key = jax.random.PRNGKey(15)
+    bits = lambda k, shape: jax.random.bits(k, shape, jnp.uint32)
+    qc = bits(key, (B, n_heads, W))
+    kc = bits(jax.random.PRNGKey(16), (B, n_kv, S, W))
+    kn = jax.random.uniform(jax.random.PRNGKey(17), (B, n_kv, S), jnp.float32, 0.5, 2.0)
+    L = jnp.full((B,), S, jnp.int32)
+    make = lambda **kw: jax.jit(lambda a, b, L, n: _tk.hata_scores_kernel(a, b, L, k_norm=n,
+                                                                          **kw))
+    r = jax.jit(lambda a, b, L, n: _tk.hata_scores_reference(a, b, L, k_norm=n))
+    args = (qc, kc, L, kn)
+    bytes_ = kc.nbytes + kn.nbytes + qc.nbytes + B * n_kv * S * 4
+    t_r = timeit(r, *args)
+    for pc in ("native", "swar"):
+        f = make(popcount=pc)
+        t_k = timeit(f, *args)
+        t_b, best = _sweep(f"hata {pc}", make, args,
+                           [dict(popcount=pc, block_s=bs, num_warps=nw)
+                            for bs in (128, 512, 1024) for nw in (4, 8)], t_k)
+        record("hata_scores", f"B{B} S{S} r{r_bits} h32/kv8 norm popcount-{pc}", t_k, t_r,
+               bytes_, 0, ceil, extra=dict(rel_err_vs_xla=relerr(f(*args), r(*args)),
+                                           best_us=t_b * 1e6, best_params=best))
+
+
+def bench_tokenselect(ceil, quick):
+    """TokenSelect soft vote, Llama-3-8B layer (h32/kv8 d128 bf16) at 128K. The roofline
+    counts only what any exact kernel must move (K once + the votes); the two-pass
+    kernel also writes and re-reads the f32 logits (reported as logits_MB)."""
+    n_heads, n_kv, d, S, B = 32, 8, 128, (1024 if TINY else 131072), 1
+    q = rand(jax.random.PRNGKey(18), (B, n_heads, d), jnp.bfloat16)
+    k = rand(jax.random.PRNGKey(19), (B, n_kv, S, d), jnp.bfloat16)
+    L = jnp.full((B,), S, jnp.int32)
+    args = (q, k, L)
+    for shared in (False, True):
+        make = lambda **kw: jax.jit(lambda q, k, L: _tk.tokenselect_scores_kernel(
+            q, k, L, shared=shared, **kw))
+        f = make()
+        r = jax.jit(lambda q, k, L: _tk.tokenselect_scores_reference(q, k, L, shared=shared))
+        t_k, t_r = timeit(f, *args), timeit(r, *args)
+        bytes_ = k.nbytes + q.nbytes + B * n_kv * S * 4
+        flops = 2 * B * n_heads * S * d
+        t_b, best = _sweep(f"tokenselect shared{int(shared)}", make, args,
+                           [dict(block_s=64), dict(programs_per_sm=4),
+                            dict(block_s=64, programs_per_sm=4), dict(block_v=512),
+                            dict(num_warps=8)], t_k)
+        record("tokenselect_scores", f"B{B} S{S} h32/kv8 d128 bf16 shared{int(shared)}", t_k,
+               t_r, bytes_, flops, ceil,
+               extra=dict(rel_err_vs_xla=relerr(f(*args), r(*args)),
+                          logits_MB=2 * B * n_heads * S * 4 / 1e6, best_us=t_b * 1e6,
+                          best_params=best))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default=None, help="comma list of: decode,int4,sparse,recompute,scores")
+    ap.add_argument("--only", default=None, help="comma list of: decode,int4,sparse,recompute,"
+                    "scores,quest,hata,tokenselect")
     ap.add_argument("--no-sweep", action="store_true", help="skip launch-parameter sweeps")
     args = ap.parse_args()
     global NO_SWEEP
@@ -374,11 +473,13 @@ def main():
         import functools
         for mod, name in ((_da, "decode_attention_kernel"), (_q, "decode_attention_int4_kernel"),
                           (_sa, "sparse_attention_kernel"), (_rc, "recompute_kv_kernel"),
-                          (_tk, "topk_scores_exact_kernel")):
+                          (_tk, "topk_scores_exact_kernel"), (_tk, "quest_page_scores_kernel"),
+                          (_tk, "hata_scores_kernel"), (_tk, "tokenselect_scores_kernel")):
             setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
     ceil = ceilings()
     benches = dict(decode=bench_decode, sparse=bench_sparse, recompute=bench_recompute,
-                   int4=bench_int4, scores=bench_scores)
+                   int4=bench_int4, scores=bench_scores, quest=bench_quest, hata=bench_hata,
+                   tokenselect=bench_tokenselect)
     only = args.only.split(",") if args.only else list(benches)
     for name in only:
         try:

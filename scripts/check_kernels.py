@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Run every kernel-vs-float64 check on this machine (GPU: compiled Triton kernels).
 
-    PYTHONPATH=src python3 scripts/check_kernels.py [--full] [--out DIR]
+    PYTHONPATH=src python3 scripts/check_kernels.py [--full] [--out DIR] [--only SUBSTR,...]
+    PYTHONPATH=src python3 scripts/check_kernels.py --interpret   # CPU: Pallas interpret mode
+    PYTHONPATH=src python3 scripts/check_kernels.py --lower-only  # CPU: Triton lowering only
 
 Prints a table, writes check_kernels.json / .md to --out (default $OUT or .), exits
 non-zero if any check fails or errors. Also checks the ops dispatch (impl="auto" must
-pick the kernel on GPU) and the zero-copy pinned_host sparse-attention path.
+pick the kernel on GPU), the zero-copy pinned_host sparse-attention path, and the
+quest / hata / tokenselect ops with impl="auto" against their references.
 """
 
 import argparse
@@ -60,20 +63,132 @@ def dispatch_check():
                 path=f"backend={jax.default_backend()} kernel_default={on_gpu}")
 
 
+def topk_ops_check():
+    """quest / hata / tokenselect through ops with impl="auto" (the compiled kernel on GPU,
+    via the ops' jit wrappers) against impl="reference"."""
+    rng = np.random.default_rng(9)
+    B, n_kv, G, S, d = 2, 8, 4, 1000, 128
+    q = jnp.asarray(rng.standard_normal((B, n_kv * G, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((B, n_kv, S, d)), jnp.bfloat16)
+    L = jnp.array([S, 333], jnp.int32)
+    kmin, kmax = ops.quest_page_minmax(k, 16, L)
+    w = jnp.asarray(rng.standard_normal((d, 128)), jnp.float32)
+    qc, kc = ops.hata_encode(q, w), ops.hata_encode(k, w)
+    kn = jnp.linalg.norm(k.astype(jnp.float32), axis=-1)
+    calls = dict(
+        quest=lambda impl: ops.quest_page_scores(q, kmin, kmax, (L + 15) // 16, impl=impl),
+        hata=lambda impl: ops.hata_scores(qc, kc, L, k_norm=kn, impl=impl),
+        tokenselect=lambda impl: ops.tokenselect_scores(q, k, L, impl=impl),
+        tokenselect_shared=lambda impl: ops.tokenselect_scores(q, k, L, shared=True, impl=impl))
+    errs = {}
+    for name, f in calls.items():
+        ref = np.asarray(f("reference"), np.float64)
+        out = np.asarray(f("auto"), np.float64)
+        fin = np.isfinite(ref)
+        same_inf = out.shape == ref.shape and np.array_equal(np.isneginf(out), ~fin)
+        errs[f"err_{name}"] = C.rel_err(out[fin], ref[fin]) if same_inf else float("inf")
+    r = C._result("ops quest/hata/tokenselect impl=auto vs reference", "auto", errs, 1e-4)
+    r["path"] = f"kernel_default={ops.kernel_default()}"
+    return r
+
+
+def lower_only_checks():
+    """CPU pre-flight (no GPU needed): lower every kernel to Triton IR with JAX's Triton
+    lowering (CC 9.0 fallback) by routing pallas_call's CPU lowering to it, so unsupported
+    primitives and non-power-of-two shapes fail here. Uses JAX internals (jax._src); does
+    not run Triton's backend passes or the kernels, so it never replaces the GPU run."""
+    import dataclasses
+    from jax._src.interpreters import mlir
+    from jax._src.pallas import pallas_call as pc
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    from kvoffload.pallas import decode_attention as _da, quant as _q, recompute as _rc
+    from kvoffload.pallas import sparse_attention as _sa, topk as _tk
+
+    def cuda_rule(ctx, *a, **p):
+        mc = dataclasses.replace(ctx.module_context, platforms=("cuda",))
+        return reg.pallas_call_lowering(dataclasses.replace(ctx, module_context=mc), *a, **p)
+
+    mlir.register_lowering(pc.pallas_call_p, cuda_rule, platform="cpu")
+    rng = np.random.default_rng(0)
+    cases = []
+    shapes = [(2, 2, 4, 200, 128, jnp.bfloat16), (1, 8, 3, 333, 80, jnp.float32),
+              (2, 2, 1, 100, 64, jnp.float32), (1, 2, 7, 50, 96, jnp.bfloat16)]
+    for B, n_kv, G, S, d, dt in shapes:
+        q = jnp.asarray(rng.standard_normal((B, n_kv * G, d)), dt)
+        k = jnp.asarray(rng.standard_normal((B, n_kv, S, d)), dt)
+        L = jnp.full((B,), S, jnp.int32)
+        idx = jnp.zeros((B, n_kv, 24), jnp.int32)
+        kmin, kmax = _tk.quest_page_minmax(k, 16, L)
+        tag = f"B{B} kv{n_kv} G{G} S{S} d{d} {jnp.dtype(dt).name}"
+        cases += [
+            (f"decode {tag}", lambda q, k, L: _da.decode_attention_kernel(q, k, k, L), (q, k, L)),
+            (f"sparse {tag}", lambda q, k, i: _sa.sparse_attention_kernel(q, k, k, i), (q, k, idx)),
+            (f"scores_exact {tag}", lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L),
+             (q, k, L)),
+            (f"quest {tag}", lambda q, a, b, n: _tk.quest_page_scores_kernel(
+                q, a, b, n, group_reduce="max"), (q, kmin, kmax, L // 16)),
+        ]
+        for sh in (False, True):
+            cases.append((f"tokenselect shared{int(sh)} {tag}", lambda q, k, L, sh=sh:
+                          _tk.tokenselect_scores_kernel(q, k, L, shared=sh, poison=True),
+                          (q, k, L)))
+        for r in (32, 96, 128):
+            w = jnp.asarray(rng.standard_normal((d, r)), jnp.float32)
+            qc, kc = _tk.hata_encode(q, w), _tk.hata_encode(k, w)
+            for pcnt in ("native", "swar"):
+                cases.append((f"hata r{r} {pcnt} {tag}", lambda a, b, L, n, pcnt=pcnt:
+                              _tk.hata_scores_kernel(a, b, L, k_norm=n, popcount=pcnt),
+                              (qc, kc, L, jnp.ones((B, n_kv, S), jnp.float32))))
+        if d in (64, 128):
+            kq = _q.quantize_int4(k.astype(jnp.float32), 64)
+            cases.append((f"int4 {tag}", lambda q, a, L: _q.decode_attention_int4_kernel(
+                q, a, a, L), (q, kq, L)))
+    x = jnp.asarray(rng.standard_normal((1, 40, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, 128)), jnp.bfloat16)
+    cases.append(("recompute", lambda x, w: _rc.recompute_kv_kernel(x, w, None, w, None, None,
+                                                                     None, n_kv=2), (x, w)))
+    results = []
+    for name, f, args in cases:
+        try:
+            jax.jit(f).lower(*args)
+            r = dict(name=f"lower {name}", mode="lower", ok=True, err=0.0, tol=0.0)
+        except Exception as e:  # noqa: BLE001
+            r = dict(name=f"lower {name}", mode="lower", ok=False, err=float("nan"), tol=0.0,
+                     error=f"{type(e).__name__}: {e}"[:2000])
+        results.append(r)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--full", action="store_true", help="exhaustive sweep")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--interpret", action="store_true",
+                    help="run the kernels in Pallas interpret mode (= --modes "
+                         "reference,interpret; for CPU)")
+    ap.add_argument("--lower-only", action="store_true",
+                    help="CPU pre-flight: only lower every kernel to Triton IR (no GPU, no "
+                         "execution); catches non-power-of-two shapes and unlowerable ops")
+    ap.add_argument("--only", default=None,
+                    help="comma list of substrings of check ids (e.g. quest,hata,tokenselect)")
     ap.add_argument("--modes", default=None,
                     help="comma list: kernel,reference,interpret (default: kernel,reference "
                          "on GPU; reference,interpret elsewhere)")
     args = ap.parse_args()
     backend = jax.default_backend()
+    if args.interpret and not args.modes:
+        args.modes = "reference,interpret"
     modes = args.modes.split(",") if args.modes else (
         ["kernel", "reference"] if backend == "gpu" else ["reference", "interpret"])
     print(f"jax {jax.__version__} backend={backend} devices={jax.devices()}", flush=True)
     results = []
     t_all = time.time()
+    if args.lower_only:
+        modes = []
+        results = lower_only_checks()
+        for r in results:
+            print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['name']} {r.get('error', '')[:400]}",
+                  flush=True)
     for mode in modes:
         if mode == "reference":
             cases = C.reference_cases(full=args.full)
@@ -81,6 +196,9 @@ def main():
             cases = C.kernel_cases(full=True)
         else:
             cases = C.gpu_cases() if mode == "kernel" else C.kernel_cases()
+        if args.only:
+            cases = [(fn, kw) for fn, kw in cases
+                     if any(o in C.case_id(fn, kw) for o in args.only.split(","))]
         for fn, kw in cases:
             t0 = time.time()
             try:
@@ -95,7 +213,7 @@ def main():
             print(f"{status} {r['mode']:9s} {r['name']:66s} err={r['err']:.2e} "
                   f"tol={r['tol']:.0e} {r['seconds']:.1f}s"
                   + (f"\n     {r['error'][:400]}" if "error" in r else ""), flush=True)
-    for extra in (dispatch_check, pinned_host_check):
+    for extra in (() if args.lower_only else (dispatch_check, pinned_host_check, topk_ops_check)):
         try:
             r = extra()
         except Exception as e:  # noqa: BLE001

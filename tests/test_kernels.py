@@ -12,14 +12,7 @@ import jax.numpy as jnp
 from kvoffload import ops
 from kvoffload.pallas import checks as C
 
-_KERNEL_FNS = (C.check_decode, C.check_sparse, C.check_recompute, C.check_scores_exact,
-               C.check_int4_decode)
-
-
-def _run(fn, kw, mode):
-    if fn in _KERNEL_FNS:
-        return fn(mode=mode, **kw)
-    return fn(**kw)
+_run = C.run_case  # kernel checks take a mode; reference-only checks do not
 
 
 def _assert(r):
@@ -142,6 +135,38 @@ def test_int4_ops_and_recompute_ops():
     w = jnp.asarray(rng.standard_normal((64, 2 * 80)) * 0.1, jnp.float32)
     kk, vv = ops.recompute_kv(x, w, None, w, None, n_kv=2)  # d=80: reference everywhere
     assert kk.shape == (1, 2, 9, 80)
+
+
+def test_topk_score_ops_dispatch():
+    """quest / hata / tokenselect ops: impl="kernel" (interpret) == "reference" == "auto"
+    (the reference on CPU); bad impl / group_reduce / popcount raise."""
+    q, k, _ = _inputs(B=2, n_kv=2, G=3, S=48, d=64)
+    L = jnp.array([48, 21], jnp.int32)
+    kmin, kmax = ops.quest_page_minmax(k, 16, L)
+    w = jnp.asarray(np.random.default_rng(4).standard_normal((64, 64)), jnp.float32)
+    qc, kc = ops.hata_encode(q, w), ops.hata_encode(k, w)
+    kn = jnp.linalg.norm(k, axis=-1)
+    calls = {
+        "quest": lambda **o: ops.quest_page_scores(q, kmin, kmax, jnp.array([3, 2]), **o),
+        "hata": lambda **o: ops.hata_scores(qc, kc, L, k_norm=kn, group_reduce="max", **o),
+        "tokenselect": lambda **o: ops.tokenselect_scores(q, k, L, shared=True, **o),
+    }
+    for name, f in calls.items():
+        ref = np.asarray(f(impl="reference"))
+        fin = np.isfinite(ref)
+        assert fin.any() and (~fin).any(), name  # both valid and -inf entries exercised
+        outs = [f(), f(impl="kernel", interpret=True)]  # the kernel path runs under jit
+        for o in outs:
+            o = np.asarray(o)
+            assert o.shape == ref.shape and o.dtype == np.float32, name
+            np.testing.assert_array_equal(np.isneginf(o), ~fin, err_msg=name)
+            np.testing.assert_allclose(o[fin], ref[fin], rtol=2e-6, atol=1e-6, err_msg=name)
+        with pytest.raises(ValueError):
+            f(impl="bogus")
+    with pytest.raises(ValueError):
+        ops.quest_page_scores(q, kmin, kmax, impl="kernel", interpret=True, group_reduce="min")
+    with pytest.raises(ValueError):
+        C._tk.hata_scores_kernel(qc, kc, L, interpret=True, popcount="table")
 
 
 _REF_FULL = C.reference_cases(full=True)

@@ -79,15 +79,22 @@ def test_logits_and_greedy_match_hf(name, tmp_path):
         assert ours[i] == ref.tolist(), f"sequence {i}"
 
 
-def test_decode_logits_match_hf_forward(tmp_path):
-    """Each decode step's logits (dense cache) equal HF's full-forward logits at that position."""
-    hf, path = make_hf("llama_gqa_llama3_tied", tmp_path)
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_tied", "opt_post_ln_proj"])
+def test_decode_logits_match_hf_forward(name, tmp_path):
+    """Each decode step's logits (dense cache, through more than one tail flush) equal HF's
+    full-forward logits at that position, for a ragged batch."""
+    from kvoffload.models.transformer import TAIL_SLOTS
+
+    hf, path = make_hf(name, tmp_path)
     model = load_model(path, "float32", quiet=True)
-    prompt = list(np.random.default_rng(2).integers(1, 96, 50))
-    new, step_logits = generate(model, [prompt], 12, stop_on_eos=False, return_logits=True)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt + new[0]])).logits[0].numpy()
-    assert rel_err(step_logits[:, 0], ref[len(prompt) - 1: len(prompt) + 11]) < 1e-4
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(1, 96, 50)), list(rng.integers(1, 96, 7))]
+    steps = 2 * TAIL_SLOTS + 5
+    new, step_logits = generate(model, prompts, steps, stop_on_eos=False, return_logits=True)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p + new[i]])).logits[0].numpy()
+        assert rel_err(step_logits[:, i], ref[len(p) - 1: len(p) - 1 + steps]) < 1e-4
 
 
 def test_sharded_safetensors_and_bin(tmp_path):

@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 _IMPLS = ("auto", "kernel", "reference")
+RECOMPUTE_KERNEL_MIN_TOKENS = 64  # tokens per sequence below which "auto" recompute uses XLA
 
 
 def kernel_default() -> bool:
@@ -221,7 +222,11 @@ def recompute_kv(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, impl="auto"
     """
     n_kv = int(n_kv)
     ok = _rc.recompute_kv_supported(x, w_k, n_kv)
-    if _use_kernel(impl, ok) and (ok or impl == "kernel"):
+    # "auto" takes the kernel only for blocks of stored tokens: it tiles over tokens, so with a few
+    # tokens per sequence (a decode step's new token) it re-reads W_K/W_V per sequence; measured on
+    # an H200 at OPT-6.7B b64 T=1 that cost ~13 ms of a 22 ms step, where XLA's matmul reads W once.
+    profitable = x.shape[1] >= RECOMPUTE_KERNEL_MIN_TOKENS
+    if _use_kernel(impl, ok and profitable) and (ok or impl == "kernel"):
         return _recompute_kernel_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret)
     return _recompute_ref_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv)
 
@@ -251,30 +256,65 @@ def topk_scores_exact(q, k, lengths=None, *, scale=None, group_reduce="sum", imp
                                            group_reduce=group_reduce)
 
 
+@functools.partial(jax.jit, static_argnames=("group_reduce", "interpret"))
+def _quest_kernel_jit(q, kmin, kmax, num_pages, group_reduce, interpret):
+    return _tk.quest_page_scores_kernel(q, kmin, kmax, num_pages, group_reduce=group_reduce,
+                                        interpret=interpret)
+
+
 def quest_page_scores(q, kmin, kmax, num_pages=None, *, group_reduce="sum", impl="auto",
                       interpret=False):
     """Quest page upper bounds sum_c max(q_c min_c, q_c max_c) from per-page
-    channel-wise min/max keys (see ``quest_page_minmax``). Returns [B, n_kv, P] float32.
-    (Metadata-sized: the reference is used on every platform.)"""
-    del impl, interpret
+    channel-wise min/max keys (see ``quest_page_minmax``), per query head, aggregated
+    over the GQA group. q [B, n_heads, d]; kmin, kmax [B, n_kv, P, d]; num_pages [B]
+    (valid pages) or None. Returns [B, n_kv, P] float32, -inf for empty pages
+    (kmin > kmax) and pages >= num_pages."""
+    if _use_kernel(impl):
+        if num_pages is not None:
+            num_pages = jnp.asarray(num_pages, jnp.int32)
+        return _quest_kernel_jit(q, kmin, kmax, num_pages, group_reduce, interpret)
     return _tk.quest_page_scores_reference(q, kmin, kmax, num_pages, group_reduce=group_reduce)
+
+
+@functools.partial(jax.jit, static_argnames=("group_reduce", "interpret"))
+def _hata_kernel_jit(q_codes, k_codes, lengths, k_norm, group_reduce, interpret):
+    return _tk.hata_scores_kernel(q_codes, k_codes, lengths, k_norm=k_norm,
+                                  group_reduce=group_reduce, interpret=interpret)
 
 
 def hata_scores(q_codes, k_codes, lengths=None, *, k_norm=None, group_reduce="sum",
                 impl="auto", interpret=False):
     """HATA similarity r - hamming(q_code, k_code) (optionally times key norm), per KV head
     aggregated over the group. q_codes [B, n_heads, r//32] uint32, k_codes [B, n_kv, S,
-    r//32] uint32 (packing convention in the module docstring). Returns [B, n_kv, S]."""
-    del impl, interpret
+    r//32] uint32 (packing convention in the module docstring); k_norm [B, n_kv, S] or
+    None; lengths [B] or None. Returns [B, n_kv, S] float32, -inf past lengths."""
+    if _use_kernel(impl):
+        if lengths is not None:
+            lengths = jnp.asarray(lengths, jnp.int32)
+        return _hata_kernel_jit(q_codes, k_codes, lengths, k_norm, group_reduce, interpret)
     return _tk.hata_scores_reference(q_codes, k_codes, lengths, k_norm=k_norm,
                                      group_reduce=group_reduce)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "shared", "interpret"))
+def _tokenselect_kernel_jit(q, k, lengths, scale, shared, interpret):
+    return _tk.tokenselect_scores_kernel(q, k, lengths, scale=scale, shared=shared,
+                                         interpret=interpret)
+
+
 def tokenselect_scores(q, k, lengths=None, *, scale=None, shared=False, impl="auto",
                        interpret=False):
-    """TokenSelect soft vote: per-head softmax of scale*q.K summed over the heads of each
-    GQA group (shared=True: over all heads, same selection for every KV head)."""
-    del impl, interpret
+    """TokenSelect soft vote: per-head softmax of scale*q.K over the valid keys, summed
+    over the heads of each GQA group (shared=True: over all heads, same selection for
+    every KV head). q [B, n_heads, d] (cast to k.dtype by the kernel), k [B, n_kv, S, d],
+    lengths [B] or None. Returns [B, n_kv, S] float32, -inf past lengths. The kernel is
+    exact (two passes: logits + per-head softmax statistics, then normalised sums)."""
+    scale = None if scale is None else float(scale)
+    shared = bool(shared)
+    if _use_kernel(impl):
+        if lengths is not None:
+            lengths = jnp.asarray(lengths, jnp.int32)
+        return _tokenselect_kernel_jit(q, k, lengths, scale, shared, interpret)
     return _tk.tokenselect_scores_reference(q, k, lengths, scale=scale, shared=shared)
 
 

@@ -61,51 +61,102 @@ def prefill(cfg: ModelConfig, params, tokens, lengths, keep_activations=False, a
     return fam.logits(cfg, params, h), tuple(ks), tuple(vs), (tuple(xs) if keep_activations else None)
 
 
+TAIL_SLOTS = 32
+
+
 @pytree_dataclass
 class DenseKVCache:
+    """The `full` policy's on-device cache: the main K/V, read-only inside a decode step, plus a
+    small tail holding the newest tokens. A step writes only into the tail (one shared slot for
+    the whole batch) and attends over main + tail merged exactly by log-sum-exp, so its cost never
+    depends on whether XLA updates a multi-GB donated buffer in place; `dense_flush` moves a full
+    tail into the main cache once every TAIL_SLOTS steps (the offload runtime's write-back works
+    the same way)."""
+
     k: tuple  # per layer [B, n_kv, S, d]
     v: tuple
-    lengths: Any  # [B] int32: valid tokens per sequence
+    lengths: Any  # [B] int32: tokens of each sequence in k/v
+    tail_k: tuple  # per layer [B, n_kv, W, d]
+    tail_v: tuple
+    tail_len: Any  # int32 scalar: tokens in the tail (every sequence appends one per step)
 
     @property
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
+    @property
+    def tail_slots(self) -> int:
+        return self.tail_k[0].shape[2]
 
-@functools.partial(jax.jit, static_argnames=("capacity",))
-def dense_cache_from_prefill(ks, vs, lengths, capacity: int) -> DenseKVCache:
-    """Pads prefill K/V to the cache capacity. Jitted so every leaf comes out committed to the
-    device, like the decode step's outputs: otherwise the second step would compile again."""
-    t = ks[0].shape[2]
-    pad = ((0, 0), (0, 0), (0, capacity - t), (0, 0))
+
+def dense_cache(ks, vs, lengths, tail_slots: int = TAIL_SLOTS) -> DenseKVCache:
+    """A cache over per-layer K/V already at capacity [B, n_kv, S, d], with an empty tail. Every leaf
+    is committed to the cache's device, like a decode step's outputs (else the next step recompiles).
+    S must hold every token the sequences will have (prompt + generated)."""
+    where = ks[0].sharding
+    tail = lambda a: jax.device_put(jnp.zeros(a.shape[:2] + (tail_slots, a.shape[3]), a.dtype), where)  # noqa: E731
     return DenseKVCache(
-        k=tuple(jnp.pad(k, pad) for k in ks), v=tuple(jnp.pad(v, pad) for v in vs),
-        lengths=jnp.asarray(lengths, jnp.int32),
+        k=tuple(ks), v=tuple(vs), lengths=jax.device_put(jnp.asarray(lengths, jnp.int32), where),
+        tail_k=tuple(tail(k) for k in ks), tail_v=tuple(tail(v) for v in vs),
+        tail_len=jax.device_put(jnp.zeros((), jnp.int32), where),
     )
 
 
-def write_token(cache_layer, new, lengths):
-    """Writes new [B, n, 1, d] at position lengths[b] of cache_layer [B, n, S, d] (in place under jit)."""
-    b = cache_layer.shape[0]
-    return cache_layer.at[jnp.arange(b), :, lengths].set(new[:, :, 0])
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def pad_to_capacity(ks, vs, capacity: int):
+    pad = ((0, 0), (0, 0), (0, capacity - ks[0].shape[2]), (0, 0))
+    return tuple(jnp.pad(k, pad) for k in ks), tuple(jnp.pad(v, pad) for v in vs)
+
+
+def dense_cache_from_prefill(ks, vs, lengths, capacity: int, tail_slots: int = TAIL_SLOTS) -> DenseKVCache:
+    """The cache after a prefill: K/V padded to capacity plus an empty tail."""
+    return dense_cache(*pad_to_capacity(tuple(ks), tuple(vs), capacity), lengths, tail_slots)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def dense_flush(cache: DenseKVCache) -> DenseKVCache:
+    """Moves the tail into the main cache at each sequence's length (a whole tail window is
+    written; slots past tail_len stay beyond `lengths`, so they are never attended)."""
+    put = jax.vmap(lambda m, t, n: jax.lax.dynamic_update_slice(m, t, (0, n, 0)))
+    return DenseKVCache(
+        k=tuple(put(m, t, cache.lengths) for m, t in zip(cache.k, cache.tail_k)),
+        v=tuple(put(m, t, cache.lengths) for m, t in zip(cache.v, cache.tail_v)),
+        lengths=cache.lengths + cache.tail_len, tail_k=cache.tail_k, tail_v=cache.tail_v,
+        tail_len=jnp.zeros((), jnp.int32),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def dense_decode_step(cfg: ModelConfig, params, cache: DenseKVCache, tokens):
-    """One decode step of the `full` policy. tokens [B] -> (logits [B, V], new cache)."""
+    """One decode step of the `full` policy. tokens [B] -> (logits [B, V], new cache).
+    The tail must have a free slot (tail_len < tail_slots): call dense_flush when it is full."""
     fam = family(cfg)
-    lengths = cache.lengths
-    positions = lengths[:, None]
+    b = tokens.shape[0]
+    positions = (cache.lengths + cache.tail_len)[:, None]
+    tail_lengths = jnp.broadcast_to(cache.tail_len + 1, (b,))
     h = fam.embed(cfg, params, tokens[:, None], positions)
-    new_k, new_v = [], []
-    for lp, kc, vc in zip(params.layers, cache.k, cache.v):
+    new_tk, new_tv = [], []
+    for lp, kc, vc, tk, tv in zip(params.layers, cache.k, cache.v, cache.tail_k, cache.tail_v):
         x = fam.attn_input(cfg, lp, h)
         q, k, v = fam.qkv(cfg, lp, x, positions)
-        kc = write_token(kc, k, lengths)
-        vc = write_token(vc, v, lengths)
-        o, _ = ops.decode_attention(q[:, :, 0], kc, vc, lengths + 1)
+        tk = jax.lax.dynamic_update_slice(tk, k.astype(tk.dtype), (0, 0, cache.tail_len, 0))
+        tv = jax.lax.dynamic_update_slice(tv, v.astype(tv.dtype), (0, 0, cache.tail_len, 0))
+        o, _ = ops.merge_attention([
+            ops.decode_attention(q[:, :, 0], kc, vc, cache.lengths),
+            ops.decode_attention(q[:, :, 0], tk, tv, tail_lengths),
+        ])
         h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o[:, :, None]))
-        new_k.append(kc)
-        new_v.append(vc)
+        new_tk.append(tk)
+        new_tv.append(tv)
     out = fam.logits(cfg, params, h[:, 0])
-    return out, DenseKVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths + 1)
+    return out, DenseKVCache(k=cache.k, v=cache.v, lengths=cache.lengths, tail_k=tuple(new_tk),
+                             tail_v=tuple(new_tv), tail_len=cache.tail_len + 1)
+
+
+def dense_decode(cfg: ModelConfig, params, cache: DenseKVCache, tokens, tail_count: int):
+    """A decode step that flushes a full tail first. tail_count: tokens in the tail, tracked on the
+    host so no device value is read. Returns (logits, cache, new tail_count)."""
+    if tail_count == cache.tail_slots:
+        cache, tail_count = dense_flush(cache), 0
+    logits, cache = dense_decode_step(cfg, params, cache, tokens)
+    return logits, cache, tail_count + 1

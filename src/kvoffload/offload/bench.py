@@ -118,7 +118,8 @@ def _full_prefill(model, tokens, lengths, capacity):
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.models.transformer import DenseKVCache
+    from kvoffload.models.transformer import dense_cache
+    from kvoffload.policies.full import FullState
     from kvoffload.offload.runtime import _embed, _last_hidden, _layer_prefill, _logits, without_layers
 
     cfg = model.config
@@ -134,13 +135,13 @@ def _full_prefill(model, tokens, lengths, capacity):
         vs.append(pad(v))
         del k, v
     logits = _logits(cfg, fp, _last_hidden(cfg, h, lengths))
-    return logits, DenseKVCache(k=tuple(ks), v=tuple(vs), lengths=jnp.asarray(lengths, jnp.int32))
+    return logits, FullState(dense_cache(ks, vs, lengths))
 
 
 def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0):
     import jax.numpy as jnp
 
-    from kvoffload.models.transformer import dense_decode_step
+    from kvoffload.policies.full import FullPolicy
     from kvoffload.policies.kvpr import KVPRPolicy
     from kvoffload.policies.offload import OffloadPolicy
 
@@ -155,7 +156,7 @@ def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0):
         logits, state = _full_prefill(model, tokens, lengths, capacity)
 
         def step(state, nxt):
-            return dense_decode_step(cfg, model.params, state, nxt)
+            return FullPolicy().decode_step(model, state, nxt)
     else:
         pol = (KVPRPolicy if policy_name == "kvpr" else OffloadPolicy)(**opts)
         logits, state = pol.prefill(model, tokens, lengths, capacity)

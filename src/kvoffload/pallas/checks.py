@@ -273,12 +273,31 @@ def check_scores_exact(B=2, n_kv=2, G=4, S=150, d=96, dtype="float32", group_red
                    errs, TOL[dtype])
 
 
-def check_quest(B=2, n_kv=2, G=3, S=200, d=64, page_size=16, seed=0):
+def _mode_kw(mode, kw):
+    return dict(interpret=(mode == "interpret"), poison=True, **kw)
+
+
+def _check_scores(name, mode, out, ref, valid, tol):
+    """Scores [B, n_kv, N]: -inf exactly where not valid, relative error where valid."""
+    out = np.asarray(out, np.float64)
+    vm = np.broadcast_to(valid, out.shape)
+    ok_inf = bool(out.shape == ref.shape and np.all(np.isneginf(out[~vm])))
+    errs = dict(err_scores=rel_err(out[vm], ref[vm]) if ok_inf else float("inf"))
+    return _result(name, mode, errs, tol)
+
+
+_NP_REDUCE = {"sum": np.sum, "max": np.max, "mean": np.mean}
+
+
+def check_quest(B=2, n_kv=2, G=3, S=200, d=64, page_size=16, dtype="float32",
+                group_reduce="sum", with_num_pages=True, mode="reference", seed=0, **kw):
+    """Quest page bounds from quest_page_minmax metadata (ragged lengths: partial and
+    empty pages) against a float64 loop over pages and heads."""
     rng = np.random.default_rng(seed)
     H = n_kv * G
-    q, q64 = _rand(rng, (B, H, d), "float32")
-    k, k64 = _rand(rng, (B, n_kv, S, d), "float32")
-    lengths = np.array([S, 37][:B], np.int32)
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, k64 = _rand(rng, (B, n_kv, S, d), dtype)
+    lengths = np.array([S, 37] + list(rng.integers(1, S + 1, max(0, B - 2))), np.int32)[:B]
     kmin, kmax = _tk.quest_page_minmax(k, page_size, jnp.asarray(lengths))
     P = -(-S // page_size)
     ref = np.full((B, n_kv, P), -np.inf)
@@ -289,18 +308,24 @@ def check_quest(B=2, n_kv=2, G=3, S=200, d=64, page_size=16, seed=0):
                 if a >= e:
                     continue
                 mn, mx = k64[b, h, a:e].min(0), k64[b, h, a:e].max(0)
-                tot = 0.0
-                for g in range(G):
-                    qq = q64[b, h * G + g]
-                    tot += np.maximum(qq * mn, qq * mx).sum()
-                ref[b, h, p] = tot
-    npages = jnp.asarray(-(-lengths // page_size))
-    out = np.asarray(_tk.quest_page_scores_reference(q, kmin, kmax, npages), np.float64)
-    fin = np.isfinite(ref)
-    ok_inf = bool(np.all(np.isneginf(out[~fin])))
-    errs = dict(err_scores=rel_err(out[fin], ref[fin]) if ok_inf else float("inf"))
-    return _result(f"quest B{B} kv{n_kv} G{G} S{S} d{d} page{page_size}", "reference", errs,
-                   1e-5)
+                per_head = [np.maximum(q64[b, h * G + g] * mn, q64[b, h * G + g] * mx).sum()
+                            for g in range(G)]
+                ref[b, h, p] = _NP_REDUCE[group_reduce](per_head)
+    # with num_pages the pages past it are cut even where they hold keys (here: the last
+    # page of row 0); without, the empty pages alone give -inf
+    npages = -(-lengths // page_size)
+    if with_num_pages:
+        npages[0] = max(0, npages[0] - 1)
+        ref[0, :, npages[0]:] = -np.inf
+    np_arg = jnp.asarray(npages) if with_num_pages else None
+    if mode == "reference":
+        out = _tk.quest_page_scores_reference(q, kmin, kmax, np_arg, group_reduce=group_reduce)
+    else:
+        out = _tk.quest_page_scores_kernel(q, kmin, kmax, np_arg, group_reduce=group_reduce,
+                                           **_mode_kw(mode, kw))
+    return _check_scores(f"quest {group_reduce} B{B} kv{n_kv} G{G} S{S} d{d} page{page_size} "
+                         f"{dtype} np{int(with_num_pages)}", mode, out, ref,
+                         np.isfinite(ref), 1e-5)
 
 
 def np_hata_encode(x64, w64):
@@ -311,7 +336,8 @@ def np_hata_encode(x64, w64):
     return (bits << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
 
 
-def check_hata(B=2, n_kv=2, G=4, S=100, d=64, r=128, seed=0, with_norm=True):
+def check_hata(B=2, n_kv=2, G=4, S=100, d=64, r=128, seed=0, with_norm=True,
+               group_reduce="sum", lengths=None, mode="reference", **kw):
     rng = np.random.default_rng(seed)
     H = n_kv * G
     q, q64 = _rand(rng, (B, H, d), "float32")
@@ -328,7 +354,9 @@ def check_hata(B=2, n_kv=2, G=4, S=100, d=64, r=128, seed=0, with_norm=True):
     j = int(rng.integers(0, r))
     layout_ok = bool(((int(qc_ref[0, 0, j // 32]) >> (j % 32)) & 1) == int(proj[j] > 0))
     kn = np.linalg.norm(k64, axis=-1) if with_norm else None
-    lengths = np.array([S, 7][:B], np.int32)
+    if lengths is None:
+        lengths = [S, 7] + [S // 2] * max(0, B - 2)
+    lengths = np.asarray(lengths[:B], np.int32)
     ham = np.zeros((B, n_kv, G, S))
     for b in range(B):
         for h in range(n_kv):
@@ -338,40 +366,63 @@ def check_hata(B=2, n_kv=2, G=4, S=100, d=64, r=128, seed=0, with_norm=True):
     sc = r - ham
     if with_norm:
         sc = sc * kn[:, :, None]
-    ref = sc.sum(2)
-    out = np.asarray(_tk.hata_scores_reference(
-        qc, kc, jnp.asarray(lengths), k_norm=None if kn is None else jnp.asarray(kn, jnp.float32)),
-        np.float64)
-    vm = np.broadcast_to(np.arange(S)[None, None] < lengths[:, None, None], out.shape)
-    ok_inf = bool(np.all(np.isneginf(out[~vm])))
-    errs = dict(err_scores=rel_err(out[vm], ref[vm]) if ok_inf else float("inf"))
-    r_ = _result(f"hata B{B} kv{n_kv} G{G} S{S} d{d} r{r} norm{int(with_norm)}", "reference",
-                 errs, 1e-5)
+    ref = _NP_REDUCE[group_reduce](sc, axis=2)
+    args = (qc, kc, jnp.asarray(lengths))
+    kn_arg = None if kn is None else jnp.asarray(kn, jnp.float32)
+    if mode == "reference":
+        out = _tk.hata_scores_reference(*args, k_norm=kn_arg, group_reduce=group_reduce)
+    else:
+        out = _tk.hata_scores_kernel(*args, k_norm=kn_arg, group_reduce=group_reduce,
+                                     **_mode_kw(mode, kw))
+    valid = np.arange(S)[None, None] < lengths[:, None, None]
+    pc = kw.get("popcount", "")
+    r_ = _check_scores(f"hata {group_reduce} B{B} kv{n_kv} G{G} S{S} d{d} r{r} "
+                       f"norm{int(with_norm)} {pc}".rstrip(), mode, out, ref, valid, 1e-5)
     r_["ok"] = r_["ok"] and codes_ok and layout_ok
     return r_
 
 
-def check_tokenselect(B=2, n_kv=2, G=4, S=120, d=64, shared=False, seed=0):
+def check_popcount(seed=0):
+    """popcount_swar (the Triton-safe fallback) == lax.population_count == NumPy, on
+    random words and the edge patterns (0, 1, sign bit, all ones)."""
+    rng = np.random.default_rng(seed)
+    x = np.concatenate([rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32),
+                        np.array([0, 1, 0x80000000, 0xFFFFFFFF, 0x7FFFFFFF], np.uint32)])
+    want = np.unpackbits(x.view(np.uint8).reshape(-1, 4), axis=-1).sum(-1)
+    got_u = np.asarray(_tk.popcount_swar(jnp.asarray(x)))
+    got_i = np.asarray(_tk.popcount_swar(jnp.asarray(x.view(np.int32))))
+    native = np.asarray(jax.lax.population_count(jnp.asarray(x.view(np.int32))))
+    ok = bool(np.array_equal(got_u, want) and np.array_equal(got_i, want)
+              and np.array_equal(native, want))
+    return _result("popcount swar/native vs numpy", "reference", {}, 1.0) | {"ok": ok}
+
+
+def check_tokenselect(B=2, n_kv=2, G=4, S=120, d=64, shared=False, dtype="float32",
+                      lengths=None, mode="reference", seed=0, **kw):
     rng = np.random.default_rng(seed)
     H = n_kv * G
-    q, q64 = _rand(rng, (B, H, d), "float32")
-    k, k64 = _rand(rng, (B, n_kv, S, d), "float32")
-    lengths = np.array([S, 9][:B], np.int32)
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, k64 = _rand(rng, (B, n_kv, S, d), dtype)
+    if lengths is None:
+        lengths = [S, 9] + list(rng.integers(1, S + 1, max(0, B - 2)))
+    lengths = np.asarray(lengths[:B], np.int32)
     s = np.einsum("bhgd,bhsd->bhgs", q64.reshape(B, n_kv, G, d), k64) * d ** -0.5
     valid = np.arange(S)[None, None, None] < lengths[:, None, None, None]
     s = np.where(valid, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p = p / p.sum(-1, keepdims=True)
+    mx = s.max(-1, keepdims=True)
+    p = np.where(valid, np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
     vote = p.sum(2)
     if shared:
         vote = np.broadcast_to(vote.sum(1, keepdims=True), vote.shape)
-    out = np.asarray(_tk.tokenselect_scores_reference(q, k, jnp.asarray(lengths),
-                                                      shared=shared), np.float64)
-    vm = np.broadcast_to(valid[:, :, 0], out.shape)
-    ok_inf = bool(np.all(np.isneginf(out[~vm])))
-    errs = dict(err_scores=rel_err(out[vm], vote[vm]) if ok_inf else float("inf"))
-    return _result(f"tokenselect B{B} kv{n_kv} G{G} S{S} shared{int(shared)}", "reference",
-                   errs, 1e-5)
+    L = jnp.asarray(lengths)
+    if mode == "reference":
+        out = _tk.tokenselect_scores_reference(q, k, L, shared=shared)
+    else:
+        out = _tk.tokenselect_scores_kernel(q, k, L, shared=shared, **_mode_kw(mode, kw))
+    tol = 1e-5 if dtype == "float32" else 1e-4  # bf16 products are exact in fp32
+    return _check_scores(f"tokenselect B{B} kv{n_kv} G{G} S{S} d{d} shared{int(shared)} "
+                         f"{dtype}", mode, out, vote, valid[:, :, 0], tol)
 
 
 def check_select(B=3, n_kv=2, N=300, k=40, num_sink=4, num_recent=16, page_size=1, seed=0):
@@ -493,6 +544,36 @@ def kernel_cases(full=False):
                           else [(g, d, dt, red) for g in GROUPS for d in HEAD_DIMS
                                 for dt in DTYPES for red in ("sum", "max")]):
         cases.append((check_scores_exact, dict(G=g, d=d, dtype=dt, group_reduce=red)))
+    if full:
+        # every group x head dim x dtype (x code width x popcount for HATA); the other
+        # options (reduction, page size, num_pages, norm, shared) cycle along
+        reds = ("sum", "max", "mean")
+        qu = [dict(G=g, d=d, dtype=dt, group_reduce=reds[i % 3], page_size=(16, 32)[i % 2],
+                   with_num_pages=bool(i % 4 < 2))
+              for i, (g, d, dt) in enumerate((g, d, dt) for g in GROUPS for d in HEAD_DIMS
+                                             for dt in DTYPES)]
+        ha = [dict(G=g, r=r, with_norm=bool(i % 2), group_reduce=reds[i % 3], popcount=pc)
+              for i, (g, r, pc) in enumerate((g, r, pc) for g in GROUPS
+                                             for r in (32, 64, 96, 128, 256)
+                                             for pc in ("native", "swar"))]
+        ts = [dict(G=g, d=d, dtype=dt, shared=bool(i % 2), S=333)
+              for i, (g, d, dt) in enumerate((g, d, dt) for g in GROUPS for d in HEAD_DIMS
+                                             for dt in DTYPES)]
+    else:
+        qu = [dict(), dict(G=1, d=128, page_size=32, dtype="bfloat16", group_reduce="max",
+                           with_num_pages=False),
+              dict(G=4, d=80, S=200, page_size=8, group_reduce="mean", block_p=16)]
+        ha = [dict(), dict(G=7, r=64, with_norm=False, group_reduce="max"),
+              dict(B=3, G=3, r=96, group_reduce="mean", lengths=[100, 0, 55], popcount="swar",
+                   block_s=32),
+              dict(G=1, r=32, popcount="swar")]
+        ts = [dict(), dict(G=3, d=80, dtype="bfloat16", shared=True),
+              dict(B=3, G=1, d=96, S=300, lengths=[300, 0, 57], block_s=32, num_splits=3,
+                   block_v=64),
+              dict(G=3, d=128, S=70, shared=True, block_s=16, num_splits=2)]
+    cases += [(check_quest, kw) for kw in qu]
+    cases += [(check_hata, kw) for kw in ha]
+    cases += [(check_tokenselect, kw) for kw in ts]
     for d, gs, dt, g in ([(128, 64, "float32", 4), (64, 64, "bfloat16", 3)] if not full else
                          [(d, gs, dt, g) for d in (64, 128) for gs in (32, 64) for dt in DTYPES
                           for g in (1, 4, 7)]):
@@ -501,8 +582,8 @@ def kernel_cases(full=False):
 
 
 def reference_cases(full=False):
-    cases = [(fn, kw) for fn, kw in kernel_cases(full)
-             if "num_splits" not in kw and "block_s" not in kw]
+    launch = ("num_splits", "block_s", "block_p", "block_v", "popcount")
+    cases = [(fn, kw) for fn, kw in kernel_cases(full) if not any(a in kw for a in launch)]
     if not full:  # the default run: two shapes per reference (the kernels cover all)
         picked, count = [], {}
         for fn, kw in cases:
@@ -512,9 +593,7 @@ def reference_cases(full=False):
         cases = picked
     cases += [
         (check_merge, dict(dtype="float32")), (check_merge, dict(dtype="bfloat16")),
-        (check_quest, dict()), (check_quest, dict(G=1, d=128, page_size=32)),
-        (check_hata, dict()), (check_hata, dict(G=7, r=64, with_norm=False)),
-        (check_tokenselect, dict()), (check_tokenselect, dict(shared=True, G=3)),
+        (check_popcount, dict()),
         (check_select, dict()), (check_select, dict(page_size=16, N=30, k=8)),
         (check_quantize, dict()), (check_quantize, dict(shape=(4, 96), group_size=32)),
         (check_int4_decode, dict(d=96, group_size=32)),
@@ -553,6 +632,14 @@ def gpu_cases():
                 add(check_recompute, dict(d=d, dtype=dt, bias=b, rope=True, T=77, H=256))
             add(check_int4_decode, dict(d=d, dtype=dt, G=8, group_size=64))
             add(check_int4_decode, dict(d=d, dtype=dt, G=1, group_size=32))
+    for d in HEAD_DIMS:
+        for dt in DTYPES:
+            add(check_quest, dict(G=4, d=d, dtype=dt, S=1000, page_size=16))
+            add(check_tokenselect, dict(G=4, d=d, dtype=dt, S=333))
+            add(check_tokenselect, dict(G=7, d=d, dtype=dt, S=333, shared=True))
+    for r in (32, 64, 96, 128, 256):
+        for pc in ("native", "swar"):
+            add(check_hata, dict(G=4, r=r, S=333, popcount=pc))
     # long sequences / many splits / batch
     add(check_decode, dict(B=4, n_kv=8, G=4, d=128, dtype="bfloat16", S=5000,
                            lengths=[5000, 1, 4097, 63]))
@@ -562,11 +649,19 @@ def gpu_cases():
                            page_size=16, with_lengths=True))
     add(check_recompute, dict(B=2, T=300, H=1024, n_kv=4, d=128, dtype="bfloat16"))
     add(check_int4_decode, dict(B=2, n_kv=8, G=4, d=128, dtype="bfloat16", S=4000))
+    add(check_quest, dict(B=2, n_kv=8, G=4, d=128, S=8192, page_size=16))
+    add(check_hata, dict(B=2, n_kv=8, G=4, S=8192, r=128, lengths=[8192, 5000]))
+    add(check_hata, dict(B=2, n_kv=8, G=4, S=8192, r=128, lengths=[8192, 5000],
+                         popcount="swar"))
+    add(check_tokenselect, dict(B=4, n_kv=8, G=4, d=128, dtype="bfloat16", S=5000,
+                                lengths=[5000, 1, 4097, 0]))
+    add(check_tokenselect, dict(B=1, n_kv=8, G=4, d=128, dtype="bfloat16", S=8192,
+                                shared=True))
     return cases
 
 
 KERNEL_FNS = (check_decode, check_sparse, check_recompute, check_scores_exact,
-              check_int4_decode)
+              check_int4_decode, check_quest, check_hata, check_tokenselect)
 
 
 def run_case(fn, kw, mode):

@@ -6,6 +6,14 @@ relevant, -inf for invalid positions (>= lengths or >= num_pages). ``select_topk
 turns them into (indices [B, n_kv, K] int32 sorted ascending, num_valid [B, n_kv]
 int32) ready for :func:`kvoffload.ops.sparse_attention`.
 
+Every score function has a pure-jnp ``*_reference`` and a Pallas (Triton) ``*_kernel`` of
+the same signature (plus ``interpret``, ``poison`` and launch parameters): exact q.K
+scores, Quest page bounds (two fp32 matmuls on the sign-split query), HATA Hamming scores
+(xor + popcount on int32 words; ``popcount="swar"`` is a shift/mask fallback) and the
+TokenSelect soft vote (exact, two passes: logits + per-split softmax statistics, then
+the merged statistics normalise the logits). All tiles are powers of two; other sizes
+are padded in registers with masked loads and stores.
+
 HATA packed sign codes
 ----------------------
 A code of r bits (r a multiple of 32) for a vector x and projection W [d, r] is
@@ -24,8 +32,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.pallas.common import (
+    MASK_VALUE,
     NEG_INF,
     cdiv,
+    choose_splits,
     default_scale,
     dot,
     load,
@@ -33,21 +43,43 @@ from kvoffload.pallas.common import (
     pallas_call,
     triton_params,
 )
+from kvoffload.pallas.decode_attention import cdiv_traced, load_padded, store_padded
 
 # ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
 
 
+def _check_group_reduce(group_reduce):
+    if group_reduce not in ("sum", "max", "mean"):
+        raise ValueError(f"group_reduce must be sum|max|mean, got {group_reduce!r}")
+
+
 def _reduce_group(s, group_reduce):
     """s [B, n_kv, G, N] -> [B, n_kv, N]."""
-    if group_reduce == "sum":
-        return jnp.sum(s, axis=2)
+    _check_group_reduce(group_reduce)
+    return {"sum": jnp.sum, "max": jnp.max, "mean": jnp.mean}[group_reduce](s, axis=2)
+
+
+def _reduce_group_rows(s, G, group_reduce):
+    """In-kernel twin of _reduce_group: reduce the first G rows of a row-padded tile
+    s [Gp, N] (rows >= G are padding and ignored) -> [N]."""
+    gmask = (jnp.arange(s.shape[0]) < G)[:, None]
     if group_reduce == "max":
-        return jnp.max(s, axis=2)
-    if group_reduce == "mean":
-        return jnp.mean(s, axis=2)
-    raise ValueError(f"group_reduce must be sum|max|mean, got {group_reduce!r}")
+        return jnp.max(jnp.where(gmask, s, -jnp.inf), axis=0)
+    r = jnp.sum(jnp.where(gmask, s, 0.0), axis=0)
+    return r / G if group_reduce == "mean" else r
+
+
+def _load_rows(ref, start, block, row_ok, c, cp, other):
+    """Load rows start..start+block (masked by row_ok) of a [N, c] ref as a [block, cp]
+    tile (cp = c padded to a power of two; padded columns read as ``other``)."""
+    if cp == c:
+        return load(ref.at[pl.ds(start, block), :], mask=row_ok[:, None], other=other)
+    rows = start + jnp.arange(block, dtype=jnp.int32)
+    cols = jnp.arange(cp, dtype=jnp.int32)
+    msk = row_ok[:, None] & (cols < c)[None, :]
+    return load(ref.at[rows[:, None], cols[None, :]], mask=msk, other=other)
 
 
 def _valid_mask(lengths, N, B):
@@ -84,18 +116,12 @@ def _scores_kernel(len_ref, q_ref, k_ref, o_ref, *, scale, block_s, d, dp, G, gr
     msk = row_ok[:, None] & (cols < d)[None, :]
     kb = load(k_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
     s = dot(q_ref[...], kb, trans_b=True) * scale  # [Gp, bs]
-    gmask = (jnp.arange(s.shape[0]) < G)[:, None]
-    if group_reduce == "max":
-        r = jnp.max(jnp.where(gmask, s, -jnp.inf), axis=0)
-    else:
-        r = jnp.sum(jnp.where(gmask, s, 0.0), axis=0)
-        if group_reduce == "mean":
-            r = r / G
-    o_ref[...] = jnp.where(row_ok, r, -jnp.inf)
+    o_ref[...] = jnp.where(row_ok, _reduce_group_rows(s, G, group_reduce), -jnp.inf)
 
 
 def topk_scores_exact_kernel(q, k, lengths=None, *, scale=None, group_reduce="sum",
                              interpret=False, poison=False, block_s=128, num_warps=4):
+    _check_group_reduce(group_reduce)
     B, H, d = q.shape
     _, n_kv, S, _ = k.shape
     G = H // n_kv
@@ -169,6 +195,68 @@ def quest_page_scores_reference(q, kmin, kmax, num_pages=None, *, group_reduce="
     return jnp.where(_valid_mask(num_pages, P, B), s, NEG_INF)
 
 
+def _quest_kernel(np_ref, q_ref, lo_ref, hi_ref, o_ref, *, block_p, P, G, Gp, d, dp,
+                  group_reduce):
+    # np_ref [1]; q_ref [G, d]; lo_ref, hi_ref [P, d]; o_ref [block_p]
+    j = pl.program_id(2)
+    start = j * block_p
+    rows = start + jnp.arange(block_p, dtype=jnp.int32)
+    row_ok = rows < jnp.minimum(np_ref[0], P)
+    lo = _load_rows(lo_ref, start, block_p, row_ok, d, dp, 0.0).astype(jnp.float32)
+    hi = _load_rows(hi_ref, start, block_p, row_ok, d, dp, 0.0).astype(jnp.float32)
+    empty = jnp.max(jnp.where(lo > hi, 1.0, 0.0), axis=1) > 0.0  # min=+inf, max=-inf pages
+    lo = jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0)
+    hi = jnp.where(jnp.abs(hi) < jnp.inf, hi, 0.0)
+    q = load_padded(q_ref, Gp, dp, G, d).astype(jnp.float32)
+    # max(q*lo, q*hi) = max(q, 0)*hi + min(q, 0)*lo for lo <= hi: two fp32 matmuls
+    s = (dot(jnp.maximum(q, 0.0), hi, trans_b=True)
+         + dot(jnp.minimum(q, 0.0), lo, trans_b=True))  # [Gp, block_p]
+    r = _reduce_group_rows(s, G, group_reduce)
+    o_ref[...] = jnp.where(row_ok & jnp.logical_not(empty), r, -jnp.inf)
+
+
+def quest_page_scores_kernel(q, kmin, kmax, num_pages=None, *, group_reduce="sum",
+                             interpret=False, poison=False, block_p=None, num_warps=4):
+    """Pallas (Triton) Quest page bounds; same semantics as the reference.
+
+    One program per (batch, kv head, block of pages): the group's queries (fp32) against
+    a [block_p, d] tile of kmin and kmax, as max(q,0) @ kmax^T + min(q,0) @ kmin^T
+    (exact for kmin <= kmax), reduced over the group; empty pages (kmin > kmax, e.g.
+    +inf/-inf from ``quest_page_minmax``) and pages >= num_pages give -inf."""
+    _check_group_reduce(group_reduce)
+    B, H, d = q.shape
+    _, n_kv, P, _ = kmin.shape
+    G = H // n_kv
+    dp = max(16, next_pow2(d))
+    Gp = max(16, next_pow2(G))
+    if block_p is None:
+        block_p = 64 if dp <= 128 else 32
+    block_p = min(block_p, max(16, next_pow2(P)))
+    n_blocks = cdiv(P, block_p)
+    if num_pages is None:
+        num_pages = jnp.full((B,), P, jnp.int32)
+    qg = q.reshape(B, n_kv, G, d)
+    kernel = functools.partial(_quest_kernel, block_p=block_p, P=P, G=G, Gp=Gp, d=d, dp=dp,
+                               group_reduce=group_reduce)
+    page_spec = pl.BlockSpec((None, None, P, d), lambda b, h, j: (b, h, 0, 0))
+    out = pallas_call(
+        kernel, poison=poison,
+        grid=(B, n_kv, n_blocks),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, j: (b,)),
+            pl.BlockSpec((None, None, G, d), lambda b, h, j: (b, h, 0, 0)),
+            page_spec,
+            page_spec,
+        ],
+        out_specs=pl.BlockSpec((None, None, block_p), lambda b, h, j: (b, h, j)),
+        out_shape=jax.ShapeDtypeStruct((B, n_kv, n_blocks * block_p), jnp.float32),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="kvo_quest_page_scores",
+    )(jnp.asarray(num_pages, jnp.int32), qg, kmin, kmax)
+    return out[:, :, :P]
+
+
 # ----------------------------------------------------------------------------
 # HATA Hamming scores on packed sign codes
 # ----------------------------------------------------------------------------
@@ -210,6 +298,106 @@ def hata_scores_reference(q_codes, k_codes, lengths=None, *, k_norm=None, group_
     return jnp.where(_valid_mask(lengths, S, B), s, NEG_INF)
 
 
+def popcount_swar(x):
+    """Population count of int32/uint32 words with shifts, masks and one multiply only
+    (the SWAR bit trick); wraps modulo 2**32, so it is exact for every bit pattern."""
+    x = x.astype(jnp.int32)
+    sr = jax.lax.shift_right_logical
+    x = x - (sr(x, jnp.int32(1)) & jnp.int32(0x55555555))
+    x = (x & jnp.int32(0x33333333)) + (sr(x, jnp.int32(2)) & jnp.int32(0x33333333))
+    x = (x + sr(x, jnp.int32(4))) & jnp.int32(0x0F0F0F0F)
+    return sr(x * jnp.int32(0x01010101), jnp.int32(24))
+
+
+def _popcount(x, popcount):
+    if popcount == "native":  # int32 -> libdevice __nv_popc in the Triton lowering
+        return jax.lax.population_count(x)
+    if popcount == "swar":
+        return popcount_swar(x)
+    raise ValueError(f"popcount must be native|swar, got {popcount!r}")
+
+
+def _hata_kernel(len_ref, q_ref, k_ref, *rest, block_s, S, G, W, Wp, r_bits, with_norm,
+                 group_reduce, popcount):
+    # len_ref [1]; q_ref [G, Wp] int32 (zero-padded words); k_ref [S, W] int32;
+    # n_ref [S] (with_norm); o_ref [block_s]
+    n_ref, o_ref = rest if with_norm else (None, rest[0])
+    j = pl.program_id(2)
+    start = j * block_s
+    rows = start + jnp.arange(block_s, dtype=jnp.int32)
+    row_ok = rows < jnp.minimum(len_ref[0], S)
+    kb = _load_rows(k_ref, start, block_s, row_ok, W, Wp, 0)  # [block_s, Wp] int32
+    nrm = load(n_ref.at[rows], mask=row_ok, other=0.0).astype(jnp.float32) if with_norm else None
+    acc = None
+    for g in range(G):  # static: G is small, each head is a [block_s, Wp] xor + popcount
+        ham = jnp.sum(_popcount(jnp.bitwise_xor(kb, q_ref[g, :][None, :]), popcount), axis=1)
+        s = (r_bits - ham).astype(jnp.float32)
+        if with_norm:
+            s = s * nrm
+        if acc is None:
+            acc = s
+        elif group_reduce == "max":
+            acc = jnp.maximum(acc, s)
+        else:
+            acc = acc + s
+    if group_reduce == "mean":
+        acc = acc / G
+    o_ref[...] = jnp.where(row_ok, acc, -jnp.inf)
+
+
+def hata_scores_kernel(q_codes, k_codes, lengths=None, *, k_norm=None, group_reduce="sum",
+                       interpret=False, poison=False, block_s=None, popcount="native",
+                       num_warps=4):
+    """Pallas (Triton) HATA scores; same semantics as the reference.
+
+    One program per (batch, kv head, block of keys): a [block_s, W] tile of key codes
+    (bit-cast to int32, which the Triton popcount takes), xor with each query head's
+    code, popcount (``popcount="native"``: lax.population_count -> __nv_popc;
+    ``"swar"``: shifts/masks/multiply only), summed over words, times the key norm,
+    reduced over the group."""
+    _check_group_reduce(group_reduce)  # (a bad popcount name raises while tracing)
+    B, H, W = q_codes.shape
+    _, n_kv, S, _ = k_codes.shape
+    G = H // n_kv
+    Wp = max(2, next_pow2(W))
+    if block_s is None:
+        block_s = 256
+    block_s = min(block_s, max(16, next_pow2(S)))
+    n_blocks = cdiv(S, block_s)
+    if lengths is None:
+        lengths = jnp.full((B,), S, jnp.int32)
+    def as_i32(x):  # same bits; the Triton popcount takes int32
+        return x if x.dtype == jnp.int32 else jax.lax.bitcast_convert_type(x, jnp.int32)
+
+    qc = as_i32(q_codes).reshape(B, n_kv, G, W)
+    if Wp != W:
+        qc = jnp.pad(qc, ((0, 0), (0, 0), (0, 0), (0, Wp - W)))
+    with_norm = k_norm is not None
+    kernel = functools.partial(_hata_kernel, block_s=block_s, S=S, G=G, W=W, Wp=Wp,
+                               r_bits=32 * W, with_norm=with_norm, group_reduce=group_reduce,
+                               popcount=popcount)
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, h, j: (b,)),
+        pl.BlockSpec((None, None, G, Wp), lambda b, h, j: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, S, W), lambda b, h, j: (b, h, 0, 0)),
+    ]
+    args = [jnp.asarray(lengths, jnp.int32), qc, as_i32(k_codes)]
+    if with_norm:
+        in_specs.append(pl.BlockSpec((None, None, S), lambda b, h, j: (b, h, 0)))
+        args.append(k_norm)
+    out = pallas_call(
+        kernel, poison=poison,
+        grid=(B, n_kv, n_blocks),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, block_s), lambda b, h, j: (b, h, j)),
+        out_shape=jax.ShapeDtypeStruct((B, n_kv, n_blocks * block_s), jnp.float32),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="kvo_hata_scores",
+    )(*args)
+    return out[:, :, :S]
+
+
 # ----------------------------------------------------------------------------
 # TokenSelect soft vote
 # ----------------------------------------------------------------------------
@@ -237,6 +425,150 @@ def tokenselect_scores_reference(q, k, lengths=None, *, scale=None, shared=False
     if shared:
         vote = jnp.broadcast_to(jnp.sum(vote, axis=1, keepdims=True), vote.shape)
     return jnp.where(valid[:, :, 0], vote, NEG_INF)
+
+
+def _ts_logits_kernel(len_ref, q_ref, k_ref, s_ref, m_ref, l_ref, *, scale, block_s,
+                      blocks_per_split, d, dp, S, G, Gp):
+    # pass 1, one program per (batch, kv head, split of the keys).
+    # len_ref [1]; q_ref [G, d]; k_ref [S, d]; s_ref [G, chunk] logits of this split;
+    # m_ref, l_ref [G]: running max and sum of exp(s - max) over this split's valid keys.
+    from jax.experimental.pallas import triton as plgpu
+
+    split = pl.program_id(2)
+    length = jnp.minimum(len_ref[0], S)
+    chunk_start = split * (blocks_per_split * block_s)
+    n_valid = jnp.clip(cdiv_traced(length - chunk_start, block_s), 0, blocks_per_split)
+    q = load_padded(q_ref, Gp, dp, G, d).astype(k_ref.dtype)
+    grow = jnp.arange(Gp, dtype=jnp.int32)
+
+    def body(i, carry):
+        m, l = carry
+        start = chunk_start + i * block_s
+        row_ok = start + jnp.arange(block_s, dtype=jnp.int32) < length
+        kb = _load_rows(k_ref, start, block_s, row_ok, d, dp, 0.0)
+        s = dot(q, kb, trans_b=True) * scale  # [Gp, block_s] f32
+        cols = i * block_s + jnp.arange(block_s, dtype=jnp.int32)
+        plgpu.store(s_ref.at[grow[:, None], cols[None, :]], s, mask=(grow < G)[:, None])
+        s = jnp.where(row_ok[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(row_ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        return m_new, l * jnp.exp(m - m_new) + jnp.sum(p, axis=1)
+
+    m0 = jnp.full((Gp,), MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((Gp,), jnp.float32)
+    m, l = jax.lax.fori_loop(0, n_valid, body, (m0, l0))
+    store_padded(m_ref, m, G)
+    store_padded(l_ref, l, G)
+
+
+def _ts_vote_kernel(len_ref, s_ref, m_ref, l_ref, o_ref, *, block_s, S, NS, NSp, R, Rp):
+    # pass 2, one program per (batch, kv head or all heads, block of keys).
+    # s_ref [R, S_pad] logits of the R query heads voting here; m_ref, l_ref [NS, R]
+    # per-split stats, merged exactly here; o_ref [block_s] = sum over the R heads of
+    # exp(s - m) / l.
+    j = pl.program_id(2)
+    length = jnp.minimum(len_ref[0], S)
+    srow = jnp.arange(NSp, dtype=jnp.int32)
+    rrow = jnp.arange(Rp, dtype=jnp.int32)
+    smask = (srow < NS)[:, None] & (rrow < R)[None, :]
+    ms = load(m_ref.at[srow[:, None], rrow[None, :]], mask=smask, other=MASK_VALUE)
+    ls = load(l_ref.at[srow[:, None], rrow[None, :]], mask=smask, other=0.0)
+    m = jnp.max(ms, axis=0)  # [Rp]
+    l = jnp.sum(ls * jnp.exp(ms - m[None, :]), axis=0)
+    inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
+    cols = j * block_s + jnp.arange(block_s, dtype=jnp.int32)
+    col_ok = cols < length
+    msk = (rrow < R)[:, None] & col_ok[None, :]
+    s = load(s_ref.at[rrow[:, None], cols[None, :]], mask=msk, other=MASK_VALUE)
+    p = jnp.where(msk, jnp.exp(s - m[:, None]) * inv_l[:, None], 0.0)
+    o_ref[...] = jnp.where(col_ok, jnp.sum(p, axis=0), -jnp.inf)
+
+
+def tokenselect_scores_kernel(q, k, lengths=None, *, scale=None, shared=False,
+                              interpret=False, poison=False, block_s=None, num_splits=None,
+                              block_v=None, num_warps=4, num_stages=2, programs_per_sm=2):
+    """Pallas (Triton) TokenSelect soft vote, exact, in two passes.
+
+    Pass 1 (flash-decoding layout, grid batch x kv head x split): q.K logits of the
+    group's heads are written once ([B, H, S_pad] f32, H*4 bytes per key, vs d*2 bytes
+    of K) and each split keeps the softmax statistics (running max, sum of exp) per head.
+    Pass 2 (grid batch x kv head x key block; shared: batch x 1 x key block): each
+    program merges the per-split statistics of its heads exactly (max, then
+    sum l_i exp(m_i - m)), reads its logits and writes sum_heads exp(s - m) / l.
+    K is read once; nothing is approximated."""
+    B, H, d = q.shape
+    _, n_kv, S, _ = k.shape
+    G = H // n_kv
+    scale = default_scale(d, scale)
+    dp = max(16, next_pow2(d))
+    Gp = max(16, next_pow2(G))
+    if block_s is None:
+        block_s = 128 if dp <= 128 else 64
+    block_s = min(block_s, max(16, next_pow2(S)))
+    n_blocks = cdiv(S, block_s)
+    if num_splits is None:
+        num_splits = choose_splits(B, n_kv, n_blocks, programs_per_sm)
+    blocks_per_split = cdiv(n_blocks, num_splits)
+    NS = cdiv(n_blocks, blocks_per_split)
+    chunk = blocks_per_split * block_s
+    if lengths is None:
+        lengths = jnp.full((B,), S, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    qg = q.reshape(B, n_kv, G, d)
+    kernel1 = functools.partial(_ts_logits_kernel, scale=scale, block_s=block_s,
+                                blocks_per_split=blocks_per_split, d=d, dp=dp, S=S, G=G, Gp=Gp)
+    logits, m, l = pallas_call(
+        kernel1, poison=poison,
+        grid=(B, n_kv, NS),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, s: (b,)),
+            pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, G, None, chunk), lambda b, h, s: (b, h, 0, s, 0)),
+            pl.BlockSpec((None, None, None, G), lambda b, h, s: (b, s, h, 0)),
+            pl.BlockSpec((None, None, None, G), lambda b, h, s: (b, s, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, n_kv, G, NS, chunk), jnp.float32),
+            jax.ShapeDtypeStruct((B, NS, n_kv, G), jnp.float32),
+            jax.ShapeDtypeStruct((B, NS, n_kv, G), jnp.float32),
+        ],
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kvo_tokenselect_logits",
+    )(lengths, qg, k)
+    S_pad = NS * chunk
+    logits = logits.reshape(B, H, S_pad)  # free: row h*G+g, column split*chunk+c
+    m = m.reshape(B, NS, H)
+    l = l.reshape(B, NS, H)
+    R, NH = (H, 1) if shared else (G, n_kv)
+    Rp = max(16, next_pow2(R))
+    NSp = max(2, next_pow2(NS))
+    if block_v is None:
+        block_v = max(16, min(512, 4096 // Rp))
+    block_v = min(block_v, max(16, next_pow2(S)))
+    nb = cdiv(S, block_v)
+    kernel2 = functools.partial(_ts_vote_kernel, block_s=block_v, S=S, NS=NS, NSp=NSp, R=R,
+                                Rp=Rp)
+    out = pallas_call(
+        kernel2, poison=poison,
+        grid=(B, NH, nb),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, j: (b,)),
+            pl.BlockSpec((None, R, S_pad), lambda b, h, j: (b, h, 0)),
+            pl.BlockSpec((None, NS, R), lambda b, h, j: (b, 0, h)),
+            pl.BlockSpec((None, NS, R), lambda b, h, j: (b, 0, h)),
+        ],
+        out_specs=pl.BlockSpec((None, None, block_v), lambda b, h, j: (b, h, j)),
+        out_shape=jax.ShapeDtypeStruct((B, NH, nb * block_v), jnp.float32),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kvo_tokenselect_vote",
+    )(lengths, logits, m, l)
+    out = out[:, :, :S]
+    return jnp.broadcast_to(out, (B, n_kv, S)) if shared else out
 
 
 # ----------------------------------------------------------------------------
