@@ -195,3 +195,31 @@ def test_kernel_compiled_gpu(fn, kw):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     _assert(_run(fn, kw, "kernel"))
+
+
+@pytest.mark.parametrize("rope,bias", [(True, True), (False, False)])
+def test_recompute_kernel_gradient_is_reference_gradient(rope, bias):
+    """Training differentiates through ops.recompute_kv; the kernel path must give the
+    reference's gradients (its backward pass is the reference's vjp)."""
+    from kvoffload import ops
+
+    rng = np.random.default_rng(7)
+    B, T, H, n_kv, d = 1, 64, 32, 2, 32
+    x = jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32)
+    wk, wv = (jnp.asarray(rng.standard_normal((H, n_kv * d)) * 0.2, jnp.float32) for _ in range(2))
+    bk, bv = ((jnp.asarray(rng.standard_normal(n_kv * d), jnp.float32) for _ in range(2)) if bias else (None, None))
+    if rope:
+        ang = jnp.asarray(rng.uniform(0, 6, (B, T, d // 2)), jnp.float32)
+        cos, sin = jnp.cos(ang), jnp.sin(ang)
+    else:
+        cos = sin = None
+    tgt = jnp.asarray(rng.standard_normal((2, B, n_kv, T, d)), jnp.float32)
+
+    def loss(impl):
+        def f(x, wk):
+            k, v = ops.recompute_kv(x, wk, bk, wv, bv, cos, sin, n_kv=n_kv, impl=impl, interpret=True)
+            return jnp.sum(k * tgt[0]) + jnp.sum(v * v * tgt[1])
+        return jax.grad(f, argnums=(0, 1))(x, wk)
+
+    for got, want in zip(loss("kernel"), loss("reference")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

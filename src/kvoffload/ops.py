@@ -212,6 +212,26 @@ def _recompute_ref_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv):
     return _rc.recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos, sin, n_kv=n_kv)
 
 
+# The kernel has no autodiff rule; training (head importance, HATA) differentiates through the
+# model's K/V projection, so the kernel's backward pass is the reference's.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _recompute_kernel_diff(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret):
+    return _recompute_kernel_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret)
+
+
+def _recompute_kernel_fwd(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret):
+    out = _recompute_kernel_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret)
+    return out, (x, w_k, b_k, w_v, b_v, cos, sin)
+
+
+def _recompute_kernel_bwd(n_kv, interpret, residuals, cotangent):
+    _, vjp = jax.vjp(lambda *a: _recompute_ref_jit(*a, n_kv), *residuals)
+    return vjp(cotangent)
+
+
+_recompute_kernel_diff.defvjp(_recompute_kernel_fwd, _recompute_kernel_bwd)
+
+
 def recompute_kv(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, impl="auto",
                  interpret=False):
     """Recompute K, V from stored attention-input activations.
@@ -227,7 +247,7 @@ def recompute_kv(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, impl="auto"
     # an H200 at OPT-6.7B b64 T=1 that cost ~13 ms of a 22 ms step, where XLA's matmul reads W once.
     profitable = x.shape[1] >= RECOMPUTE_KERNEL_MIN_TOKENS
     if _use_kernel(impl, ok and profitable) and (ok or impl == "kernel"):
-        return _recompute_kernel_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret)
+        return _recompute_kernel_diff(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret)
     return _recompute_ref_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv)
 
 

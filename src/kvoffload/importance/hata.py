@@ -1,0 +1,422 @@
+"""HATA hash-code training: per layer and KV head a projection W [head_dim, r] whose sign codes rank keys
+for a query the way q.k does (Hamming similarity r - hamming(code(q), code(k))).
+
+Codes are produced by :func:`kvoffload.ops.hata_encode` (r bits packed into uint32 words, LSB first) and
+scored by :func:`kvoffload.ops.hata_scores` / :func:`kvoffload.ops.hamming_distance`: the trainer only
+learns W; the one encoder lives in ops.
+
+Training data: queries and post-RoPE keys of the model on long prompts (essay text), gathered per layer
+by a forward built from the family's layer functions. For each query, the causal keys' true scores q.k
+pick the top `top_frac` (10%) keys: those get graded positive weights (2 for the best, falling linearly
+to 1 at the cut-off, rescaled so the positives' total weight equals the negatives'), the other keys
+weight -1. The loss per (layer, KV head) is
+
+    sum_ij w_ij * dist(c(q_i), c(k_j)) / sum_ij |w_ij|              (weighted code distance)
+  + balance * mean_bits(mean_keys c(k))^2 (+ the same over queries)  (each bit half on)
+  + ortho * ||W W^T / (r/d) - I||_F^2 / d                           (decorrelated bits)
+
+with the relaxed code c(x) = 2 sigmoid(scale * sqrt(d) * (x/|x|) W) - 1 and dist = (1 - c.c'/r) / 2
+(the relaxed normalised Hamming distance). Optimiser: SGD with momentum (optax). The queries of a GQA
+group share their KV head's W (a query code is compared with that head's key codes).
+
+Output (same style as the importance trainer): out_dir/checkpoints/<step>/ (orbax train state),
+out_dir/hata/ (orbax {"w": [L, n_kv, d, r]}) and out_dir/hata.json (settings and recall numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+from kvoffload import ops
+from kvoffload.importance import gating
+from kvoffload.models.common import prefill_attention
+from kvoffload.models.transformer import family
+
+HATA_JSON = "hata.json"
+
+
+@dataclasses.dataclass
+class HataConfig:
+    bits: int = 128
+    top_frac: float = 0.1
+    steps: int = 300
+    lr: float = 0.5
+    momentum: float = 0.9
+    scale: float = 3.0
+    balance: float = 0.1
+    ortho: float = 0.1
+    num_prompts: int = 8  # training prompts
+    eval_prompts: int = 2  # held-out prompts (the eval text split)
+    prompt_length: int = 2048
+    queries_per_prompt: int = 64  # query positions sampled per prompt (from its second half)
+    seed: int = 0
+    out_dir: str | None = None
+    checkpoint_every: int = 50
+    log_every: int = 10
+    text_path: str | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_RESUME_FREE = {"steps", "out_dir", "checkpoint_every", "log_every", "eval_prompts"}
+
+
+class HataState(train_state.TrainState):
+    """Flax train state whose params are {"w": [L, n_kv, d, r]}."""
+
+
+@dataclasses.dataclass
+class QKSet:
+    """Queries grouped by KV head and all keys, per prompt and layer."""
+
+    q: np.ndarray  # [P, L, n_kv, G*Qp, d]
+    k: np.ndarray  # [P, L, n_kv, T, d]
+    qpos: np.ndarray  # [P, G*Qp] int32: each query's position (keys <= it are its candidates)
+
+
+# ------------------------------------------------------------------------------------- data
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _collect(cfg, params, stacked, tokens, qpos):
+    """tokens [B, T], qpos [Qp] -> q [L, B, nh, Qp, d] at qpos, k [L, B, nkv, T, d] (post-RoPE)."""
+    fam = family(cfg)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    lengths = jnp.full((b,), t, jnp.int32)
+    h = fam.embed(cfg, params, tokens, positions)
+
+    def body(h, lp):
+        x = fam.attn_input(cfg, lp, h)
+        q, k, v = fam.qkv(cfg, lp, x, positions)
+        o = prefill_attention(q, k, v, lengths)
+        return fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o)), (q[:, :, qpos], k)
+
+    _, (qs, ks) = jax.lax.scan(body, h, stacked)
+    return qs, ks
+
+
+def prompt_tokens(data, split: str, count: int, length: int, seed: int) -> np.ndarray:
+    """count windows of `length` tokens of the text split (train / eval), [count, length]."""
+    ids, _ = data._splits[split]
+    if len(ids) <= length:
+        raise ValueError(f"the {split} text has {len(ids)} tokens; prompts need {length}")
+    rng = np.random.default_rng([seed, 3, 0 if split == "train" else 1])
+    starts = rng.integers(0, len(ids) - length, size=count)
+    return np.stack([ids[s:s + length] for s in starts]).astype(np.int32)
+
+
+def collect_qk(model, tokens: np.ndarray, queries_per_prompt: int, seed: int = 0) -> QKSet:
+    """Runs the model on each prompt and keeps queries at sampled positions (second half) and all keys."""
+    cfg = model.config
+    p, t = tokens.shape
+    stacked = gating.stack_layers(model.params)
+    rng = np.random.default_rng([seed, 4, t])
+    qs, ks, qpos_all = [], [], []
+    for i in range(p):
+        pos = np.sort(rng.choice(np.arange(t // 2, t), size=min(queries_per_prompt, t - t // 2), replace=False))
+        q, k = _collect(cfg, model.params, stacked, jnp.asarray(tokens[i:i + 1]), jnp.asarray(pos, jnp.int32))
+        q = np.asarray(q[:, 0])  # [L, nh, Qp, d]
+        L, nh, qp, d = q.shape
+        g = cfg.group_size
+        qs.append(q.reshape(L, cfg.num_kv_heads, g * qp, d))  # query head h = kv * G + j
+        ks.append(np.asarray(k[:, 0]))
+        qpos_all.append(np.tile(pos, g).astype(np.int32))
+    return QKSet(np.stack(qs), np.stack(ks), np.stack(qpos_all))
+
+
+# ------------------------------------------------------------------------------------- loss
+def relaxed_code(x, w, scale):
+    """2 sigmoid(scale * sqrt(d) * (x / |x|) W) - 1 in (-1, 1)^r; its sign is hata_encode's bit."""
+    d = x.shape[-1]
+    xn = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+    z = jnp.sqrt(jnp.float32(d)) * (xn @ w)
+    return 2.0 * jax.nn.sigmoid(scale * z) - 1.0
+
+
+def pair_weights(q, k, qpos, top_frac):
+    """Label weights [Q, T]: graded positive (2 -> 1) on each query's true top ceil(top_frac * n) causal
+    keys, rescaled to the negatives' total; -1 on the other causal keys; 0 on future keys."""
+    t = k.shape[0]
+    kpos = jnp.arange(t)
+    valid = kpos[None, :] <= qpos[:, None]
+    s = jnp.where(valid, q @ k.T, -jnp.inf)
+    n = jnp.sum(valid, axis=-1)
+    kq = jnp.maximum(1, jnp.ceil(top_frac * n)).astype(jnp.int32)
+    rank = jnp.argsort(jnp.argsort(-s, axis=-1), axis=-1)  # 0 = best
+    top = valid & (rank < kq[:, None])
+    graded = 2.0 - rank.astype(jnp.float32) / kq[:, None].astype(jnp.float32)
+    pos = jnp.where(top, graded, 0.0)
+    neg = jnp.where(valid & ~top, 1.0, 0.0)
+    ratio = jnp.sum(neg, -1, keepdims=True) / jnp.maximum(jnp.sum(pos, -1, keepdims=True), 1e-6)
+    ratio = jnp.where(jnp.sum(neg, -1, keepdims=True) > 0, ratio, 1.0)
+    return jax.lax.stop_gradient(pos * ratio - neg)
+
+
+def head_loss(w, q, k, wts, *, scale, balance, ortho):
+    """Loss of one (layer, KV head): w [d, r], q [Q, d], k [T, d], wts [Q, T] (pair_weights: labels
+    depend only on q and k, so they are computed once per prompt, not per step)."""
+    d, r = w.shape
+    cq = relaxed_code(q, w, scale)
+    ck = relaxed_code(k, w, scale)
+    dist = 0.5 * (1.0 - (cq @ ck.T) / r)
+    sim_loss = jnp.sum(wts * dist) / jnp.maximum(jnp.sum(jnp.abs(wts)), 1e-6)
+    bal = jnp.mean(jnp.square(jnp.mean(ck, axis=0))) + jnp.mean(jnp.square(jnp.mean(cq, axis=0)))
+    gram = (w @ w.T) / (r / d)
+    orth = jnp.sum(jnp.square(gram - jnp.eye(d))) / d
+    total = sim_loss + balance * bal + ortho * orth
+    return total, (sim_loss, bal, orth)
+
+
+def make_hata_step(hcfg: HataConfig):
+    return _hata_step(hcfg.top_frac, hcfg.scale, hcfg.balance, hcfg.ortho)
+
+
+@functools.partial(jax.jit, static_argnames=("top_frac",))
+def prompt_weights(q, k, qpos, top_frac):
+    """pair_weights for every layer and KV head of one prompt: q [L, nkv, Q, d], k [L, nkv, T, d],
+    qpos [Q] -> [L, nkv, Q, T]."""
+    f = functools.partial(pair_weights, qpos=qpos, top_frac=top_frac)
+    return jax.vmap(jax.vmap(f))(q, k)
+
+
+@functools.lru_cache(maxsize=16)
+def _hata_step(top_frac, scale, balance, ortho):
+    del top_frac  # the labels come precomputed (prompt_weights)
+    hl = functools.partial(head_loss, scale=scale, balance=balance, ortho=ortho)
+    all_heads = jax.vmap(jax.vmap(hl))  # over layers, then KV heads
+
+    def loss_fn(w, q, k, wts):
+        tot, (s, b, o) = all_heads(w, q, k, wts)
+        return jnp.sum(tot), (jnp.mean(s), jnp.mean(b), jnp.mean(o))
+
+    @jax.jit
+    def step(state: HataState, q, k, wts):
+        (loss, (s, b, o)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params["w"], q, k, wts)
+        state = state.apply_gradients(grads={"w": g})
+        n = q.shape[0] * q.shape[1]
+        return state, {"loss": loss / n, "sim": s, "balance": b, "ortho": o}
+
+    return step
+
+
+def init_projection(cfg, bits: int, seed: int):
+    """Gaussian W [L, n_kv, d, r] with entries N(0, 1/d) (SimHash; the untrained baseline)."""
+    if bits % 32:
+        raise ValueError(f"bits must be a multiple of 32 (packed uint32 words), got {bits}")
+    d = cfg.head_dim
+    shape = (cfg.num_layers, cfg.num_kv_heads, d, bits)
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32) / np.sqrt(d)
+
+
+@functools.lru_cache(maxsize=16)
+def _sgd(lr: float, momentum: float):
+    return optax.sgd(lr, momentum=momentum)
+
+
+def create_state(cfg, hcfg: HataConfig) -> HataState:
+    w = init_projection(cfg, hcfg.bits, hcfg.seed)
+    tx = _sgd(float(hcfg.lr), float(hcfg.momentum))
+    return HataState.create(apply_fn=None, params={"w": w}, tx=tx)
+
+
+# ------------------------------------------------------------------------------------- recall
+@functools.partial(jax.jit, static_argnames=("top_frac",))
+def _recall_layer(w, q, k, qpos, key, top_frac):
+    """Recall of the true top keys by the code top keys for one layer: w [nkv, d, r], q [nkv, Q, d],
+    k [nkv, T, d] -> [nkv] mean recall. Codes via ops.hata_encode, distances via ops.hamming_distance;
+    integer ties broken at random."""
+    r = w.shape[-1]
+
+    def one(w, q, k, key):
+        t = k.shape[0]
+        kpos = jnp.arange(t)
+        valid = kpos[None, :] <= qpos[:, None]
+        n = jnp.sum(valid, -1)
+        kq = jnp.maximum(1, jnp.ceil(top_frac * n)).astype(jnp.int32)[:, None]
+        true = jnp.where(valid, q @ k.T, -jnp.inf)
+        qc = ops.hata_encode(q, w)  # [Q, W] uint32
+        kc = ops.hata_encode(k, w)  # [T, W]
+        ham = ops.hamming_distance(qc[:, None, :], kc[None, :, :])  # [Q, T]
+        jitter = jax.random.uniform(key, ham.shape, maxval=0.5)
+        hs = jnp.where(valid, (r - ham).astype(jnp.float32) + jitter, -jnp.inf)
+        rt = jnp.argsort(jnp.argsort(-true, -1), -1) < kq
+        rh = jnp.argsort(jnp.argsort(-hs, -1), -1) < kq
+        return jnp.mean(jnp.sum(rt & rh & valid, -1) / kq[:, 0])
+
+    keys = jax.random.split(key, w.shape[0])
+    return jax.vmap(one)(w, q, k, keys)
+
+
+def recall_per_layer(w, qk: QKSet, top_frac: float = 0.1, seed: int = 0) -> np.ndarray:
+    """Mean recall [L] of the true top-`top_frac` keys by the codes' top-`top_frac`, over prompts,
+    KV heads and queries."""
+    w = jnp.asarray(w)
+    P, L = qk.q.shape[:2]
+    out = np.zeros((P, L))
+    key = jax.random.key(seed + 17)
+    for p in range(P):
+        for l in range(L):
+            key, sub = jax.random.split(key)
+            rec = _recall_layer(w[l], jnp.asarray(qk.q[p, l]), jnp.asarray(qk.k[p, l]),
+                                jnp.asarray(qk.qpos[p]), sub, top_frac)
+            out[p, l] = float(jnp.mean(rec))
+    return out.mean(0)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _manager(out_dir: str, keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(os.path.join(os.path.abspath(out_dir), "checkpoints"),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+
+def save_projections(out_dir: str, w, cfg, hcfg: HataConfig, extra: dict | None = None):
+    """out_dir/hata (orbax {"w"}) and out_dir/hata.json."""
+    import orbax.checkpoint as ocp
+
+    out_dir = os.path.abspath(out_dir)
+    ck = ocp.StandardCheckpointer()
+    ck.save(os.path.join(out_dir, "hata"), {"w": np.asarray(w, np.float32)}, force=True)
+    ck.wait_until_finished()
+    doc = {"format": "kvoffload.hata/1", "bits": hcfg.bits, "num_layers": int(cfg.num_layers),
+           "num_kv_heads": int(cfg.num_kv_heads), "head_dim": int(cfg.head_dim),
+           "model_type": cfg.model_type, "settings": hcfg.to_json(),
+           "packing": "ops.hata_encode: bit j = (x @ W)_j > 0 in uint32 word j // 32 at bit j % 32"}
+    if extra:
+        doc.update(extra)
+    with open(os.path.join(out_dir, HATA_JSON), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def load_projections(path: str) -> np.ndarray:
+    """W [L, n_kv, d, r] from an output directory (or its `hata` orbax directory)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(os.path.join(path, "hata")):
+        path = os.path.join(path, "hata")
+    return np.asarray(ocp.StandardCheckpointer().restore(path)["w"], np.float32)
+
+
+def encode_keys(w_layer, k):
+    """Packed codes of k [B, n_kv, S, d] with w_layer [n_kv, d, r] -> uint32 [B, n_kv, S, r // 32]."""
+    return jax.vmap(ops.hata_encode, in_axes=(1, 0), out_axes=1)(k, w_layer)
+
+
+def encode_queries(w_layer, q, group_size: int):
+    """Packed codes of q [B, n_heads, d] (query head h uses W of KV head h // G) -> [B, n_heads, r // 32]."""
+    w_q = jnp.repeat(w_layer, group_size, axis=0)  # [n_heads, d, r]
+    return jax.vmap(ops.hata_encode, in_axes=(1, 0), out_axes=1)(q, w_q)
+
+
+# ------------------------------------------------------------------------------------ loop
+@dataclasses.dataclass
+class HataResult:
+    w: np.ndarray
+    losses: list
+    state: Any
+    recall_trained: np.ndarray | None
+    recall_random: np.ndarray | None
+    seconds: float
+
+
+def _log(msg, quiet):
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def train_hata(model, hcfg: HataConfig, *, data=None, train_qk: QKSet | None = None,
+               eval_qk: QKSet | None = None, evaluate: bool = True, quiet: bool = False,
+               stop_after: int | None = None) -> HataResult:
+    """Trains W for every layer and KV head; resumes from hcfg.out_dir's latest checkpoint."""
+    from kvoffload.importance.data import PasskeyData, text_from_file
+
+    cfg = model.config
+    t_start = time.time()
+    length = min(hcfg.prompt_length, cfg.max_position_embeddings)
+    if train_qk is None or (evaluate and eval_qk is None):
+        if data is None:
+            text = text_from_file(hcfg.text_path) if hcfg.text_path else None
+            data = PasskeyData(model.tokenizer, text, seed=hcfg.seed)
+    if train_qk is None:
+        _log(f"collecting queries/keys from {hcfg.num_prompts} prompts of {length} tokens", quiet)
+        train_qk = collect_qk(model, prompt_tokens(data, "train", hcfg.num_prompts, length, hcfg.seed),
+                              hcfg.queries_per_prompt, hcfg.seed)
+    state = create_state(cfg, hcfg)
+    mgr = None
+    if hcfg.out_dir:
+        os.makedirs(hcfg.out_dir, exist_ok=True)
+        cpath = os.path.join(hcfg.out_dir, "hata_config.json")
+        if os.path.exists(cpath):
+            with open(cpath) as f:
+                old = json.load(f)
+            diff = {k: (old.get(k), v) for k, v in hcfg.to_json().items()
+                    if k not in _RESUME_FREE and old.get(k) != v}
+            if diff:
+                raise ValueError(f"{hcfg.out_dir} holds a HATA run with different settings {diff}")
+        with open(cpath, "w") as f:
+            json.dump(hcfg.to_json(), f, indent=1)
+        mgr = _manager(hcfg.out_dir)
+        if mgr.latest_step() is not None:
+            import orbax.checkpoint as ocp
+
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), state)
+            state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(abstract))
+            _log(f"resumed HATA training from step {int(state.step)}", quiet)
+    step_fn = make_hata_step(hcfg)
+    P = train_qk.q.shape[0]
+    weights = [prompt_weights(jnp.asarray(train_qk.q[p]), jnp.asarray(train_qk.k[p]),
+                              jnp.asarray(train_qk.qpos[p]), hcfg.top_frac) for p in range(P)]
+    losses = []
+    end = hcfg.steps if stop_after is None else min(hcfg.steps, int(stop_after))
+    t0 = time.time()
+    for s in range(int(state.step), end):
+        p = int(np.random.default_rng([hcfg.seed, 5, s]).integers(P))  # deterministic prompt order
+        state, m = step_fn(state, jnp.asarray(train_qk.q[p]), jnp.asarray(train_qk.k[p]), weights[p])
+        m = {k: float(v) for k, v in m.items()}
+        losses.append(m["loss"])
+        if (s + 1) % hcfg.log_every == 0 or s + 1 == end:
+            _log(f"hata step {s + 1}/{hcfg.steps}  loss {m['loss']:.5f}  code-dist {m['sim']:.5f}  "
+                 f"balance {m['balance']:.4f}  ortho {m['ortho']:.4f}  {time.time() - t0:.1f}s", quiet)
+        if mgr is not None and ((s + 1) % hcfg.checkpoint_every == 0 or s + 1 == end):
+            import orbax.checkpoint as ocp
+
+            mgr.save(int(state.step), args=ocp.args.StandardSave(state), force=True)
+            mgr.wait_until_finished()
+    w = np.asarray(state.params["w"])
+    rec_t = rec_r = None
+    if evaluate and int(state.step) >= hcfg.steps:
+        if eval_qk is None:
+            _log(f"collecting held-out queries/keys from {hcfg.eval_prompts} prompts", quiet)
+            eval_qk = collect_qk(model, prompt_tokens(data, "eval", hcfg.eval_prompts, length, hcfg.seed),
+                                 hcfg.queries_per_prompt, hcfg.seed + 1)
+        rec_t = recall_per_layer(w, eval_qk, hcfg.top_frac)
+        rand = np.asarray(init_projection(cfg, hcfg.bits, hcfg.seed + 1000))
+        rec_r = recall_per_layer(rand, eval_qk, hcfg.top_frac)
+        _log("held-out recall of the true top-{:.0%} keys, trained vs random projections:".format(hcfg.top_frac), quiet)
+        for l in range(len(rec_t)):
+            _log(f"  layer {l:2d}: trained {rec_t[l]:.3f}  random {rec_r[l]:.3f}", quiet)
+        _log(f"  mean: trained {rec_t.mean():.3f}  random {rec_r.mean():.3f}", quiet)
+    if hcfg.out_dir and int(state.step) >= hcfg.steps:
+        extra = {"final_loss": losses[-1] if losses else None}
+        if rec_t is not None:
+            extra.update(recall_trained=[round(float(x), 4) for x in rec_t],
+                         recall_random=[round(float(x), 4) for x in rec_r],
+                         recall_trained_mean=round(float(rec_t.mean()), 4),
+                         recall_random_mean=round(float(rec_r.mean()), 4))
+        save_projections(hcfg.out_dir, w, cfg, hcfg, extra)
+        _log(f"projections written to {os.path.join(hcfg.out_dir, 'hata')}", quiet)
+    return HataResult(w, losses, state, rec_t, rec_r, time.time() - t_start)
