@@ -30,6 +30,8 @@ def _policy_options(args) -> dict:
         opts["offload_weights"] = True
     if args.split_point is not None:
         opts["split_point"] = args.split_point
+    if args.gpu_batches is not None:
+        opts["gpu_batches"] = args.gpu_batches
     if args.trace is not None:
         opts["trace"] = args.trace
     if args.profile is not None:
@@ -101,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--policy", default="full", help="KV policy (see `kvoffload generate --list-policies`)")
     g.add_argument("--schedule", choices=["row", "column"], default=None)
-    g.add_argument("--offload-weights", action="store_true")
+    g.add_argument("--offload-weights", action="store_true", help="offload/kvpr: stream weights layer by layer")
+    g.add_argument("--gpu-batches", type=int, default=None, help="offload/kvpr column schedule: GPU batches per step")
     g.add_argument("--split-point", type=int, default=None, help="kvpr: force the recompute split point l")
     g.add_argument("--profile", default=None, help="JSON profile written by `kvoffload profile`")
     g.add_argument("--trace", default=None, help="write a per-step trace (JSON) here")
