@@ -1,0 +1,154 @@
+"""``kvoffload eval ruler|longbench|ppl``: argument parsing and dispatch.
+
+The main CLI calls :func:`cli_main` with the arguments after ``eval``, or adds
+:func:`add_eval_arguments` to its own ``eval`` sub-parser and calls
+:func:`run_from_args` on the parsed namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+__all__ = ["add_eval_arguments", "run_from_args", "cli_main", "load_eval_model"]
+
+
+def _common(p: argparse.ArgumentParser, default_lengths: str | None, lengths_help: str):
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct); "
+                        "'tiny[:ARCH[:POSITIONS]]' for a tiny random-weight test model")
+    p.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16, float16")
+    p.add_argument("--policy", "--policies", dest="policy", action="append", default=None, metavar="P1,P2,...",
+                   help="policies to compare, each as name or name:key=value,key=value (repeatable; "
+                        "default: full). Any registered policy works: see `kvoffload.policies.available_policies()`")
+    p.add_argument("--lengths", default=default_lengths, help=lengths_help)
+    p.add_argument("--out", default=None, help="output directory (default: eval-out/<benchmark>)")
+    p.add_argument("--baseline", default="full", help="policy label the differences are taken from (default: full)")
+    p.add_argument("--resume", action="store_true", help="keep the results already in --out and skip those samples")
+    p.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
+    p.add_argument("--quiet", action="store_true", help="no per-sample progress lines")
+
+
+def _gen(p: argparse.ArgumentParser):
+    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="wrap prompts in the model's chat template: auto (when it has one), on, off")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per engine call (default 1)")
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the ``ruler`` / ``longbench`` / ``ppl`` sub-commands and their options to ``parser``."""
+    from .longbench import LONGBENCH_DATASETS
+    from .ruler import RULER_TASKS
+
+    sub = parser.add_subparsers(dest="eval_benchmark", metavar="{ruler,longbench,ppl}")
+    sub.required = True
+
+    r = sub.add_parser("ruler", help="RULER synthetic tasks (NVIDIA's generators) at given context lengths",
+                       description="RULER: " + ", ".join(RULER_TASKS))
+    _common(r, "4k", "context lengths in model tokens, prompt + answer (e.g. 4k,8k,16k; default 4k)")
+    _gen(r)
+    r.add_argument("--tasks", default="all", help="comma-separated RULER tasks, or 'all' (default)")
+    r.add_argument("--num-samples", type=int, default=20, help="samples per task and length (default 20)")
+    r.add_argument("--seed", type=int, default=42, help="RULER generator seed (default 42, RULER's own)")
+    r.add_argument("--save-inputs", action="store_true", help="also write the prompts to ruler_samples.jsonl")
+
+    lb = sub.add_parser("longbench", help="LongBench from the official jsonl files in a local directory")
+    _common(lb, None, "prompt token budgets, the prompt middle-truncated to each (default: the model's "
+                      "positions minus the largest answer budget)")
+    _gen(lb)
+    lb.add_argument("--data-dir", required=True, help="directory holding {dataset}.jsonl (official LongBench data)")
+    lb.add_argument("--datasets", default=None,
+                    help="comma-separated datasets (default: every known one in --data-dir); known: "
+                         + ",".join(LONGBENCH_DATASETS))
+    lb.add_argument("--limit", type=int, default=None, help="first N samples per dataset")
+    lb.add_argument("--e", "--longbench-e", dest="longbench_e", action="store_true",
+                    help="LongBench-E: read {dataset}_e.jsonl")
+
+    pp = sub.add_parser("ppl", help="sliding-window perplexity of a long text, per policy")
+    _common(pp, "2048", "numbers of text tokens to score (default 2048)")
+    pp.add_argument("--texts", default="essays",
+                    help="comma-separated: essays (RULER's Paul Graham essays), random (uniform random "
+                         "tokens, the baseline), file (--text-file). Default: essays")
+    pp.add_argument("--text-file", default=None, help="a UTF-8 text file to score (with --texts file)")
+    pp.add_argument("--window", type=int, default=None, help="tokens per window (default: min(length, positions))")
+    pp.add_argument("--stride", type=int, default=None, help="step between windows (default: window/2)")
+    pp.add_argument("--decode-tokens", type=int, default=None,
+                    help="score only the last N tokens of each window (the rest is prefilled context)")
+    pp.add_argument("--seed", type=int, default=0, help="seed of the random-token baseline")
+    return parser
+
+
+def load_eval_model(spec: str | None, dtype: str = "float32"):
+    """``None`` -> embedded default model; ``tiny[:arch[:positions]]`` -> tiny random model; else a path."""
+    from kvoffload.models import load_model, tiny_random_model
+
+    if spec is not None and (spec == "tiny" or spec.startswith("tiny:")):
+        parts = spec.split(":")
+        arch = parts[1] if len(parts) > 1 and parts[1] else "llama"
+        over = {"max_position_embeddings": int(parts[2])} if len(parts) > 2 else {}
+        return tiny_random_model(arch, seed=0, dtype=dtype, **over)
+    return load_model(spec, dtype=dtype)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Runs the benchmark a parsed namespace asks for; prints the summary table. Returns an exit code."""
+    from . import runner
+
+    bench = args.eval_benchmark
+    progress = None if args.quiet else sys.stderr
+    try:
+        specs = runner.parse_policies(args.policy or ["full"])
+        lengths = runner.parse_lengths(args.lengths) if args.lengths else None
+    except ValueError as e:
+        print(f"kvoffload eval: {e}", file=sys.stderr)
+        return 2
+    out = args.out or f"eval-out/{bench}"
+    model = load_eval_model(args.model, args.dtype)
+    try:
+        model.name = args.model or "embedded SmolLM2-135M-Instruct"
+    except AttributeError:  # pragma: no cover - a frozen model object
+        pass
+    common = dict(policies=specs, out_dir=out, resume=args.resume, progress=progress,
+                  baseline=args.baseline, plot=not args.no_plot)
+    try:
+        if bench == "ruler":
+            tasks = None if args.tasks in ("all", "", None) else [t.strip() for t in args.tasks.split(",") if t.strip()]
+            res = runner.run_ruler(model, tasks=tasks, lengths=lengths or [4096], num_samples=args.num_samples,
+                                   seed=args.seed, chat_template=args.chat_template, batch_size=args.batch_size,
+                                   save_inputs=args.save_inputs, **common)
+        elif bench == "longbench":
+            datasets = [d.strip() for d in args.datasets.split(",")] if args.datasets else None
+            res = runner.run_longbench(model, data_dir=args.data_dir, datasets=datasets, lengths=lengths,
+                                       limit=args.limit, longbench_e=args.longbench_e,
+                                       chat_template=args.chat_template, batch_size=args.batch_size, **common)
+        else:
+            texts = [t.strip() for t in args.texts.split(",") if t.strip()]
+            res = runner.run_perplexity(model, lengths=lengths or [2048], texts=texts, text_file=args.text_file,
+                                        window=args.window, stride=args.stride, decode_tokens=args.decode_tokens,
+                                        seed=args.seed, **common)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"kvoffload eval {bench}: {msg}", file=sys.stderr)
+        return 2
+    print(res.table)
+    print()
+    for k, v in res.files.items():
+        print(f"{k}: {v}")
+    if res.errors:
+        print(f"\n{len(res.errors)} error(s):", *res.errors, sep="\n  ", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """``kvoffload eval ...`` entry point: ``argv`` are the arguments after ``eval``."""
+    parser = argparse.ArgumentParser(prog="kvoffload eval",
+                                     description="Accuracy of KV policies: RULER, LongBench, perplexity")
+    add_eval_arguments(parser)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run_from_args(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(cli_main())

@@ -1,0 +1,603 @@
+"""Runs RULER, LongBench and perplexity over a list of KV policies on the same samples.
+
+Every policy sees exactly the same prompts (generated or loaded once per task and
+length); per-sample results go to ``{benchmark}_results.jsonl`` as they are made
+(``resume=True`` skips the ones already there), and the summary table and plot
+are written by :mod:`kvoffload.eval.report` at the end. The policy list is open:
+any name in ``kvoffload.policies.available_policies()`` works, with options
+(``topk:k=256,sink=4``), and a policy may appear several times under different
+options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence, TextIO
+
+import numpy as np
+
+__all__ = [
+    "PolicySpec",
+    "parse_policies",
+    "parse_lengths",
+    "EvalResult",
+    "run_ruler",
+    "run_longbench",
+    "run_perplexity",
+]
+
+
+# ------------------------------------------------------------------ policies & lengths
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One policy to evaluate: a registry name, its options, and the label shown in reports."""
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+    label: str = ""
+
+    @property
+    def options_dict(self) -> dict:
+        return dict(self.options)
+
+    def __post_init__(self):
+        if not self.label:
+            lab = self.name
+            if self.options:
+                lab += ":" + ",".join(f"{k}={_fmt_value(v)}" for k, v in self.options)
+            object.__setattr__(self, "label", lab)
+
+
+def _fmt_value(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def _parse_value(s: str):
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError:
+        return s
+
+
+def parse_policies(specs: str | Sequence[str], available: Sequence[str] | None = None) -> list[PolicySpec]:
+    """Parse ``"full,offload,topk:k=256,sink=4"`` (or a list of such strings) into PolicySpecs.
+
+    A segment with ``=`` and no ``:`` continues the options of the policy before it.
+    Values are JSON where they parse (numbers, booleans, lists), strings otherwise.
+    ``available``: the registered policy names (default: ``available_policies()``);
+    unknown names raise ValueError listing them.
+    """
+    if isinstance(specs, str):
+        specs = [specs]
+    groups: list[list[str]] = []
+    for spec in specs:
+        for seg in (s.strip() for s in spec.split(",")):
+            if not seg:
+                continue
+            if "=" in seg and ":" not in seg.split("=", 1)[0]:
+                if not groups:
+                    raise ValueError(f"policy option {seg!r} comes before any policy name")
+                groups[-1].append(seg)
+            else:
+                groups.append([seg])
+    if not groups:
+        raise ValueError("no policy given")
+    if available is None:
+        from kvoffload.policies import available_policies
+
+        available = available_policies()
+    out: list[PolicySpec] = []
+    for g in groups:
+        name, _, first = g[0].partition(":")
+        opts = []
+        for kv in ([first] if first else []) + g[1:]:
+            k, eq, v = kv.partition("=")
+            if not eq or not k.strip():
+                raise ValueError(f"bad policy option {kv!r} in {g[0]!r} (use name:key=value,key=value)")
+            opts.append((k.strip(), _parse_value(v.strip())))
+        name = name.strip()
+        if name not in available:
+            raise ValueError(f"unknown policy {name!r}; available: {', '.join(available)}")
+        spec = PolicySpec(name, tuple(opts))
+        if any(s.label == spec.label for s in out):
+            raise ValueError(f"policy {spec.label!r} is listed twice")
+        out.append(spec)
+    return out
+
+
+def parse_lengths(s: str | int | Sequence[str | int]) -> list[int]:
+    """``"4k,8K,16384"`` -> ``[4096, 8192, 16384]`` (k = 1024)."""
+    if isinstance(s, int):
+        return [s]
+    items = s.split(",") if isinstance(s, str) else list(s)
+    out = []
+    for it in items:
+        if isinstance(it, int):
+            out.append(it)
+            continue
+        t = it.strip().lower()
+        if not t:
+            continue
+        mult = 1
+        if t.endswith("k"):
+            mult, t = 1024, t[:-1]
+        elif t.endswith("m"):
+            mult, t = 1024 * 1024, t[:-1]
+        try:
+            v = int(float(t) * mult)
+        except ValueError:
+            raise ValueError(f"bad length {it!r} (use e.g. 4096, 4k, 32K)") from None
+        if v <= 0:
+            raise ValueError(f"length must be positive, got {it!r}")
+        out.append(v)
+    if not out:
+        raise ValueError("no length given")
+    return out
+
+
+# ------------------------------------------------------------------------- plumbing
+
+
+class _Progress:
+    def __init__(self, benchmark: str, total: int, stream: TextIO | None):
+        self.benchmark, self.total, self.stream = benchmark, total, stream
+        self.done, self.t0 = 0, time.time()
+
+    def step(self, msg: str, n: int = 1):
+        self.done += n
+        if self.stream is None:
+            return
+        el = time.time() - self.t0
+        eta = el / self.done * (self.total - self.done) if self.done else 0.0
+        print(f"[{self.benchmark} {self.done}/{self.total} {_hms(el)} eta {_hms(eta)}] {msg}",
+              file=self.stream, flush=True)
+
+    def note(self, msg: str):
+        if self.stream is not None:
+            print(f"[{self.benchmark}] {msg}", file=self.stream, flush=True)
+
+
+def _hms(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _sha(ids: Sequence[int]) -> str:
+    return hashlib.sha1(np.asarray(ids, np.int64).tobytes()).hexdigest()[:16]
+
+
+class _ResultsFile:
+    """Appends per-sample records; with resume, knows which were done before."""
+
+    def __init__(self, path: Path, resume: bool):
+        self.path = path
+        self.done: dict[tuple, dict] = {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resume and path.exists():
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut by a crash
+                    if "error" not in r:
+                        self.done[self.key(r)] = r
+        elif path.exists():
+            path.unlink()
+        self._f = open(path, "a", encoding="utf-8")
+
+    @staticmethod
+    def key(r: dict) -> tuple:
+        return (r.get("task"), r.get("length"), r.get("policy"), r.get("index"), r.get("prompt_sha"))
+
+    def write(self, r: dict):
+        self._f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        self._f.flush()
+
+    def close(self):
+        self._f.close()
+
+
+@dataclass
+class EvalResult:
+    """What a run produced: per-sample records, the summary rows and the files written."""
+
+    benchmark: str
+    records: list[dict]
+    summary: list[dict]
+    files: dict[str, str] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    table: str = ""
+
+
+def _engine_generate():
+    from kvoffload.engine import generate
+
+    return generate
+
+
+def _engine_logprobs():
+    from kvoffload.engine import teacher_forced_logprobs
+
+    return teacher_forced_logprobs
+
+
+def _resolve_chat(tok, chat_template: str | bool | None):
+    from .ruler import ChatWrapper
+
+    mode = {"auto": None, "on": True, "off": False, None: None, True: True, False: False}[chat_template]
+    return ChatWrapper.from_tokenizer(tok, mode)
+
+
+def _as_specs(policies) -> list[PolicySpec]:
+    if isinstance(policies, str) or (isinstance(policies, (list, tuple)) and policies and isinstance(policies[0], str)):
+        return parse_policies(policies)
+    return list(policies)
+
+
+def _max_positions(model) -> int:
+    return int(model.config.max_position_embeddings)
+
+
+def _generate_group(model, items: list[dict], spec: PolicySpec, generate_fn, batch_size: int,
+                    on_done: Callable[[dict, list[int], float], None]):
+    """Greedy generation for items (dicts with prompt_ids, max_new_tokens), batched by max_new_tokens."""
+    i = 0
+    while i < len(items):
+        batch = [items[i]]
+        while (len(batch) < batch_size and i + len(batch) < len(items)
+               and items[i + len(batch)]["max_new_tokens"] == batch[0]["max_new_tokens"]):
+            batch.append(items[i + len(batch)])
+        t0 = time.time()
+        outs = generate_fn(model, [b["prompt_ids"] for b in batch], batch[0]["max_new_tokens"],
+                           policy=spec.name, policy_options=spec.options_dict or None,
+                           temperature=0.0, stop_on_eos=True)
+        dt = (time.time() - t0) / len(batch)
+        for b, o in zip(batch, outs):
+            on_done(b, [int(t) for t in o], dt)
+        i += len(batch)
+
+
+def _finish(benchmark: str, records: list[dict], out_dir: Path, errors: list[str], t0: float,
+            meta: dict, progress: _Progress, baseline: str, plot: bool) -> EvalResult:
+    from . import report
+
+    summary = report.summarize(records, benchmark)
+    files = report.write_report(out_dir, benchmark, records, summary, meta=meta, baseline=baseline, plot=plot)
+    table = report.format_table(summary, benchmark, baseline=baseline)
+    res = EvalResult(benchmark, records, summary, files, errors, time.time() - t0, table)
+    progress.note(f"done in {_hms(res.seconds)}; results in {out_dir}")
+    return res
+
+
+def _meta(model, benchmark: str, specs: list[PolicySpec], extra: dict) -> dict:
+    import platform
+
+    m = {
+        "benchmark": benchmark,
+        "policies": [{"label": s.label, "name": s.name, "options": s.options_dict} for s in specs],
+        "model": getattr(model, "name", None) or getattr(getattr(model, "config", None), "name_or_path", None),
+        "max_position_embeddings": _max_positions(model),
+        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cpus",
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    try:
+        import jax
+
+        m["jax_backend"] = jax.default_backend()
+        m["devices"] = [str(d) for d in jax.devices()]
+    except Exception:  # pragma: no cover
+        pass
+    m.update(extra)
+    return m
+
+
+# ---------------------------------------------------------------------------- RULER
+
+
+def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[int] = (4096,),
+              policies: Sequence[PolicySpec] | str = "full", num_samples: int = 20, seed: int = 42,
+              out_dir: str | os.PathLike = "eval-out", chat_template: str | bool | None = "auto",
+              batch_size: int = 1, resume: bool = False, save_inputs: bool = False,
+              progress: TextIO | None = sys.stderr, baseline: str = "full", plot: bool = True,
+              generate_fn: Callable | None = None) -> EvalResult:
+    """RULER tasks x lengths x policies on the same samples; writes results, summary and plot."""
+    from . import ruler
+
+    t_start = time.time()
+    specs = _as_specs(policies)
+    tasks = list(tasks or ruler.RULER_TASKS)
+    for t in tasks:
+        ruler.task_config(t)  # unknown task -> KeyError now, not after an hour
+    lengths = [int(x) for x in lengths]
+    limit = _max_positions(model)
+    too_long = [L for L in lengths if L > limit]
+    if too_long:
+        raise ValueError(f"context length(s) {too_long} exceed the model's {limit} positions "
+                         f"(max_position_embeddings); RULER lengths count prompt + answer tokens")
+    tok = model.tokenizer
+    chat = _resolve_chat(tok, chat_template)
+    generate_fn = generate_fn or _engine_generate()
+    out = Path(out_dir)
+    rf = _ResultsFile(out / "ruler_results.jsonl", resume)
+    prog = _Progress("ruler", len(tasks) * len(lengths) * len(specs) * num_samples, progress)
+    prog.note(f"tasks={','.join(tasks)} lengths={lengths} policies={[s.label for s in specs]} "
+              f"samples={num_samples} chat_template={'on' if chat.enabled else 'off'}")
+    records: list[dict] = []
+    errors: list[str] = []
+    samples_file = open(out / "ruler_samples.jsonl", "w", encoding="utf-8") if save_inputs else None
+    # All samples first: a length too short for some task fails now, before hours of decoding.
+    all_items: dict[tuple, list[dict]] = {}
+    infeasible = []
+    for L in lengths:
+        for task in tasks:
+            t0 = time.time()
+            try:
+                samples = ruler.generate_samples(tok, task, L, num_samples, seed=seed, chat=chat)
+            except ValueError as e:
+                infeasible.append(str(e))
+                continue
+            prog.note(f"{task} L={L}: {len(samples)} samples generated in {time.time() - t0:.1f}s "
+                      f"(prompt tokens {min(len(s.prompt_ids) for s in samples)}-"
+                      f"{max(len(s.prompt_ids) for s in samples)})")
+            if samples_file:
+                for s in samples:
+                    samples_file.write(json.dumps(s.to_json(with_input=True), ensure_ascii=False) + "\n")
+            items = []
+            for s in samples:
+                if not save_inputs:
+                    s.input = ""  # keep memory flat at long lengths; the ids are what runs
+                items.append({"sample": s, "prompt_ids": s.prompt_ids, "max_new_tokens": s.max_new_tokens,
+                              "sha": _sha(s.prompt_ids)})
+            all_items[(task, L)] = items
+    if infeasible:
+        if samples_file:
+            samples_file.close()
+        rf.close()
+        raise ValueError("; ".join(infeasible))
+    try:
+        for L in lengths:
+            for task in tasks:
+                items = all_items[(task, L)]
+                for spec in specs:
+                    running: list[float] = []
+                    todo = []
+                    for it in items:
+                        s = it["sample"]
+                        key = (task, L, spec.label, s.index, it["sha"])
+                        if key in rf.done:
+                            r = rf.done[key]
+                            records.append(r)
+                            running.append(r["score"])
+                            prog.step(f"{task} L={L} {spec.label} #{s.index} (resumed) score={r['score']:.0f}")
+                        else:
+                            todo.append(it)
+
+                    def on_done(it, new_ids, dt, spec=spec, task=task, L=L, running=running):
+                        s = it["sample"]
+                        pred = tok.decode(new_ids, skip_special_tokens=True)
+                        score = ruler.score_sample(s.metric, pred, s.outputs)
+                        running.append(score)
+                        r = {"benchmark": "ruler", "task": task, "length": L, "policy": spec.label,
+                             "policy_name": spec.name, "policy_options": spec.options_dict, "index": s.index,
+                             "score": score, "metric": s.metric, "pred": pred, "outputs": s.outputs,
+                             "prompt_tokens": len(s.prompt_ids), "new_tokens": len(new_ids),
+                             "seconds": round(dt, 3), "prompt_sha": it["sha"], "seed": seed}
+                        rf.write(r)
+                        records.append(r)
+                        prog.step(f"{task} L={L} {spec.label} #{s.index} score={score:.0f} "
+                                  f"(mean {np.mean(running):.1f}) {dt:.1f}s")
+
+                    try:
+                        _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
+                    except Exception as e:  # one failing policy must not sink the others
+                        msg = f"{spec.label} failed on {task} L={L}: {type(e).__name__}: {e}"
+                        errors.append(msg)
+                        prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
+                        rf.write({"benchmark": "ruler", "task": task, "length": L, "policy": spec.label,
+                                  "error": msg})
+                        prog.done += len(todo) - (len(running) - (len(items) - len(todo)))
+    finally:
+        rf.close()
+        if samples_file:
+            samples_file.close()
+    meta = _meta(model, "ruler", specs, {"tasks": tasks, "lengths": lengths, "num_samples": num_samples,
+                                          "seed": seed, "chat_template": chat.enabled, "errors": errors})
+    return _finish("ruler", records, out, errors, t_start, meta, prog, baseline, plot)
+
+
+# ------------------------------------------------------------------------ LongBench
+
+
+def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str] | None = None,
+                  lengths: Sequence[int] | None = None, policies: Sequence[PolicySpec] | str = "full",
+                  limit: int | None = None, longbench_e: bool = False, out_dir: str | os.PathLike = "eval-out",
+                  chat_template: str | bool | None = "auto", batch_size: int = 1, resume: bool = False,
+                  progress: TextIO | None = sys.stderr, baseline: str = "full", plot: bool = True,
+                  generate_fn: Callable | None = None) -> EvalResult:
+    """LongBench datasets x prompt budgets (``lengths``, in tokens) x policies."""
+    from . import longbench as lb
+
+    t_start = time.time()
+    specs = _as_specs(policies)
+    data = lb.load_longbench(data_dir, datasets, longbench_e=longbench_e, limit=limit)
+    tok = model.tokenizer
+    chat = _resolve_chat(tok, chat_template)
+    limit_pos = _max_positions(model)
+    overhead = len(tok.encode(chat.wrap(""), add_special_tokens=False)) + 2 if chat.enabled else 2
+    if lengths is None:
+        lengths = [limit_pos - max(lb.DATASET2MAXLEN[d] for d in data) - overhead]
+    lengths = [int(x) for x in lengths]
+    for L in lengths:
+        bad = [d for d in data if L + lb.DATASET2MAXLEN[d] + overhead > limit_pos]
+        if bad:
+            worst = max(lb.DATASET2MAXLEN[d] for d in bad)
+            raise ValueError(f"prompt budget {L} + up to {worst} new tokens (+{overhead} template tokens) exceeds "
+                             f"the model's {limit_pos} positions for {', '.join(bad)}; use a budget <= "
+                             f"{limit_pos - worst - overhead}")
+    generate_fn = generate_fn or _engine_generate()
+    out = Path(out_dir)
+    rf = _ResultsFile(out / "longbench_results.jsonl", resume)
+    total = sum(len(v) for v in data.values()) * len(lengths) * len(specs)
+    prog = _Progress("longbench", total, progress)
+    prog.note(f"datasets={','.join(data)} budgets={lengths} policies={[s.label for s in specs]} "
+              f"chat_template={'on' if chat.enabled else 'off'}{' LongBench-E' if longbench_e else ''}")
+    records, errors = [], []
+    try:
+        for L in lengths:
+            for ds, samples in data.items():
+                items = []
+                for s in samples:
+                    _, ids, max_new = lb.build_prompt(tok, s, L, chat, max_positions=limit_pos)
+                    items.append({"sample": s, "prompt_ids": ids, "max_new_tokens": max_new, "sha": _sha(ids)})
+                for spec in specs:
+                    todo, running = [], []
+                    for it in items:
+                        key = (ds, L, spec.label, it["sample"].index, it["sha"])
+                        if key in rf.done:
+                            records.append(rf.done[key])
+                            running.append(rf.done[key]["score"])
+                            prog.step(f"{ds} L={L} {spec.label} #{it['sample'].index} (resumed)")
+                        else:
+                            todo.append(it)
+
+                    def on_done(it, new_ids, dt, spec=spec, ds=ds, L=L, running=running):
+                        s = it["sample"]
+                        pred = tok.decode(new_ids, skip_special_tokens=True)
+                        score = lb.score_sample(ds, pred, s.answers, s.all_classes)
+                        running.append(score)
+                        r = {"benchmark": "longbench", "task": ds, "length": L, "policy": spec.label,
+                             "policy_name": spec.name, "policy_options": spec.options_dict, "index": s.index,
+                             "_id": s.id, "score": score, "pred": pred, "answers": s.answers,
+                             "all_classes": s.all_classes, "sample_length": s.length,
+                             "prompt_tokens": len(it["prompt_ids"]), "new_tokens": len(new_ids),
+                             "seconds": round(dt, 3), "prompt_sha": it["sha"]}
+                        rf.write(r)
+                        records.append(r)
+                        prog.step(f"{ds} L={L} {spec.label} #{s.index} score={score:.1f} "
+                                  f"(mean {np.mean(running):.1f}) {dt:.1f}s")
+
+                    try:
+                        _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
+                    except Exception as e:
+                        msg = f"{spec.label} failed on {ds} L={L}: {type(e).__name__}: {e}"
+                        errors.append(msg)
+                        prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
+                        rf.write({"benchmark": "longbench", "task": ds, "length": L, "policy": spec.label,
+                                  "error": msg})
+    finally:
+        rf.close()
+    meta = _meta(model, "longbench", specs, {"datasets": list(data), "lengths": lengths, "limit": limit,
+                                              "longbench_e": longbench_e, "chat_template": chat.enabled,
+                                              "data_dir": str(data_dir), "errors": errors})
+    return _finish("longbench", records, out, errors, t_start, meta, prog, baseline, plot)
+
+
+# ----------------------------------------------------------------------- perplexity
+
+
+def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequence[PolicySpec] | str = "full",
+                   texts: Sequence[str] = ("essays",), text_file: str | os.PathLike | None = None,
+                   window: int | None = None, stride: int | None = None, decode_tokens: int | None = None,
+                   seed: int = 0, out_dir: str | os.PathLike = "eval-out", resume: bool = False,
+                   progress: TextIO | None = sys.stderr, baseline: str = "full", plot: bool = True,
+                   logprobs_fn: Callable | None = None) -> EvalResult:
+    """Sliding-window perplexity of the first ``length`` tokens of each text, per policy.
+
+    ``texts``: ``essays`` (RULER's Paul Graham essays), ``random`` (uniform random token
+    ids: the baseline), ``file`` (``text_file``). ``window`` defaults to
+    min(length, max positions), ``stride`` to ``window // 2``.
+    """
+    from . import perplexity as pp
+
+    t_start = time.time()
+    specs = _as_specs(policies)
+    tok = model.tokenizer
+    limit = _max_positions(model)
+    logprobs_fn = logprobs_fn or _engine_logprobs()
+    lengths = [int(x) for x in lengths]
+    sources: dict[str, Callable[[int], list[int]]] = {}
+    for t in texts:
+        if t == "essays":
+            from .ruler import essays_text
+
+            txt = essays_text()
+            sources["essays"] = lambda n, txt=txt: pp.text_tokens(tok, txt, n)
+        elif t == "random":
+            vocab = int(model.config.vocab_size)
+            sources["random"] = lambda n: pp.random_tokens(vocab, n, seed)
+        elif t == "file":
+            if text_file is None:
+                raise ValueError("texts include 'file' but no text file was given (--text-file)")
+            txt = Path(text_file).read_text(encoding="utf-8")
+            sources[Path(text_file).stem] = lambda n, txt=txt: pp.text_tokens(tok, txt, n)
+        else:
+            raise ValueError(f"unknown text {t!r}: use essays, random or file")
+    plans = []
+    for L in lengths:
+        w = min(window or L, L, limit)
+        if w > limit:
+            raise ValueError(f"window {w} exceeds the model's {limit} positions")
+        s = stride or max(1, w // 2)
+        n_win = sum(1 for _ in pp.sliding_windows(L, w, s, decode_tokens))
+        plans.append((L, w, s, n_win))
+    out = Path(out_dir)
+    rf = _ResultsFile(out / "ppl_results.jsonl", resume)
+    prog = _Progress("ppl", sum(p[3] for p in plans) * len(sources) * len(specs), progress)
+    prog.note(f"texts={list(sources)} lengths={lengths} policies={[s.label for s in specs]} "
+              f"windows={[(p[1], p[2]) for p in plans]}")
+    records, errors = [], []
+    try:
+        for (L, w, s, _), in zip(plans):
+            for name, src in sources.items():
+                ids = src(L)
+                sha = _sha(ids)
+                for spec in specs:
+                    key = (name, L, spec.label, 0, sha)
+                    if key in rf.done:
+                        records.append(rf.done[key])
+                        prog.step(f"{name} L={L} {spec.label} (resumed) ppl={rf.done[key]['ppl']:.2f}",
+                                  n=rf.done[key].get("windows", 1))
+                        continue
+                    t0 = time.time()
+
+                    def lp_fn(toks, prefix_len, spec=spec):
+                        return logprobs_fn(model, list(toks), prefix_len, policy=spec.name,
+                                           policy_options=spec.options_dict or None)
+
+                    def on_window(win, lp, spec=spec, name=name, L=L):
+                        prog.step(f"{name} L={L} {spec.label} window [{win.begin},{win.end}) "
+                                  f"ppl={math.exp(-float(np.mean(lp))):.2f}")
+
+                    try:
+                        res = pp.perplexity(ids, lp_fn, w, s, decode_tokens, on_window=on_window)
+                    except Exception as e:
+                        msg = f"{spec.label} failed on {name} L={L}: {type(e).__name__}: {e}"
+                        errors.append(msg)
+                        prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
+                        rf.write({"benchmark": "ppl", "task": name, "length": L, "policy": spec.label,
+                                  "error": msg})
+                        continue
+                    r = {"benchmark": "ppl", "task": name, "length": L, "policy": spec.label,
+                         "policy_name": spec.name, "policy_options": spec.options_dict, "index": 0,
+                         "score": res.ppl, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
+                         "windows": res.windows, "window": w, "stride": s, "decode_tokens": decode_tokens,
+                         "seconds": round(time.time() - t0, 3), "prompt_sha": sha}
+                    rf.write(r)
+                    records.append(r)
+    finally:
+        rf.close()
+    meta = _meta(model, "ppl", specs, {"texts": list(sources), "lengths": lengths, "window": window,
+                                        "stride": stride, "decode_tokens": decode_tokens, "errors": errors})
+    return _finish("ppl", records, out, errors, t_start, meta, prog, baseline, plot)
