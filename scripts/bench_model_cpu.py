@@ -45,7 +45,7 @@ def main():
     import numpy as np
 
     from kvoffload.models import load_model
-    from kvoffload.models.transformer import dense_cache_from_prefill, dense_decode_step, prefill
+    from kvoffload.models.transformer import dense_cache_from_prefill, dense_decode, prefill
 
     model = load_model(None, quiet=True)
     cfg, params = model.config, model.params
@@ -57,13 +57,15 @@ def main():
         t0 = time.perf_counter()
         out = jax.block_until_ready(prefill(cfg, params, toks, lens))
         pre = time.perf_counter() - t0
-        cache = dense_cache_from_prefill(out[1], out[2], lens, t + args.decode_steps + 8)
+        cache = dense_cache_from_prefill(out[1], out[2], lens, t + args.decode_steps + 64)
         tok = jnp.argmax(out[0], -1).astype(jnp.int32)
-        logits, cache = dense_decode_step(cfg, params, cache, tok)  # compile
+        logits, cache, n = dense_decode(cfg, params, cache, tok, 0)
+        for _ in range(cache.tail_slots):  # compile the step and the tail flush
+            logits, cache, n = dense_decode(cfg, params, cache, jnp.argmax(logits, -1).astype(jnp.int32), n)
         jax.block_until_ready(logits)
         t0 = time.perf_counter()
         for _ in range(args.decode_steps):
-            logits, cache = dense_decode_step(cfg, params, cache, jnp.argmax(logits, -1).astype(jnp.int32))
+            logits, cache, n = dense_decode(cfg, params, cache, jnp.argmax(logits, -1).astype(jnp.int32), n)
         jax.block_until_ready(logits)
         dec = (time.perf_counter() - t0) / args.decode_steps
         rows.append((t, t / pre, 1 / dec, dec * 1000))

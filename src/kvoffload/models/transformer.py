@@ -2,7 +2,7 @@
 embed, attn_input, qkv, recompute_kv, attn_out, post_attention, logits.
 
 `prefill` runs a (right-padded, per-sequence-length) prompt batch and returns each layer's K, V and,
-on request, its attention-input activations X (what KVPR and HybridServe store). `dense_decode_step`
+on request, its attention-input activations X (what KVPR and HybridServe store). `dense_decode`
 is the `full` policy's step: the dense on-device cache goes in and the new cache comes out.
 """
 
@@ -127,7 +127,7 @@ def dense_flush(cache: DenseKVCache) -> DenseKVCache:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def dense_decode_step(cfg: ModelConfig, params, cache: DenseKVCache, tokens):
+def _dense_decode_step(cfg: ModelConfig, params, cache: DenseKVCache, tokens):
     """One decode step of the `full` policy. tokens [B] -> (logits [B, V], new cache).
     The tail must have a free slot (tail_len < tail_slots): call dense_flush when it is full."""
     fam = family(cfg)
@@ -158,5 +158,5 @@ def dense_decode(cfg: ModelConfig, params, cache: DenseKVCache, tokens, tail_cou
     host so no device value is read. Returns (logits, cache, new tail_count)."""
     if tail_count == cache.tail_slots:
         cache, tail_count = dense_flush(cache), 0
-    logits, cache = dense_decode_step(cfg, params, cache, tokens)
+    logits, cache = _dense_decode_step(cfg, params, cache, tokens)
     return logits, cache, tail_count + 1
