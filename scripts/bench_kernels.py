@@ -461,7 +461,7 @@ def bench_tokenselect(ceil, quick):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--only", default=None, help="comma list of: decode,int4,sparse,recompute,"
                     "scores,quest,hata,tokenselect")
     ap.add_argument("--no-sweep", action="store_true", help="skip launch-parameter sweeps")

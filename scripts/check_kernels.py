@@ -162,7 +162,7 @@ def lower_only_checks():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--full", action="store_true", help="exhaustive sweep")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--interpret", action="store_true",
                     help="run the kernels in Pallas interpret mode (= --modes "
                          "reference,interpret; for CPU)")

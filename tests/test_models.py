@@ -1,6 +1,5 @@
 """Numerics of every model family against the HF PyTorch implementation (tiny random weights, fp32)."""
 
-import json
 import os
 
 import jax.numpy as jnp
