@@ -75,6 +75,32 @@ def to_device_memory(x):
     return jax.device_put(x, x.sharding.with_memory_kind("device"))
 
 
+def online_softmax_init(rows: int):
+    """(running max, running sum) before the first key block of an online softmax."""
+    return jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+
+
+def online_softmax_step(m, l, s, row_ok):
+    """One key block of the online softmax (flash attention's update). s [R, block] scores,
+    row_ok [block] valid keys. Returns (m_new, l_new, p, alpha): p are the block's unnormalised
+    probabilities (0 on invalid keys), alpha rescales what was accumulated so far."""
+    s = jnp.where(row_ok[None, :], s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(row_ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+    return m_new, l * alpha + jnp.sum(p, axis=1), p, alpha
+
+
+def decode_tiles(d: int, G: int, S: int, block_s: int | None = None):
+    """Power-of-two tile sizes of the decode-style kernels: (padded head dim, padded group rows,
+    key block). H200 sweep (BENCHMARKS.md): key block 128 was best for head dims up to 128."""
+    dp = max(16, next_pow2(d))
+    Gp = max(16, next_pow2(G))
+    if block_s is None:
+        block_s = 128 if dp <= 128 else 64
+    return dp, Gp, min(block_s, max(16, next_pow2(S)))
+
+
 def softmax_stats_to_out(acc, l, m):
     """acc/l with l == 0 -> 0; lse = m + log(l), -inf where l == 0."""
     safe_l = jnp.where(l > 0, l, 1.0)

@@ -19,16 +19,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.pallas.common import (
-    MASK_VALUE,
     NEG_INF,
     cdiv,
     choose_splits,
+    decode_tiles,
     default_scale,
     dot,
     load,
-    next_pow2,
-    softmax_stats_to_out,
+    online_softmax_init,
+    online_softmax_step,
     pallas_call,
+    softmax_stats_to_out,
     triton_params,
 )
 
@@ -137,22 +138,14 @@ def _decode_kernel(
             kb = load(k_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
             vb = load(v_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
         s = dot(q, kb, trans_b=True) * scale  # [Gp, bs]
-        s = jnp.where(row_ok[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        p = jnp.where(row_ok[None, :], p, 0.0)
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        m_new, l_new, p, alpha = online_softmax_step(m, l, s, row_ok)
         acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
         return acc, m_new, l_new
 
-    acc0 = jnp.zeros((Gp, dp), jnp.float32)
-    m0 = jnp.full((Gp,), MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((Gp,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, n_valid, body, (acc0, m0, l0))
-    safe_l = jnp.where(l > 0, l, 1.0)
-    o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
+    acc, m, l = jax.lax.fori_loop(0, n_valid, body, (jnp.zeros((Gp, dp), jnp.float32), *online_softmax_init(Gp)))
+    out, lse = softmax_stats_to_out(acc, l, m)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def load_padded(ref, R, C, r, c):
@@ -248,12 +241,8 @@ def decode_attention_kernel(
     _, n_kv, S, _ = k.shape
     G = H // n_kv
     scale = default_scale(d, scale)
-    dp = max(16, next_pow2(d))
-    Gp = max(16, next_pow2(G))
-    if block_s is None:
-        # H200 sweep (BENCHMARKS.md): block 128 / 4 warps / 2 programs per SM was best
-        block_s = 128 if dp <= 128 else 64
-    block_s = min(block_s, max(16, next_pow2(S)))
+    # H200 sweep (BENCHMARKS.md): block 128 / 4 warps / 2 programs per SM was best
+    dp, Gp, block_s = decode_tiles(d, G, S, block_s)
     if num_splits is None:
         num_splits = choose_splits(B, n_kv, cdiv(S, block_s), programs_per_sm)
     n_blocks = cdiv(S, block_s)

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.pallas.common import (
-    MASK_VALUE,
     NEG_INF,
     cdiv,
     choose_splits,
@@ -33,6 +32,8 @@ from kvoffload.pallas.common import (
     dot_split,
     load,
     next_pow2,
+    online_softmax_init,
+    online_softmax_step,
     pallas_call,
     triton_params,
 )
@@ -173,11 +174,7 @@ def _int4_kernel(len_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref, vm_ref,
                                   trans_b=True) * kstep[g][None, :]
         for g in range(n_groups):
             s = s + qsum[g][:, None] * kmn[g][None, :]
-        s = jnp.where(row_ok[None, :], s * scale, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(row_ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        m_new, l_new, p, alpha = online_softmax_step(m, l, s * scale, row_ok)
         vstep = [load(vs_ref.at[rsl, jnp.int32(g)], mask=row_ok, other=0.0)
                  for g in range(n_groups)]
         vmn = [load(vm_ref.at[rsl, jnp.int32(g)], mask=row_ok, other=0.0)
@@ -194,9 +191,7 @@ def _int4_kernel(len_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref, vm_ref,
         return tuple(new_lo), tuple(new_hi), m_new, l_new
 
     z = tuple(jnp.zeros((Gp, w), jnp.float32) for _ in offs)
-    m0 = jnp.full((Gp,), MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((Gp,), jnp.float32)
-    acc_lo, acc_hi, m, l = jax.lax.fori_loop(0, n_valid, body, (z, z, m0, l0))
+    acc_lo, acc_hi, m, l = jax.lax.fori_loop(0, n_valid, body, (z, z, *online_softmax_init(Gp)))
     safe_l = jnp.where(l > 0, l, 1.0)
     for off, al, ah in zip(offs, acc_lo, acc_hi):
         o_ref[:, pl.ds(off, w)] = (al / safe_l[:, None]).astype(o_ref.dtype)

@@ -20,15 +20,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.pallas.common import (
-    MASK_VALUE,
-    NEG_INF,
     cdiv,
     choose_splits,
     default_scale,
     dot,
     load,
     next_pow2,
+    online_softmax_init,
+    online_softmax_step,
     pallas_call,
+    softmax_stats_to_out,
     triton_params,
 )
 from kvoffload.pallas.decode_attention import _attend_masked, merge_splits
@@ -99,21 +100,15 @@ def _sparse_kernel(
         kb = load(k_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
         vb = load(v_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
         s = dot(q, kb, trans_b=True) * scale
-        s = jnp.where(row_ok[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(row_ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        m_new, l_new, p, alpha = online_softmax_step(m, l, s, row_ok)
         acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
         return acc, m_new, l_new
 
-    acc0 = jnp.zeros((Gp, dp), jnp.float32)
-    m0 = jnp.full((Gp,), MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((Gp,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, blocks_per_split, body, (acc0, m0, l0))
-    safe_l = jnp.where(l > 0, l, 1.0)
-    o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
+    acc, m, l = jax.lax.fori_loop(0, blocks_per_split, body,
+                                  (jnp.zeros((Gp, dp), jnp.float32), *online_softmax_init(Gp)))
+    out, lse = softmax_stats_to_out(acc, l, m)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def sparse_attention_kernel(

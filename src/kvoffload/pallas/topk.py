@@ -36,10 +36,13 @@ from kvoffload.pallas.common import (
     NEG_INF,
     cdiv,
     choose_splits,
+    decode_tiles,
     default_scale,
     dot,
     load,
     next_pow2,
+    online_softmax_init,
+    online_softmax_step,
     pallas_call,
     triton_params,
 )
@@ -449,14 +452,10 @@ def _ts_logits_kernel(len_ref, q_ref, k_ref, s_ref, m_ref, l_ref, *, scale, bloc
         s = dot(q, kb, trans_b=True) * scale  # [Gp, block_s] f32
         cols = i * block_s + jnp.arange(block_s, dtype=jnp.int32)
         plgpu.store(s_ref.at[grow[:, None], cols[None, :]], s, mask=(grow < G)[:, None])
-        s = jnp.where(row_ok[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(row_ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        return m_new, l * jnp.exp(m - m_new) + jnp.sum(p, axis=1)
+        m_new, l_new, _, _ = online_softmax_step(m, l, s, row_ok)
+        return m_new, l_new
 
-    m0 = jnp.full((Gp,), MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((Gp,), jnp.float32)
-    m, l = jax.lax.fori_loop(0, n_valid, body, (m0, l0))
+    m, l = jax.lax.fori_loop(0, n_valid, body, online_softmax_init(Gp))
     store_padded(m_ref, m, G)
     store_padded(l_ref, l, G)
 
@@ -500,11 +499,7 @@ def tokenselect_scores_kernel(q, k, lengths=None, *, scale=None, shared=False,
     _, n_kv, S, _ = k.shape
     G = H // n_kv
     scale = default_scale(d, scale)
-    dp = max(16, next_pow2(d))
-    Gp = max(16, next_pow2(G))
-    if block_s is None:
-        block_s = 128 if dp <= 128 else 64
-    block_s = min(block_s, max(16, next_pow2(S)))
+    dp, Gp, block_s = decode_tiles(d, G, S, block_s)
     n_blocks = cdiv(S, block_s)
     if num_splits is None:
         num_splits = choose_splits(B, n_kv, n_blocks, programs_per_sm)
