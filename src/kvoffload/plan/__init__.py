@@ -1,7 +1,19 @@
-"""Planning: the profiler (measures the machine), cost-model fits, and the KVPR split-point scheduler."""
+"""Planning: the profiler (measures the machine), cost-model fits, memory planning of the block pool,
+and the schedulers (KVPR's split point)."""
 
-from kvoffload.plan.cost import CostModel, LayerShape, Linear, layer_terms, predict_step  # noqa: F401
+from kvoffload.plan.cost import CostModel, LayerShape, LayerWork, Linear, layer_terms, predict_layers, predict_step  # noqa: F401
+from kvoffload.plan.memory import (  # noqa: F401
+    MemoryPlan,
+    MemoryPlanError,
+    PoolPlan,
+    check_memory,
+    check_pool,
+    plan_pool,
+    pool_memory,
+    weight_bytes,
+)
 from kvoffload.plan.split import SplitPlan, SplitProblem, brute_force, bucket_candidates, choose_split  # noqa: F401
 
-__all__ = ["CostModel", "LayerShape", "Linear", "layer_terms", "predict_step", "SplitPlan", "SplitProblem", "brute_force",
-           "bucket_candidates", "choose_split"]
+__all__ = ["CostModel", "LayerShape", "LayerWork", "Linear", "layer_terms", "predict_layers", "predict_step", "MemoryPlan",
+           "MemoryPlanError", "PoolPlan", "check_memory", "check_pool", "plan_pool", "pool_memory", "weight_bytes",
+           "SplitPlan", "SplitProblem", "brute_force", "bucket_candidates", "choose_split"]

@@ -130,22 +130,51 @@ class LayerShape:
                    w_layer=w_layer, w_kv=w_kv)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerWork:
+    """One GPU batch's share of one layer of a decode step, as the policy plans it: what crosses PCIe
+    (bytes and how many arrays: each pays the transfer intercept) and what the GPU does."""
+
+    batch: int
+    bytes_kv: float = 0.0  # K/V fetched
+    bytes_x: float = 0.0  # activations fetched (to recompute from)
+    transfers: int = 0  # arrays moved
+    recompute_tokens: int = 0  # tokens whose K/V are recomputed from X
+    attended_tokens: int = 0  # tokens attended per sequence, summed over the batch (every source)
+
+
+def predict_layers(cost: CostModel, shape: LayerShape, works, *, offload_weights: bool = False,
+                   layers: int = 1) -> dict:
+    """Times of `layers` decode layers, each doing `works` (one LayerWork per GPU batch): transfers of
+    layer i+1 overlap compute of layer i, so a layer costs max(PCIe time, GPU time)."""
+    w_b = shape.w_layer if offload_weights else 0.0
+    x_b = sum(w.bytes_x for w in works)
+    kv_b = sum(w.bytes_kv for w in works)
+    n = sum(w.transfers for w in works) + (2 if offload_weights else 0)
+    moved = x_b + kv_b + w_b
+    transfer = 0.0 if moved <= 0 else max(1, n) * cost.h2d.intercept + cost.h2d.slope * moved
+    recompute = sum(cost.recompute(w.recompute_tokens * shape.recompute_flops_tok) for w in works)
+    attention = sum(cost.attention(w.attended_tokens * shape.kv_tok) for w in works)
+    dense = sum(max(cost.dense(w.batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw) for w in works)
+    gpu = recompute + attention + dense
+    t = {"transfer_s": transfer, "gpu_s": gpu, "recompute_s": recompute, "attention_s": attention, "dense_s": dense,
+         "bytes_h2d": moved, "bytes_x": x_b, "bytes_kv": kv_b, "bytes_w": w_b, "layer_s": max(transfer, gpu)}
+    out = {k: v * layers for k, v in t.items()}
+    out["step_s"] = out.pop("layer_s")
+    out["bound"] = "pcie" if transfer >= gpu else "gpu"
+    return out
+
+
 def layer_terms(cost: CostModel, shape: LayerShape, batch: int, s: int, l: int, *, tail: int = 1,
                 offload_weights: bool = False, gpu_batches: int = 1) -> dict:
     """Times of one layer of one decode step for gpu_batches batches of `batch` sequences with `s`
-    host slots each, of which the first l are recomputed from X (l = 0: plain offload)."""
-    g = gpu_batches
-    x_b = batch * l * shape.x_tok
-    kv_b = batch * (s - l) * shape.kv_tok
-    w_b = shape.w_layer if offload_weights else 0.0
-    transfer = cost.h2d(g * (x_b + kv_b) + w_b)  # queued back to back: one latency per layer
-    recompute = cost.recompute(batch * l * shape.recompute_flops_tok)
-    attention = cost.attention(batch * (s + tail) * shape.kv_tok)
-    dense = max(cost.dense(batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw)
-    gpu = g * (recompute + attention + dense)
-    return {"transfer_s": transfer, "gpu_s": gpu, "recompute_s": g * recompute, "attention_s": g * attention,
-            "dense_s": g * dense, "bytes_h2d": g * (x_b + kv_b) + w_b, "bytes_x": g * x_b, "bytes_kv": g * kv_b,
-            "bytes_w": w_b, "layer_s": max(transfer, gpu)}
+    host slots each, of which the first l are recomputed from X (l = 0: plain offload); the
+    transfers of a layer are queued back to back (one latency)."""
+    work = LayerWork(batch=batch, bytes_kv=batch * (s - l) * shape.kv_tok, bytes_x=batch * l * shape.x_tok,
+                     transfers=0, recompute_tokens=batch * l, attended_tokens=batch * (s + tail))
+    t = predict_layers(cost, shape, [work] * gpu_batches, offload_weights=offload_weights)
+    t["layer_s"] = t.pop("step_s")
+    return t
 
 
 def predict_step(cost: CostModel, cfg: ModelConfig, shape: LayerShape, batch: int, s: int, l: int, *,

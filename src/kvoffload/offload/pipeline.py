@@ -1,0 +1,648 @@
+"""The layer pipeline: prefill into the block pool and decode layer by layer, for every pool policy.
+
+One loop for all layered policies (`full`, `offload`, `kvpr`; `hybrid`, `clo` and `tokenselect` plug in
+the same way). The loop is driven from Python: for work item n (layer i of GPU batch g) it first issues
+item n+1's transfers (eager ``device_put`` of whole arrays: the only transfers that overlap the jitted
+compute dispatched after them), then item n's jitted compute. A policy is a set of `LayerHooks`:
+
+* ``plan_group``  -- once per step and GPU batch, on the host: what each layer will need (which extents
+  to fetch, which to recompute, a selection to run first) and what to record;
+* ``fetch``       -- the host arrays layer i needs, as (early, late): early transfers (activations to
+  recompute from) are issued right after W_K/W_V, late ones (K/V) after the rest of the weights;
+* ``attend``      -- fold layer i's sources (fetched, recomputed, GPU-resident) into the attention
+  accumulator, in extent order.
+
+The pipeline owns what all policies share: weights (resident or streamed, W_K/W_V first), the new
+token's q/k/v and its GPU tail, the tail's flush into the pool, schedules (``row``: each GPU batch through
+every layer; ``column``: every GPU batch through layer i before layer i+1, zig-zag, each layer's weights
+fetched once per step), ``sync_depth`` (the host waits for item n+1-D before issuing n+1, so at most D
+items' transfer buffers are alive; D = 3 keeps the GPU fed), and the step record.
+
+Attention of a layer: the extents in order (``ops.paged_decode_attention`` over each extent's block
+tables, folded into an fp32 accumulator with ``ops.merge_attention_into``), then the GPU tail. `full`
+runs the same programs over the same pool in device memory, so an offloading policy that moves the
+same blocks gives `full`'s logits bit for bit.
+
+State: `DecodeState` is a pytree (pool arrays, tails, tables) with host bookkeeping (the allocator,
+counters, the step records) as static fields; a step takes it and returns a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvoffload import ops
+from kvoffload.config import ModelConfig
+from kvoffload.models.transformer import family, layer_prefill
+from kvoffload.offload import memory as M
+from kvoffload.offload.pool import (
+    BlockAllocator,
+    BlockTables,
+    PoolLayout,
+    allocate_prompts,
+    extent_sources,
+    gather_act_extent,
+    gather_kv_extent,
+    write_blocks,
+)
+
+KV_FIELDS = ("wk", "bk", "wv", "bv")
+SCHEDULES = ("row", "column")
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+
+
+def split_layer(lp):
+    """(W_K/W_V part, the rest) of one layer's params (same dataclass, other fields None)."""
+    fields = [f.name for f in dataclasses.fields(lp)]
+    kv = dataclasses.replace(lp, **{f: None for f in fields if f not in KV_FIELDS})
+    rest = dataclasses.replace(lp, **{f: None for f in fields if f in KV_FIELDS})
+    return kv, rest
+
+
+def join_layer(kv, rest):
+    return dataclasses.replace(rest, **{f: getattr(kv, f) for f in KV_FIELDS if hasattr(kv, f)})
+
+
+def without_layers(params):
+    return dataclasses.replace(params, layers=())
+
+
+# ---------------------------------------------------------------------------------------------
+# state
+# ---------------------------------------------------------------------------------------------
+
+
+def _register(cls, meta):
+    data = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
+    jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupState:
+    """One GPU batch: its share of the pool, block tables, GPU tail and the policy's slots."""
+
+    pool_k: tuple  # [layer][extent] K extents [E, n_kv, blk, d] (None where not stored)
+    pool_v: tuple
+    pool_x: tuple  # [layer][extent] activation extents [E, blk, H] (None where not stored)
+    tables: BlockTables  # per extent, shared by all layers
+    tail_k: tuple  # [layer] [b, n_kv, 2 blk, d]: each request's partial block and the newest tokens
+    tail_v: tuple
+    tail_x: tuple  # [layer] [b, 2 blk, H] or None
+    tail_len: Any  # [b] int32: valid tail slots
+    prompt_lens: Any  # [b] int32
+    slots: Any  # the policy's per-layer / per-request / per-head state (a pytree; {} if none)
+    # host bookkeeping (static)
+    rows: tuple  # (start, stop) in the whole batch
+    layout: PoolLayout
+    alloc: BlockAllocator
+    tail_base: tuple  # per request: prompt tokens kept in the tail (len % blk)
+    n_gen: int  # tokens generated so far (appended to the tail)
+    since_flush: int  # generated tokens in the tail (a block is flushed every blk of them)
+
+    @property
+    def size(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def used_extents(self) -> int:
+        return self.alloc.used_extents(self.layout.extent_blocks)
+
+
+_register(GroupState, ("rows", "layout", "alloc", "tail_base", "n_gen", "since_flush"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    groups: tuple  # of GroupState
+    batch: int
+    step: int = 0
+    records: tuple = ()  # one dict per decode step (see LayerPipeline.record)
+    step_started: float | None = None  # host clock at the previous step's start (trace timing)
+
+
+_register(DecodeState, ("batch", "step", "records", "step_started"))
+
+
+# ---------------------------------------------------------------------------------------------
+# jitted pieces (one program each, reused by every layer, extent and step)
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _embed(cfg, params, tokens, positions):
+    return family(cfg).embed(cfg, params, tokens, positions)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logits(cfg, params, h):
+    return family(cfg).logits(cfg, params, h)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "keep_x"))
+def _layer_prefill(cfg, lp, h, positions, lengths, keep_x):
+    h, k, v, x = layer_prefill(cfg, lp, h, positions, lengths)
+    return h, k, v, (x if keep_x else None)
+
+
+@jax.jit
+def _last_hidden(h, lengths):
+    return jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+
+
+def _put_rows(tail, new, at, axis):
+    """tail[r] with new[r] written at index at[r] along axis (of the per-row array)."""
+    return jax.vmap(lambda t, n, i: jax.lax.dynamic_update_slice_in_dim(t, n, i, axis))(tail, new.astype(tail.dtype), at)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("tail_k", "tail_v", "tail_x"))
+def _layer_begin(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len):
+    """The new token's q, and its k/v (and x) written into the GPU tail at each request's tail_len."""
+    fam = family(cfg)
+    x = fam.attn_input(cfg, lp, h)
+    q, k, v = fam.qkv(cfg, lp, x, positions)
+    tail_k = _put_rows(tail_k, k, tail_len, 1)
+    tail_v = _put_rows(tail_v, v, tail_len, 1)
+    if tail_x is not None:
+        tail_x = _put_rows(tail_x, x, tail_len, 0)
+    return q[:, :, 0], tail_k, tail_v, tail_x
+
+
+@functools.partial(jax.jit, static_argnames=("impl",))
+def attend_extent(q, k_ext, v_ext, table, count, acc, impl="auto"):
+    """acc folded with attention over one extent's blocks of each request."""
+    return ops.merge_attention_into(acc, ops.paged_decode_attention(q, k_ext, v_ext, table, count, impl=impl))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def recompute_extent(cfg, kvw, x_ext, first_pos, impl="auto"):
+    """K, V extents [E, n_kv, blk, d] recomputed from an activation extent [E, blk, H] through the
+    family's recompute_kv (RoPE at each block's positions)."""
+    blk = x_ext.shape[1]
+    positions = first_pos[:, None] + jnp.arange(blk, dtype=jnp.int32)[None]
+    return family(cfg).recompute_kv(cfg, kvw, x_ext, positions, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def _layer_end(cfg, lp, h, q, tail_k, tail_v, tail_len, acc, impl="auto"):
+    """Tail attention folded last, output projection, residual and MLP."""
+    fam = family(cfg)
+    o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, impl=impl))
+    return fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
+
+
+@jax.jit
+def _empty_acc(q):
+    return ops.empty_attention(q)
+
+
+@functools.partial(jax.jit, static_argnames=("blk", "axis"), donate_argnums=(0,))
+def _pop_block(tail, blk, axis):
+    """(the first blk tail slots of every request, the tail shifted left by blk)."""
+    block = jax.lax.slice_in_dim(tail, 0, blk, axis=axis + 1)
+    rest = jax.lax.slice_in_dim(tail, blk, 2 * blk, axis=axis + 1)
+    return block, jnp.concatenate([rest, jnp.zeros_like(rest)], axis=axis + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("blk", "axis"))
+def _tail_from_prompt(a, start, blk, axis):
+    """Each request's slots [start, start + blk) of a prefill array (axis = the token axis of a row),
+    placed at the front of a 2 * blk tail."""
+    part = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, blk, axis))(a, start)
+    return jnp.concatenate([part, jnp.zeros_like(part)], axis=axis + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """What a policy decided for one GPU batch this step (host side)."""
+
+    used_extents: int  # extents [0, n) hold blocks
+    recompute_extents: int = 0  # extents [0, r) attended from recomputed K/V
+    note: str = ""
+    extra: Any = None  # policy-specific
+
+
+class LayerHooks:
+    """A policy's part of the layer loop (see the module doc). The default hooks attend every used
+    extent from the pool as it is (device memory: `full`; host memory: fetched whole: `offload`)."""
+
+    name = "pool"
+    kinds = ("kv",)  # what the pool stores
+
+    def plan_group(self, pipe: "LayerPipeline", model, group: GroupState) -> GroupPlan:
+        return GroupPlan(used_extents=group.used_extents)
+
+    def fetch(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int):
+        """(early, late) lists of host arrays to move for this layer (empty for a device pool)."""
+        if not pipe.host_pool:
+            return [], []
+        late = []
+        for e in range(plan.recompute_extents, plan.used_extents):
+            late += [group.pool_k[layer][e], group.pool_v[layer][e]]
+        early = [group.pool_x[layer][e] for e in range(plan.recompute_extents)]
+        return early, late
+
+    def attend(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int, q, acc, fetched, kvw):
+        cfg, impl = pipe.cfg, pipe.opts.attention_impl
+        early, late = fetched
+        t = group.tables
+        for e in range(plan.used_extents):
+            if e < plan.recompute_extents:
+                x_ext = early[e] if pipe.host_pool else group.pool_x[layer][e]
+                k, v = recompute_extent(cfg, kvw, x_ext, t.first_pos[e], pipe.opts.recompute_impl)
+            elif pipe.host_pool:
+                j = 2 * (e - plan.recompute_extents)
+                k, v = late[j], late[j + 1]
+            else:
+                k, v = group.pool_k[layer][e], group.pool_v[layer][e]
+            acc = attend_extent(q, k, v, t.table[e], t.count[e], acc, impl)
+        return acc
+
+    def split_store(self, pipe: "LayerPipeline", model, layout: PoolLayout, lengths) -> PoolLayout:
+        """Which extents hold which kinds (default: every kind everywhere)."""
+        n = layout.num_extents
+        return dataclasses.replace(layout, kv_extents=(0, n) if "kv" in self.kinds else (0, 0),
+                                   act_extents=(0, n) if "act" in self.kinds else (0, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# options
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PipelineOptions:
+    schedule: str = "row"
+    offload_weights: bool = False
+    gpu_batches: int = 1
+    block_tokens: int = 64
+    extent_mb: float = 64.0  # about this many MiB of K (or V) per extent array
+    sync_depth: int = 3
+    attention_impl: str = "auto"
+    recompute_impl: str = "auto"
+    profile: str | None = None
+    trace: str | None = None
+    check_memory: bool = True
+    host_memory_limit_gb: float | None = None
+    gpu_memory_limit_gb: float | None = None
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        self.gpu_batches = int(self.gpu_batches)
+        self.block_tokens = int(self.block_tokens)
+        self.sync_depth = int(self.sync_depth)
+        self.extent_mb = float(self.extent_mb)
+        if self.gpu_batches < 1:
+            raise ValueError(f"gpu_batches must be >= 1, got {self.gpu_batches}")
+        if self.block_tokens < 1 or self.block_tokens & (self.block_tokens - 1):
+            raise ValueError(f"block_tokens must be a power of two, got {self.block_tokens}")
+        if self.extent_mb <= 0:
+            raise ValueError(f"extent_mb must be > 0, got {self.extent_mb}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the pipeline
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerPipeline:
+    """Prefill and decode for one model and one policy's hooks. Holds only what is fixed for a run
+    (options, memory placement, the cost model); everything that changes per step is in the state."""
+
+    def __init__(self, hooks: LayerHooks, opts: PipelineOptions, host_pool: bool = True):
+        self.hooks = hooks
+        self.opts = opts
+        self.host_pool = host_pool
+        self.dev = M.default_device()
+        self.host_kind, self.host_note = M.host_memory_kind(self.dev)
+        self.cfg: ModelConfig | None = None
+        self._cost = None
+        self._host_layers: dict = {}
+        self.memory_plan = None
+
+    # -- cost model --------------------------------------------------------------------------
+    @property
+    def cost(self):
+        from kvoffload.plan.cost import CostModel
+
+        if self._cost is None:
+            self._cost = CostModel.load(self.opts.profile) if self.opts.profile else CostModel.default(self.dev.platform)
+        return self._cost
+
+    # -- weights -----------------------------------------------------------------------------
+    def layers(self, model):
+        layers = model.params.layers
+        if not self.opts.offload_weights or M.on_host(layers):
+            return layers
+        key = id(model.params)
+        if key not in self._host_layers:
+            self._host_layers = {key: M.to_host(layers, self.dev)}
+        return self._host_layers[key]
+
+    # -- prefill -----------------------------------------------------------------------------
+    def prefill(self, model, tokens, lengths, capacity):
+        from kvoffload.plan.memory import check_pool, plan_pool, pool_memory, weight_bytes
+
+        cfg = model.config
+        self.cfg = cfg
+        o = self.opts
+        b, t_pad = tokens.shape
+        g = min(o.gpu_batches, b)
+        dtype = model.params.layers[0].wk.dtype
+        lengths_np = np.asarray(lengths, np.int64)
+        bounds = np.linspace(0, b, g + 1).astype(int)
+        rows = [(int(bounds[i]), int(bounds[i + 1])) for i in range(g)]
+        plan = plan_pool(cfg, dtype, [lengths_np[a:z] for a, z in rows], capacity, block_tokens=o.block_tokens,
+                         extent_mb=o.extent_mb)
+        layouts = [self.hooks.split_store(self, model, lay, lengths_np[a:z]) for lay, (a, z) in zip(plan.layouts, rows)]
+        self.memory_plan = pool_memory(cfg, dtype, layouts, b, t_pad, host_pool=self.host_pool,
+                                       offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
+                                       inflight=max(o.sync_depth, 2))
+        if o.offload_weights and M.on_host(model.params.layers):
+            self.memory_plan.host["weights"] = 0  # already in host memory (counted by MemAvailable)
+        if o.check_memory:
+            check_pool(self.memory_plan, o.host_memory_limit_gb, o.gpu_memory_limit_gb, self.host_pool, self.dev,
+                       what=f"{self.hooks.name} for batch {b} x {capacity} tokens")
+        fam_params = without_layers(model.params)
+        layers = self.layers(model)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        blk = o.block_tokens
+        t_blk = -(-t_pad // blk) * blk
+        if t_blk != t_pad:  # whole blocks for the gathers below (pad tokens are never attended)
+            tokens = jnp.pad(tokens, ((0, 0), (0, t_blk - t_pad)))
+        positions = jnp.broadcast_to(jnp.arange(t_blk, dtype=jnp.int32), (b, t_blk))
+        groups = []
+        for (a, z), layout in zip(rows, layouts):
+            alloc = BlockAllocator(layout.num_blocks, z - a, blk)
+            allocate_prompts(alloc, lengths_np[a:z])
+            groups.append(dict(rows=(a, z), layout=layout, alloc=alloc, h=_embed(cfg, fam_params, tokens[a:z], positions[a:z]),
+                               pk=[], pv=[], px=[], tk=[], tv=[], tx=[],
+                               srcs=[extent_sources(alloc, layout, e, t_blk // blk) for e in range(layout.num_extents)],
+                               start=jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32)))
+        keep_x = "act" in self.hooks.kinds
+        pending = []
+        for i in range(cfg.num_layers):
+            lp = M.to_device(layers[i], self.dev) if o.offload_weights else layers[i]
+            for gr in groups:
+                a, z = gr["rows"]
+                gr["h"], k, v, x = _layer_prefill(cfg, lp, gr["h"], positions[a:z], lengths[a:z], keep_x)
+                pk, pv, px = self._extents_from_prefill(gr["layout"], gr["srcs"], gr["alloc"], k, v, x, dtype)
+                gr["pk"].append(pk), gr["pv"].append(pv), gr["px"].append(px)
+                gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, 1))
+                gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, 1))
+                gr["tx"].append(_tail_from_prompt(x, gr["start"], blk, 0) if keep_x else None)
+                pending.append(gr["tk"][-1])
+                if o.sync_depth and len(pending) > o.sync_depth:  # bound the device copies alive
+                    jax.block_until_ready(pending.pop(0))
+        states, logits = [], []
+        for gr in groups:
+            a, z = gr["rows"]
+            lens = lengths_np[a:z]
+            logits.append(_logits(cfg, fam_params, _last_hidden(gr["h"], lengths[a:z])))
+            states.append(GroupState(
+                pool_k=tuple(gr["pk"]), pool_v=tuple(gr["pv"]), pool_x=tuple(gr["px"]),
+                tables=gr["alloc"].device_tables(gr["layout"]), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
+                tail_x=tuple(gr["tx"]), tail_len=jnp.asarray(lens % blk, jnp.int32), prompt_lens=lengths[a:z],
+                slots=self.hooks.init_slots(self, model, gr) if hasattr(self.hooks, "init_slots") else {},
+                rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
+                n_gen=0, since_flush=0))
+        logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
+        return logits, DecodeState(groups=tuple(states), batch=b)
+
+    def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype):
+        """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty."""
+        blk, E = layout.block_tokens, layout.extent_blocks
+        n_kv, d, hdim = k.shape[1], k.shape[3], self.cfg.hidden_size
+        used = alloc.used_extents(E)
+        pk, pv, px = [], [], []
+        for e in range(layout.num_extents):
+            src, valid = srcs[e]
+            if layout.has("kv", e):
+                if e < used:
+                    pk.append(gather_kv_extent(k, src, valid, blk))
+                    pv.append(gather_kv_extent(v, src, valid, blk))
+                else:
+                    pk.append(jnp.zeros((E, n_kv, blk, d), dtype))
+                    pv.append(jnp.zeros((E, n_kv, blk, d), dtype))
+            else:
+                pk.append(None), pv.append(None)
+            if layout.has("act", e):
+                px.append(gather_act_extent(x, src, valid, blk) if e < used else jnp.zeros((E, blk, hdim), dtype))
+            else:
+                px.append(None)
+        if self.host_pool:  # one asynchronous device->host put of the layer's extents
+            pk, pv, px = M.to_host((pk, pv, px), self.dev)
+        return tuple(pk), tuple(pv), tuple(px)
+
+    # -- decode ------------------------------------------------------------------------------
+    def _items(self, n_layers, n_groups):
+        if self.opts.schedule == "row":
+            return [(i, g) for g in range(n_groups) for i in range(n_layers)]
+        items = []
+        for i in range(n_layers):
+            order = range(n_groups) if i % 2 == 0 else range(n_groups - 1, -1, -1)  # zig-zag
+            items += [(i, g) for g in order]
+        return items
+
+    def decode_step(self, model, state: DecodeState, tokens):
+        cfg, o = model.config, self.opts
+        self.cfg = cfg
+        now = time.perf_counter()
+        records = state.records
+        if state.step_started is not None and records:
+            records = records[:-1] + ({**records[-1], "time_s": now - state.step_started},)
+        fam_params = without_layers(model.params)
+        layers = self.layers(model)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        groups = list(state.groups)
+        plans = [self.hooks.plan_group(self, model, gr) for gr in groups]
+        hs = []
+        positions = []
+        for gr in groups:
+            pos = (gr.prompt_lens + gr.n_gen)[:, None]
+            positions.append(pos)
+            hs.append(_embed(cfg, fam_params, tokens[gr.rows[0]:gr.rows[1]][:, None], pos))
+        tails = [dict(k=list(gr.tail_k), v=list(gr.tail_v), x=list(gr.tail_x)) for gr in groups]
+        items = self._items(cfg.num_layers, len(groups))
+        weights: dict = {}
+        fetched: dict = {}
+        done_h: list = []
+        moved = {"bytes_x": 0, "bytes_kv": 0, "bytes_w": 0, "arrays": 0}
+        issued = 0
+
+        def issue(n):
+            i, g = items[n]
+            if o.offload_weights and i not in weights:
+                kv, rest = split_layer(layers[i])
+                weights[i] = [M.to_device(kv, self.dev), rest]  # W_K / W_V first
+                moved["bytes_w"] += _tree_bytes(layers[i])
+            early, late = self.hooks.fetch(self, groups[g], plans[g], i)
+            early_d = jax.device_put(early, M.device_sharding(self.dev)) if early else []
+            if o.offload_weights and not isinstance(weights[i][1], tuple):
+                weights[i][1] = (M.to_device(weights[i][1], self.dev),)
+            late_d = jax.device_put(late, M.device_sharding(self.dev)) if late else []
+            moved["bytes_x"] += sum(_nbytes(a) for a in early)
+            moved["bytes_kv"] += sum(_nbytes(a) for a in late)
+            moved["arrays"] += len(early) + len(late)
+            fetched[n] = (early_d, late_d)
+
+        for n, (i, g) in enumerate(items):
+            while issued < min(n + 2, len(items)):
+                if o.sync_depth and 0 <= issued - o.sync_depth < len(done_h):
+                    jax.block_until_ready(done_h[issued - o.sync_depth])
+                issue(issued)
+                issued += 1
+            f = fetched.pop(n)
+            gr, tl = groups[g], tails[g]
+            if o.offload_weights:
+                kvw, lp = weights[i][0], join_layer(weights[i][0], weights[i][1][0])
+            else:
+                lp = layers[i]
+                kvw = split_layer(lp)[0]
+            with jax.named_scope(f"layer{i}"):
+                q, tl["k"][i], tl["v"][i], tl["x"][i] = _layer_begin(
+                    cfg, lp, hs[g], positions[g], tl["k"][i], tl["v"][i], tl["x"][i], gr.tail_len)
+                acc = self.hooks.attend(self, gr, plans[g], i, q, _empty_acc(q), f, kvw)
+                hs[g] = _layer_end(cfg, lp, hs[g], q, tl["k"][i], tl["v"][i], gr.tail_len, acc, o.attention_impl)
+            done_h.append(hs[g])
+            del f, acc
+            if o.offload_weights and not any(items[m][0] == i for m in fetched):
+                weights.pop(i, None)  # no issued item needs this layer's weights any more
+        logits = [_logits(cfg, fam_params, h[:, 0]) for h in hs]
+        logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
+        new_groups, d2h = [], 0
+        for gr, tl in zip(groups, tails):
+            gr = dataclasses.replace(gr, tail_k=tuple(tl["k"]), tail_v=tuple(tl["v"]), tail_x=tuple(tl["x"]),
+                                     tail_len=gr.tail_len + 1, n_gen=gr.n_gen + 1, since_flush=gr.since_flush + 1)
+            if gr.since_flush == gr.layout.block_tokens:
+                gr, nbytes = self.flush(gr)
+                d2h += nbytes
+            new_groups.append(gr)
+        rec = self.record(model, state, plans, moved, d2h)
+        return logits, DecodeState(groups=tuple(new_groups), batch=state.batch, step=state.step + 1,
+                                   records=records + (rec,), step_started=now)
+
+    def flush(self, gr: GroupState):
+        """Every request's oldest blk tail tokens become a new pool block (one per request, lockstep)."""
+        layout, blk, E = gr.layout, gr.layout.block_tokens, gr.layout.extent_blocks
+        alloc = gr.alloc.copy()
+        ids = np.asarray([alloc.allocate(r) for r in range(gr.size)])
+        ext_of = ids // E
+        pk, pv, px = [list(p) for p in gr.pool_k], [list(p) for p in gr.pool_v], [list(p) for p in gr.pool_x]
+        tk, tv, tx = list(gr.tail_k), list(gr.tail_v), list(gr.tail_x)
+        touched = sorted(set(int(e) for e in ext_of))
+        slots = {e: jnp.asarray(np.where(ext_of == e, ids % E, E), jnp.int32) for e in touched}
+        nbytes = 0
+        for i in range(len(tk)):
+            bk, tk[i] = _pop_block(tk[i], blk, 1)
+            bv, tv[i] = _pop_block(tv[i], blk, 1)
+            bx = None
+            if tx[i] is not None:
+                bx, tx[i] = _pop_block(tx[i], blk, 0)
+            for e in touched:
+                if layout.has("kv", e):
+                    pk[i][e] = write_blocks(pk[i][e], bk, slots[e])
+                    pv[i][e] = write_blocks(pv[i][e], bv, slots[e])
+                    nbytes += 2 * _nbytes(bk) * int((ext_of == e).sum()) // gr.size
+                if layout.has("act", e) and bx is not None:
+                    px[i][e] = write_blocks(px[i][e], bx, slots[e])
+                    nbytes += _nbytes(bx) * int((ext_of == e).sum()) // gr.size
+        return dataclasses.replace(
+            gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
+            pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),
+            tail_len=gr.tail_len - blk, tables=alloc.device_tables(layout), alloc=alloc, since_flush=0), nbytes
+
+    def release(self, state: DecodeState, rows) -> DecodeState:
+        """Frees the pool blocks of finished requests (rows of the whole batch); their later steps
+        attend only their tail."""
+        groups = []
+        for gr in state.groups:
+            mine = [r - gr.rows[0] for r in rows if gr.rows[0] <= r < gr.rows[1]]
+            if mine:
+                alloc = gr.alloc.copy()
+                for r in mine:
+                    alloc.release(r)
+                gr = dataclasses.replace(gr, alloc=alloc, tables=alloc.device_tables(gr.layout))
+            groups.append(gr)
+        return dataclasses.replace(state, groups=tuple(groups))
+
+    # -- the step record -------------------------------------------------------------------------
+    def record(self, model, state: DecodeState, plans, moved, d2h) -> dict:
+        from kvoffload.plan.cost import predict_layers
+
+        gr0, p0 = state.groups[0], plans[0]
+        blk = gr0.layout.block_tokens
+        works = [self.layer_work(model, gr, p) for gr, p in zip(state.groups, plans)]
+        pred = predict_layers(self.cost, self.shape(model), works, offload_weights=self.opts.offload_weights,
+                              layers=model.config.num_layers)
+        rec = {"step": state.step, "context": int(max(gr0.alloc.tables[r].__len__() * blk + gr0.tail_base[r]
+                                                         for r in range(gr0.size)) + gr0.n_gen),
+               "used_extents": p0.used_extents, "recompute_extents": p0.recompute_extents,
+               "split_point": p0.recompute_extents * gr0.layout.extent_blocks * blk // max(1, gr0.size),
+               "split_reason": p0.note, "recompute_tokens": sum(w.recompute_tokens for w in works), **moved,
+               "bytes_d2h": d2h, "bytes_h2d": moved["bytes_x"] + moved["bytes_kv"] + moved["bytes_w"],
+               "predicted_s": pred["step_s"], "predicted_transfer_s": pred["transfer_s"],
+               "predicted_gpu_s": pred["gpu_s"], "time_s": None}
+        if self.opts.trace:
+            self.write_trace(self.opts.trace, state.records + (rec,))
+        return rec
+
+    def layer_work(self, model, gr: GroupState, plan: GroupPlan):
+        """The cost model's view of one GPU batch's layer under this plan."""
+        from kvoffload.plan.cost import LayerWork
+
+        E, blk = gr.layout.extent_blocks, gr.layout.block_tokens
+        sh = self.shape(model)
+        n_fetch = plan.used_extents - plan.recompute_extents if self.host_pool else 0
+        n_rec = plan.recompute_extents
+        tokens = sum(len(t) for t in gr.alloc.tables) * blk + sum(gr.tail_base) + gr.size * (gr.since_flush + 1)
+        return LayerWork(batch=gr.size, bytes_kv=n_fetch * E * blk * sh.kv_tok,
+                         bytes_x=(n_rec * E * blk * sh.x_tok) if self.host_pool else 0.0,
+                         transfers=(2 * n_fetch + n_rec) if self.host_pool else 0,
+                         recompute_tokens=n_rec * E * blk, attended_tokens=tokens)
+
+    def shape(self, model):
+        from kvoffload.plan.cost import LayerShape
+        from kvoffload.plan.memory import weight_bytes
+
+        key = id(model.params)
+        if getattr(self, "_shape_key", None) != key:
+            lp = model.params.layers[0]
+            wb = weight_bytes(model.config, lp.wk.dtype, model.params)
+            self._shape_key = key
+            self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer, wb.kv_per_layer)
+        return self._shape_val
+
+    def write_trace(self, path, records):
+        import json
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"policy": self.hooks.name, "options": dataclasses.asdict(self.opts),
+                       "cost_model": self.cost.to_json(), "steps": list(records)}, f, indent=1, default=str)
+
+
+def _nbytes(a) -> int:
+    return int(a.size * a.dtype.itemsize)
+
+
+def _tree_bytes(tree) -> int:
+    return sum(_nbytes(a) for a in jax.tree.leaves(tree))

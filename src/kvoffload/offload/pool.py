@@ -1,0 +1,263 @@
+"""The paged block pool: K/V and activations in fixed-size token blocks, grouped into extents.
+
+Logical level. Every request owns blocks of ``block_tokens`` consecutive positions; a block id means
+the same tokens in every layer, so one allocator serves all layers. `BlockAllocator` keeps the free
+list (lowest id first), the owner and first position of every block and each request's block table
+(its blocks in position order). Only full blocks live in the pool: a request's newest, partial block
+stays in a GPU tail (`tail_*` in the decode state) and is written to the pool when it fills, so the pool
+never stores or moves padding.
+
+Physical level. Per layer and kind, blocks are grouped into extents of ``extent_blocks`` blocks; an
+extent is one array -- K and V ``[E, n_kv, blk, d]``, activations X ``[E, blk, H]`` -- in pinned host
+memory (offloading policies) or device memory (`full`). Block id b lives in extent b // E at slot
+b % E. Why extents: only an eager ``device_put`` of a whole array overlaps the jitted compute
+dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
+fetches must move few, large arrays; an extent of tens of MiB moves at the PCIe floor. Every extent
+of a run has one shape, so no program compiles again as a generation grows. Allocation is lowest id
+first and the prompt is laid out position-major (block j of every request before block j + 1), so the
+blocks in use are dense in the first extents and the lowest positions come first: a KVPR split at an
+extent boundary recomputes the oldest tokens and fetches the rest, and a bulk fetch moves at most one
+partly filled extent beyond the real tokens.
+
+Attention reads an extent through per-extent block tables (``table [n_ext, B, E]`` local slots,
+``count [n_ext, B]``), with ``ops.paged_decode_attention``; results of the extents and the tail are
+folded left to right into one fp32 accumulator, so the `full` policy (the same pool in device memory)
+and the offloading policies run the same programs over the same blocks in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvoffload.errors import KVOffloadError
+from kvoffload.models.common import pytree_dataclass
+
+KINDS = ("kv", "act")
+
+
+class PoolExhausted(KVOffloadError):
+    """A request needs a block and the pool has none free (the planner sized it too small)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Static shape of a pool. ``kv_extents`` / ``act_extents``: the extent range [start, stop) that
+    holds that kind (KVPR's split store keeps activations below its split and K/V above it; an empty
+    range means the kind is not stored)."""
+
+    block_tokens: int
+    extent_blocks: int
+    num_extents: int
+    kv_extents: tuple = (0, 0)
+    act_extents: tuple = (0, 0)
+
+    def __post_init__(self):
+        blk = int(self.block_tokens)
+        if blk < 1 or blk & (blk - 1):
+            raise ValueError(f"block_tokens must be a power of two (GPU kernels tile by it), got {blk}")
+        if self.extent_blocks < 1 or self.num_extents < 0:
+            raise ValueError(f"bad pool layout: {self}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.extent_blocks * self.num_extents
+
+    def has(self, kind: str, e: int) -> bool:
+        a, b = self.kv_extents if kind == "kv" else self.act_extents
+        return a <= e < b
+
+    def extents_of(self, kind: str) -> range:
+        a, b = self.kv_extents if kind == "kv" else self.act_extents
+        return range(a, b)
+
+
+def extent_blocks_for(block_bytes: int, prompt_blocks: int, target_bytes: float) -> int:
+    """Blocks per extent: about target_bytes per extent array, with the prompt's blocks split evenly
+    over whole extents (so the prompt wastes less than one block per extent)."""
+    want = max(1, int(target_bytes // max(1, block_bytes)))
+    if prompt_blocks <= 0:
+        return want
+    n = max(1, -(-prompt_blocks // want))
+    return -(-prompt_blocks // n)
+
+
+# ---------------------------------------------------------------------------------------------
+# the allocator (host side)
+# ---------------------------------------------------------------------------------------------
+
+
+class BlockAllocator:
+    """Free list and block tables of one pool (host numpy; never read from the device)."""
+
+    def __init__(self, num_blocks: int, num_requests: int, block_tokens: int):
+        self.num_blocks = int(num_blocks)
+        self.block_tokens = int(block_tokens)
+        self.free = list(range(self.num_blocks))  # a heap: lowest id first
+        self.owner = np.full(self.num_blocks, -1, np.int64)
+        self.first_pos = np.full(self.num_blocks, -1, np.int64)
+        self.tables: list[list[int]] = [[] for _ in range(num_requests)]
+
+    def copy(self) -> "BlockAllocator":
+        new = BlockAllocator.__new__(BlockAllocator)
+        new.num_blocks, new.block_tokens = self.num_blocks, self.block_tokens
+        new.free, new.owner, new.first_pos = list(self.free), self.owner.copy(), self.first_pos.copy()
+        new.tables = [list(t) for t in self.tables]
+        return new
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, request: int) -> int:
+        """One block for the request's next block of positions; returns its id."""
+        if not self.free:
+            raise PoolExhausted(f"the block pool is full ({self.num_blocks} blocks of {self.block_tokens} tokens); "
+                                "the memory plan must reserve blocks for every generated token")
+        b = heapq.heappop(self.free)
+        self.owner[b] = request
+        self.first_pos[b] = len(self.tables[request]) * self.block_tokens
+        self.tables[request].append(b)
+        return b
+
+    def release(self, request: int) -> list[int]:
+        """Frees every block of a finished request."""
+        ids = self.tables[request]
+        for b in ids:
+            self.owner[b] = -1
+            self.first_pos[b] = -1
+            heapq.heappush(self.free, b)
+        self.tables[request] = []
+        return ids
+
+    def check(self) -> None:
+        """Invariants: each block is free xor owned by exactly one table entry; positions follow tables."""
+        seen = np.zeros(self.num_blocks, np.int64)
+        for r, t in enumerate(self.tables):
+            for j, b in enumerate(t):
+                assert self.owner[b] == r and self.first_pos[b] == j * self.block_tokens, (r, j, b)
+                seen[b] += 1
+        for b in self.free:
+            assert self.owner[b] == -1
+            seen[b] += 1
+        assert (seen == 1).all(), "a block is leaked or shared"
+
+    def used_extents(self, extent_blocks: int) -> int:
+        """Extents [0, n) hold every used block (allocation is lowest id first)."""
+        used = np.flatnonzero(self.owner >= 0)
+        return 0 if used.size == 0 else int(used.max()) // extent_blocks + 1
+
+    def device_tables(self, layout: PoolLayout) -> "BlockTables":
+        """Per-extent block tables for the attention programs (one upload per change, shared by all layers)."""
+        E, n_ext, n_req = layout.extent_blocks, layout.num_extents, len(self.tables)
+        table = np.zeros((n_ext, n_req, E), np.int32)
+        count = np.zeros((n_ext, n_req), np.int32)
+        for r, t in enumerate(self.tables):
+            for b in t:
+                e, s = divmod(b, E)
+                table[e, r, count[e, r]] = s
+                count[e, r] += 1
+        pos = np.where(self.first_pos >= 0, self.first_pos, 0).astype(np.int32).reshape(n_ext, E)
+        return BlockTables(table=jnp.asarray(table), count=jnp.asarray(count), first_pos=jnp.asarray(pos))
+
+
+@pytree_dataclass
+class BlockTables:
+    table: Any  # [n_ext, B, E] int32: local slots of each request's blocks in that extent, position order
+    count: Any  # [n_ext, B] int32: how many
+    first_pos: Any  # [n_ext, E] int32: first token position of each slot's block (recomputation's RoPE)
+
+
+# ---------------------------------------------------------------------------------------------
+# extents: building at prefill, writing flushed blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def prompt_blocks_of(lengths, block_tokens: int) -> np.ndarray:
+    """Full blocks of each prompt (the partial rest stays in the GPU tail)."""
+    return np.asarray(lengths, np.int64) // block_tokens
+
+
+def allocate_prompts(alloc: BlockAllocator, lengths) -> None:
+    """Position-major: block j of every request that has it, then block j + 1 (see the module doc)."""
+    full = prompt_blocks_of(lengths, alloc.block_tokens)
+    for j in range(int(full.max(initial=0))):
+        for r in np.flatnonzero(full > j):
+            alloc.allocate(int(r))
+
+
+def extent_sources(alloc: BlockAllocator, layout: PoolLayout, e: int, t_blocks: int):
+    """For building extent e from a prefill's [B, ..., T] arrays: flat source block index r * t_blocks
+    + j of each slot, and which slots are used."""
+    E = layout.extent_blocks
+    ids = np.arange(e * E, (e + 1) * E)
+    owner, pos = alloc.owner[ids], alloc.first_pos[ids]
+    valid = owner >= 0
+    src = np.where(valid, owner * t_blocks + pos // layout.block_tokens, 0)
+    return jnp.asarray(src, jnp.int32), jnp.asarray(valid)
+
+
+@functools.partial(jax.jit, static_argnames=("blk",))
+def gather_kv_extent(k, src, valid, blk):
+    """Extent [E, n_kv, blk, d] of the blocks src (flat r * T/blk + j) of k [B, n_kv, T, d]."""
+    b, n_kv, t, d = k.shape
+    blocks = k.reshape(b, n_kv, t // blk, blk, d).transpose(0, 2, 1, 3, 4).reshape(b * (t // blk), n_kv, blk, d)
+    return jnp.where(valid[:, None, None, None], blocks[src], jnp.zeros((), k.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("blk",))
+def gather_act_extent(x, src, valid, blk):
+    """Extent [E, blk, H] of the blocks src of x [B, T, H]."""
+    b, t, h = x.shape
+    blocks = x.reshape(b * (t // blk), blk, h)
+    return jnp.where(valid[:, None, None], blocks[src], jnp.zeros((), x.dtype))
+
+
+def empty_extent(shape, dtype, sharding):
+    """An all-zero extent placed on `sharding` (host or device)."""
+    return jax.device_put(np.zeros(shape, dtype), sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_blocks(ext, blocks, slots):
+    # slots outside [0, E) are dropped: one program for every extent a flush touches
+    return ext.at[slots].set(blocks.astype(ext.dtype), mode="drop")
+
+
+_IN_PLACE = {}  # memory kind -> whether a jitted, donated scatter into that memory kind works here
+
+
+def write_blocks(ext, blocks, slots):
+    """ext with blocks [n, ...] written at slots [n] (entries >= E skipped). In place where this backend
+    can scatter straight into ext's memory (donated); otherwise through the device and back."""
+    kind = getattr(ext.sharding, "memory_kind", None)
+    if _IN_PLACE.get(kind, True):
+        try:
+            out = _scatter_blocks_to(ext.sharding)(ext, blocks, slots)
+            _IN_PLACE[kind] = True
+            return out
+        except Exception:  # noqa: BLE001  (a backend that cannot compile host-memory scatters)
+            if _IN_PLACE.get(kind) is True:
+                raise
+            _IN_PLACE[kind] = False
+    from kvoffload.offload import memory as M
+
+    dev = jax.device_put(ext, M.device_sharding())
+    return jax.device_put(_scatter_blocks(dev, blocks, slots), ext.sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_blocks_to(sharding):
+    return jax.jit(lambda ext, blocks, slots: ext.at[slots].set(blocks.astype(ext.dtype), mode="drop"),
+                   donate_argnums=(0,), out_shardings=sharding)

@@ -1,0 +1,177 @@
+"""Memory planning: the block pool's shape and the host and GPU bytes of a run, checked before
+anything is allocated.
+
+`plan_pool` sizes the pool (blocks per extent, extents per GPU batch) from the prompts and the
+capacity; `pool_memory` counts what the run will hold; `check_memory` refuses, with one message saying
+what is needed, what is there and what to change, when the host pool does not fit host memory or
+XLA's pinned pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) or the GPU side does not fit the GPU (on a
+machine without a GPU the "GPU" is host memory too, and both sides are checked against it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvoffload.config import ModelConfig
+from kvoffload.errors import KVOffloadError
+from kvoffload.offload import memory as M
+
+GB = 1e9
+
+
+class MemoryPlanError(KVOffloadError, RuntimeError):
+    """The planned run does not fit; raised before any allocation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    per_layer: int  # bytes of one transformer layer
+    kv_per_layer: int  # of which W_K, W_V (+ biases): what recomputation needs first
+    other: int  # embeddings, final norm, head
+
+
+def weight_bytes(cfg: ModelConfig, dtype=jnp.bfloat16, params=None) -> WeightBytes:
+    """Weight bytes from a params pytree, or (params None) from the config's shapes."""
+    if params is None:
+        from kvoffload.models.transformer import init_params
+
+        params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
+
+    def nbytes(tree):
+        return int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+    layer = params.layers[0]
+    kv = sum(nbytes(getattr(layer, f, None)) for f in ("wk", "bk", "wv", "bv"))
+    per_layer = nbytes(layer)
+    total = nbytes(params)
+    return WeightBytes(per_layer=per_layer, kv_per_layer=kv, other=total - per_layer * cfg.num_layers)
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    host: dict  # name -> bytes
+    gpu: dict
+    host_kind: str | None
+    notes: list
+
+    @property
+    def host_bytes(self) -> int:
+        return int(sum(self.host.values()))
+
+    @property
+    def gpu_bytes(self) -> int:
+        return int(sum(self.gpu.values()))
+
+    def describe(self) -> str:
+        def fmt(d):
+            return ", ".join(f"{k} {v / GB:.2f} GB" for k, v in d.items() if v)
+
+        return (f"host {self.host_bytes / GB:.2f} GB ({fmt(self.host) or 'nothing'}); "
+                f"GPU {self.gpu_bytes / GB:.2f} GB ({fmt(self.gpu)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    layouts: tuple  # one PoolLayout per GPU batch
+    prompt_blocks: tuple  # full prompt blocks per GPU batch
+    flushes: int  # blocks each request appends while generating
+
+
+def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_tokens: int = 64,
+              extent_mb: float = 64.0) -> PoolPlan:
+    """The pool of each GPU batch: its prompts' full blocks plus one block per request for every
+    block_tokens generated tokens (the prompt's partial block and the newest tokens stay in the GPU
+    tail), in extents of about extent_mb MiB of K, the prompt split evenly over whole extents.
+    The layout is a function of the shapes and lengths only, so `full` and the offloading policies
+    get the same extents (and so the same attention programs over the same blocks)."""
+    from kvoffload.offload.pool import PoolLayout, extent_blocks_for
+
+    p = jnp.dtype(dtype).itemsize
+    blk = int(block_tokens)
+    longest = max(int(np.max(l)) for l in group_lengths)
+    flushes = max(0, int(capacity) - longest) // blk
+    k_block = blk * cfg.num_kv_heads * cfg.head_dim * p
+    layouts, prompt_blocks = [], []
+    for lens in group_lengths:
+        lens = np.asarray(lens, np.int64)
+        pb = int((lens // blk).sum())
+        total = max(1, pb + len(lens) * flushes)
+        e = min(extent_blocks_for(k_block, pb, extent_mb * 2**20), total)
+        layouts.append(PoolLayout(block_tokens=blk, extent_blocks=e, num_extents=-(-total // e)))
+        prompt_blocks.append(pb)
+    return PoolPlan(tuple(layouts), tuple(prompt_blocks), flushes)
+
+
+def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
+                weights: WeightBytes | None = None, inflight: int = 3) -> MemoryPlan:
+    """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails, the transfer
+    buffers of `inflight` layers and the prefill's workspace."""
+    p = jnp.dtype(dtype).itemsize
+    wb = weights or weight_bytes(cfg, dtype)
+    L = cfg.num_layers
+    kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
+    x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p  # noqa: E731
+    kv = sum(L * len(lay.extents_of("kv")) * lay.extent_blocks * kv_blk(lay) for lay in layouts)
+    act = sum(L * len(lay.extents_of("act")) * lay.extent_blocks * x_blk(lay) for lay in layouts)
+    pool = {"K/V blocks": kv, "activation blocks": act}
+    host = dict(pool) if host_pool else {}
+    host["weights"] = L * wb.per_layer if offload_weights else 0
+    g = max(1, len(layouts))
+    per_layer_fetch = max(lay.num_extents * lay.extent_blocks * max(kv_blk(lay), x_blk(lay)) for lay in layouts)
+    lay0 = layouts[0]
+    tail_tok = cfg.kv_bytes_per_token * p + (cfg.hidden_size * p if any(len(l.extents_of("act")) for l in layouts) else 0)
+    b = -(-batch // g)
+    gpu = {
+        "weights": wb.other + (min(inflight, L) * wb.per_layer if offload_weights else L * wb.per_layer),
+        **({} if host_pool else pool),
+        "transfer buffers": inflight * per_layer_fetch if host_pool else 0,
+        "GPU tails": L * batch * 2 * lay0.block_tokens * tail_tok,
+        # prefill of one layer of one GPU batch: hidden states, q/k/v, MLP and one score chunk
+        "workspace": b * t_pad * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p
+        + b * cfg.num_heads * min(t_pad, 512) * t_pad * 4 + b * cfg.vocab_size * 4 * 2,
+    }
+    kind, note = M.host_memory_kind()
+    return MemoryPlan(host=host, gpu=gpu, host_kind=kind, notes=[note])
+
+
+def check_memory(plan: MemoryPlan, *, host_available: float | None = None, gpu_available: float | None = None,
+                 host_cap: float | None = None, device_is_host: bool = False, what: str = "") -> None:
+    """Raises MemoryPlanError when the plan does not fit. Unknown availabilities (None) are read
+    from the machine; a cap of None means no pinned-pool cap (CPU). device_is_host: the "GPU" side is
+    host memory as well (a CPU backend), so both sides must fit host memory together."""
+    host_available = M.available_host_bytes() if host_available is None else host_available
+    gpu_available = M.available_device_bytes() if gpu_available is None else gpu_available
+    need_h = plan.host_bytes + (plan.gpu_bytes if device_is_host and gpu_available is None else 0)
+    problems = []
+    if host_cap is not None and plan.host_bytes > host_cap:
+        problems.append(
+            f"the host pool needs {plan.host_bytes / GB:.1f} GB of pinned host memory but XLA's pinned pool is capped at "
+            f"{host_cap / GB:.1f} GB; set {M.HOST_LIMIT_ENV}={int(plan.host_bytes / GB * 1.1) + 1} before jax starts "
+            f"(the machine must have that much RAM)")
+    if host_available is not None and need_h > host_available:
+        problems.append(
+            f"the {'run (host pool, weights and compute, all in host memory on this CPU backend)' if need_h > plan.host_bytes else 'host pool'} "
+            f"needs {need_h / GB:.1f} GB but only {host_available / GB:.1f} GB of host memory is available")
+    if gpu_available is not None and plan.gpu_bytes > gpu_available:
+        problems.append(f"the GPU side needs {plan.gpu_bytes / GB:.1f} GB but only {gpu_available / GB:.1f} GB "
+                        "of GPU memory is free")
+    if problems:
+        raise MemoryPlanError(
+            f"kvoffload refuses to start{(' ' + what) if what else ''}: " + "; ".join(problems)
+            + f". Plan: {plan.describe()}. To fit: lower the batch size or max length (prompt + new tokens), "
+            "use more GPU batches (--gpu-batches) for the GPU side, use policy 'offload' instead of 'kvpr' "
+            "(no stored activations), or keep the weights on the GPU if only the host is short.")
+
+
+def check_pool(plan: MemoryPlan, host_limit_gb: float | None, gpu_limit_gb: float | None, host_pool: bool, dev,
+               what: str = "") -> None:
+    """check_memory for a pool run on dev (limits in GB override what the machine reports)."""
+    kind, _ = M.host_memory_kind(dev)
+    check_memory(plan, host_available=None if host_limit_gb is None else host_limit_gb * GB,
+                 gpu_available=None if gpu_limit_gb is None else gpu_limit_gb * GB,
+                 host_cap=M.host_pool_cap_bytes(dev.platform) if (host_pool and kind == "pinned_host") else None,
+                 device_is_host=dev.platform == "cpu", what=what)
