@@ -102,6 +102,7 @@ def lower_only_checks():
     from jax._src.pallas import pallas_call as pc
     from jax._src.pallas.triton import pallas_call_registration as reg
     from kvoffload.pallas import decode_attention as _da, quant as _q, recompute as _rc
+    from kvoffload.pallas import paged_attention as _pa
     from kvoffload.pallas import sparse_attention as _sa, topk as _tk
 
     def cuda_rule(ctx, *a, **p):
@@ -128,6 +129,14 @@ def lower_only_checks():
             (f"quest {tag}", lambda q, a, b, n: _tk.quest_page_scores_kernel(
                 q, a, b, n, group_reduce="max"), (q, kmin, kmax, L // 16)),
         ]
+        for blk in (16, 64, 24):  # 24: a block size that is not a power of two (padded)
+            E, M = S // blk + 3, S // blk + 1
+            kb = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), dt)
+            table = jnp.asarray(rng.integers(0, E, (B, M)), jnp.int32)
+            nb = jnp.asarray(rng.integers(0, M + 1, B), jnp.int32)
+            cases.append((f"paged blk{blk} E{E} M{M} {tag}", lambda q, kb, t, n:
+                          _pa.paged_decode_attention_kernel(q, kb, kb, t, n, poison=True),
+                          (q, kb, table, nb)))
         for sh in (False, True):
             cases.append((f"tokenselect shared{int(sh)} {tag}", lambda q, k, L, sh=sh:
                           _tk.tokenselect_scores_kernel(q, k, L, shared=sh, poison=True),

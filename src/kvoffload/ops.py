@@ -13,6 +13,10 @@ Conventions
 * Attention returns (out [B, n_heads, d] in q.dtype, lse [B, n_heads] float32); an
   empty key set gives out = 0, lse = -inf. ``merge_attention`` combines partial
   results over disjoint key sets exactly (never concatenate K/V copies).
+* Paged K/V: an extent of E token blocks, k_blocks, v_blocks [E, n_kv, blk, d]; row b owns
+  the blocks block_table[b, :num_blocks[b]] in sequence order (``paged_decode_attention``).
+  Results over several extents fold left to right into an fp32 accumulator that starts as
+  ``empty_attention(q)``, with ``merge_attention_into`` (exact no-op for an empty part).
 * Top-k: score functions return [B, n_kv, N] float32 (higher = better, -inf invalid);
   ``select_topk`` returns (indices [B, n_kv, K] int32, num_valid [B, n_kv] int32)
   for ``sparse_attention``.
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 
 from kvoffload.pallas import common as _c
 from kvoffload.pallas import decode_attention as _da
+from kvoffload.pallas import paged_attention as _pa
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
@@ -53,7 +58,8 @@ from kvoffload.pallas.topk import (  # noqa: F401  (public)
 )
 
 __all__ = [
-    "decode_attention", "merge_attention", "sparse_attention", "sparse_attention_path",
+    "decode_attention", "merge_attention", "paged_decode_attention", "merge_attention_into",
+    "empty_attention", "sparse_attention", "sparse_attention_path",
     "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk",
     "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
@@ -107,6 +113,46 @@ def decode_attention(q, k, v, lengths, *, scale=None, impl="auto", interpret=Fal
     if _use_kernel(impl):
         return _decode_kernel_jit(q, k, v, lengths, scale, interpret)
     return _decode_ref_jit(q, k, v, lengths, scale)
+
+
+# ----------------------------------------------------------------------------
+# paged decode attention and the fp32 accumulator merge
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _paged_kernel_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale, interpret):
+    return _pa.paged_decode_attention_kernel(q, k_blocks, v_blocks, block_table, num_blocks,
+                                             scale=scale, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _paged_ref_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale):
+    return _pa.paged_decode_attention_reference(q, k_blocks, v_blocks, block_table, num_blocks,
+                                                scale=scale)
+
+
+def paged_decode_attention(q, k_blocks, v_blocks, block_table, num_blocks, *, scale=None,
+                           impl="auto", interpret=False):
+    """Decode attention over K/V kept in fixed-size token blocks of one extent.
+
+    q [B, n_heads, d]; k_blocks, v_blocks [E, n_kv, blk, d]; block_table [B, M] int32 of block
+    indices into the first axis of k_blocks; num_blocks [B] int32 in [0, M]: row b attends the
+    blocks block_table[b, :num_blocks[b]] (every listed block holds blk valid keys; the other
+    entries are never read). scale defaults to d**-0.5. Returns (out [B, n_heads, d] in q.dtype,
+    lse [B, n_heads] float32); num_blocks[b] == 0 gives out 0, lse -inf.
+    """
+    block_table = jnp.asarray(block_table, jnp.int32)
+    num_blocks = jnp.asarray(num_blocks, jnp.int32)
+    scale = None if scale is None else float(scale)
+    if _use_kernel(impl):
+        return _paged_kernel_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale,
+                                 interpret)
+    return _paged_ref_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale)
+
+
+merge_attention_into = jax.jit(_pa.merge_attention_into)
+empty_attention = jax.jit(_pa.empty_attention)
 
 
 # ----------------------------------------------------------------------------

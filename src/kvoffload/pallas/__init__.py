@@ -6,6 +6,12 @@ from kvoffload.pallas.decode_attention import (  # noqa: F401
     decode_attention_reference,
     merge_attention,
 )
+from kvoffload.pallas.paged_attention import (  # noqa: F401
+    empty_attention,
+    merge_attention_into,
+    paged_decode_attention_kernel,
+    paged_decode_attention_reference,
+)
 from kvoffload.pallas.quant import (  # noqa: F401
     QuantizedInt4,
     decode_attention_int4_kernel,
@@ -33,6 +39,8 @@ from kvoffload.pallas.topk import (  # noqa: F401
 
 __all__ = [
     "decode_attention_kernel", "decode_attention_reference", "merge_attention",
+    "paged_decode_attention_kernel", "paged_decode_attention_reference", "merge_attention_into",
+    "empty_attention",
     "QuantizedInt4", "decode_attention_int4_kernel", "decode_attention_int4_reference",
     "dequantize_int4", "pack_int4", "quantize_int4", "unpack_int4",
     "recompute_kv_kernel", "recompute_kv_reference",

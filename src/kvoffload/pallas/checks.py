@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload.pallas import decode_attention as _da
+from kvoffload.pallas import paged_attention as _pa
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
@@ -140,6 +141,60 @@ def check_decode(B=3, n_kv=2, G=4, S=200, d=128, dtype="float32", lengths=None,
     ok_dtype = o.dtype == q.dtype
     r = _result(f"decode B{B} kv{n_kv} G{G} S{S} d{d} {dtype}", mode, errs, TOL[dtype])
     r["ok"] = r["ok"] and ok_dtype
+    return r
+
+
+def np_paged_dense(blocks64, table, num_blocks):
+    """float64 pool [E, n_kv, blk, d] + table -> dense [B, n_kv, M*blk, d] and valid mask."""
+    E, n_kv, blk, d = blocks64.shape
+    B, M = table.shape
+    dense = np.zeros((B, n_kv, M * blk, d))
+    for b in range(B):
+        for j in range(int(num_blocks[b])):
+            dense[b, :, j * blk:(j + 1) * blk] = blocks64[int(table[b, j])]
+    valid = np.arange(M * blk)[None, None, :] < (np.asarray(num_blocks) * blk)[:, None, None]
+    return dense, np.broadcast_to(valid, (B, n_kv, M * blk))
+
+
+def random_block_table(rng, B, M, E, num_blocks):
+    """Each row lists distinct random blocks; entries past num_blocks hold random junk in [0, E)."""
+    table = rng.integers(0, E, (B, M)).astype(np.int32)
+    for b in range(B):
+        n = int(num_blocks[b])
+        table[b, :n] = rng.permutation(E)[:n]
+    return table
+
+
+def check_paged(B=4, n_kv=2, G=4, d=128, blk=16, M=5, E=13, dtype="float32", num_blocks=None,
+                mode="reference", seed=0, **kw):
+    """Paged decode attention over a random pool and random ragged tables (rows with 0 and M
+    blocks by default) vs float64 attention over the rows' blocks laid out densely."""
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, k64 = _rand(rng, (E, n_kv, blk, d), dtype)
+    v, v64 = _rand(rng, (E, n_kv, blk, d), dtype)
+    if num_blocks is None:
+        num_blocks = [M, 0] + list(rng.integers(1, M + 1, max(0, B - 2)))
+    num_blocks = np.asarray(num_blocks[:B], np.int32)
+    table = random_block_table(rng, B, M, E, num_blocks)
+    kd, valid = np_paged_dense(k64, table, num_blocks)
+    vd, _ = np_paged_dense(v64, table, num_blocks)
+    ro, rl = np_attend(q64, kd, vd, valid, d ** -0.5)
+    args = (q, k, v, jnp.asarray(table), jnp.asarray(num_blocks))
+    if mode == "reference":
+        o, l = jax.jit(_pa.paged_decode_attention_reference)(*args)
+    else:
+        o, l = jax.jit(lambda *a: _pa.paged_decode_attention_kernel(
+            *a, interpret=(mode == "interpret"), poison=True, **kw))(*args)
+    errs = dict(err_out=rel_err(o, ro), err_lse=lse_err(l, rl))
+    # an empty row is exactly (0, -inf)
+    empty = num_blocks == 0
+    exact_empty = bool(np.all(np.asarray(o.astype(jnp.float32))[empty] == 0)
+                       and np.all(np.isneginf(np.asarray(l)[empty])))
+    r = _result(f"paged B{B} kv{n_kv} G{G} d{d} blk{blk} M{M} E{E} {dtype}", mode, errs,
+                TOL[dtype])
+    r["ok"] = r["ok"] and exact_empty and o.dtype == q.dtype
     return r
 
 
@@ -528,6 +583,7 @@ def kernel_cases(full=False):
         cases.append((check_decode, dict(G=g, d=d, dtype=dt, S=200 if not full else 333)))
     cases.append((check_decode, dict(B=2, G=4, d=128, S=1, lengths=[1, 0])))
     cases.append((check_decode, dict(B=2, G=4, d=64, S=300, num_splits=2, block_s=32)))
+    cases += paged_cases(full)
     sp = ([(g, d, dt, ps) for g in (1, 4, 7) for d in HEAD_DIMS for dt in DTYPES
            for ps in (1, 16)] if full else
           [(4, 128, "float32", 1), (3, 80, "bfloat16", 16), (8, 96, "float32", 4),
@@ -578,6 +634,24 @@ def kernel_cases(full=False):
                          [(d, gs, dt, g) for d in (64, 128) for gs in (32, 64) for dt in DTYPES
                           for g in (1, 4, 7)]):
         cases.append((check_int4_decode, dict(d=d, group_size=gs, dtype=dt, G=g)))
+    return cases
+
+
+def paged_cases(full=False):
+    """Paged decode attention: the default two shapes, or (full) every GQA group x head dim x
+    block size x dtype, plus a non-power-of-two block, one split walking the whole table, and
+    a long table over a large pool."""
+    if not full:
+        return [(check_paged, dict(G=3, d=80, blk=64, dtype="bfloat16")),
+                (check_paged, dict(G=4, d=64, blk=16, num_splits=1))]
+    cases = [(check_paged, dict(G=g, d=d, blk=blk, dtype=dt))
+             for g in (1, 3, 4, 8) for d in HEAD_DIMS for blk in (16, 64) for dt in DTYPES]
+    cases += [(check_paged, dict(G=4, d=128, blk=24, M=4)),
+              (check_paged, dict(G=4, d=64, blk=16, num_splits=1)),
+              (check_paged, dict(B=5, n_kv=8, G=4, d=128, blk=64, M=40, E=512, dtype="bfloat16",
+                                 num_blocks=[40, 0, 1, 17, 33])),
+              (check_paged, dict(B=3, n_kv=8, G=8, d=128, blk=16, M=200, E=700,
+                                 num_blocks=[200, 3, 0]))]
     return cases
 
 
@@ -640,6 +714,8 @@ def gpu_cases():
     for r in (32, 64, 96, 128, 256):
         for pc in ("native", "swar"):
             add(check_hata, dict(G=4, r=r, S=333, popcount=pc))
+    for fn, kw in paged_cases(full=True):
+        add(fn, kw)
     # long sequences / many splits / batch
     add(check_decode, dict(B=4, n_kv=8, G=4, d=128, dtype="bfloat16", S=5000,
                            lengths=[5000, 1, 4097, 63]))
@@ -660,7 +736,7 @@ def gpu_cases():
     return cases
 
 
-KERNEL_FNS = (check_decode, check_sparse, check_recompute, check_scores_exact,
+KERNEL_FNS = (check_decode, check_paged, check_sparse, check_recompute, check_scores_exact,
               check_int4_decode, check_quest, check_hata, check_tokenselect)
 
 
