@@ -1,39 +1,47 @@
-"""Exactness of the `offload` and `kvpr` policies against `full` (CPU, tiny models, fp32), the memory
-planner's refusal, and the runtime's pieces."""
+"""The block pool and the layer pipeline: every pool policy against `full` (CPU, tiny models, fp32),
+the allocator's invariants, bytes moved for ragged batches, the memory planner's refusals."""
 
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvoffload.engine import generate
+from kvoffload.engine import generate, pad_prompts
 from kvoffload.models import tiny_random_model
-from kvoffload.offload import MemoryPlanError, check_memory, plan_memory
 from kvoffload.offload import memory as M
+from kvoffload.offload.pool import BlockAllocator, PoolExhausted, PoolLayout, allocate_prompts
+from kvoffload.plan import MemoryPlanError, check_memory, plan_pool, pool_memory
 from kvoffload.plan.profiler import model_shape
+from kvoffload.policies import make_policy
 
-# ragged: three prompt lengths; 6 new tokens with flush_block 4 -> one flush to the host mid-way.
-# Column cases use 3 GPU batches of one sequence (one set of shapes to compile); row cases one of 3.
+# ragged: prompt lengths 19, 40 and 3 (13x apart); 10 new tokens with 4-token blocks: two flushes of
+# the GPU tail into the pool mid-way. Tiny extents (3 blocks of the tiny models' K) so a step touches
+# several extents, a flush crosses an extent boundary and KVPR has interior split points.
 PROMPTS = [list(range(1, 20)), list(range(5, 45)), [7, 8, 9]]
-NEW = 6
-BASE = dict(flush_block=4, split_bucket=32)
+NEW = 10
+BLOCK = 4
+BASE = dict(block_tokens=BLOCK, extent_mb=3 * BLOCK * 2 * 16 * 4 / 2**20)
 
 
 @pytest.fixture(scope="module", params=["opt", "llama"])
 def ref(request):
     model = tiny_random_model(request.param, seed=1)
-    toks, logits = generate(model, PROMPTS, NEW, policy="full", return_logits=True)
+    toks, logits = generate(model, PROMPTS, NEW, policy="full", policy_options=BASE, return_logits=True)
     return request.param, model, toks, logits
 
 
 CASES = [
     ("offload", dict(schedule="row")),
     ("kvpr", dict(split_point=0, schedule="column", gpu_batches=3, offload_weights=True, sync_depth=0)),
-    ("kvpr", dict(split_point=32, schedule="row", offload_weights=True)),  # mid prompt
-    ("kvpr", dict(split_point=10**6, schedule="column", gpu_batches=3)),  # every host slot, generated too
+    ("kvpr", dict(split_point=16, schedule="row", offload_weights=True)),  # mid prompt
+    ("kvpr", dict(split_point=10**6, schedule="column", gpu_batches=3)),  # every pool block, generated too
     ("kvpr", dict()),  # the scheduler's choice
-    ("kvpr", dict(kvpr_store="split", split_point=32, schedule="column", gpu_batches=3, offload_weights=True)),
+    ("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3, offload_weights=True)),
+    ("offload", dict(schedule="column", gpu_batches=2, offload_weights=True)),
 ]
 
 
@@ -45,23 +53,55 @@ def test_matches_full(ref, policy, opts):
     np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
 
 
-def test_scheduler_choice_and_trace(tmp_path):
-    """MHA OPT with cheap recompute: the scheduler recomputes; the trace records it and is drawable."""
-    from kvoffload.policies.kvpr import KVPRPolicy
+def test_offload_is_full_bit_for_bit(ref):
+    """Same programs over the same blocks in the same order: identical logits, not just close."""
+    _, model, want, want_logits = ref
+    got, logits = generate(model, PROMPTS, NEW, policy="offload", policy_options=BASE, return_logits=True)
+    assert got == want
+    assert np.array_equal(logits, want_logits)
 
+
+def test_full_matches_the_dense_reference(ref):
+    """The pool-based `full` against the dense one-jit decode of models/transformer.py (itself tested
+    against HF transformers in test_models.py)."""
+    from kvoffload.models.transformer import dense_cache_from_prefill, dense_decode, prefill
+
+    arch, model, want, want_logits = ref
+    cfg, params = model.config, model.params
+    tokens, lengths = pad_prompts(PROMPTS)
+    logits, ks, vs, _ = prefill(cfg, params, tokens, lengths)
+    cache, n = dense_cache_from_prefill(ks, vs, lengths, capacity=128), 0
+    for step in range(NEW):
+        np.testing.assert_allclose(np.asarray(logits), want_logits[step], atol=1e-4, rtol=0)
+        if step == NEW - 1:
+            break
+        logits, cache, n = dense_decode(cfg, params, cache, jnp.asarray([w[step] for w in want], jnp.int32), n)
+
+
+def _run(model, policy, steps=6, prompts=PROMPTS, **opts):
+    pol = make_policy(policy, **{**BASE, **opts})
+    tokens, lengths = pad_prompts(prompts)
+    logits, state = pol.prefill(model, tokens, lengths, 128)
+    for _ in range(steps):
+        logits, state = pol.decode_step(model, state, jnp.argmax(logits, -1).astype(jnp.int32))
+    return pol, state
+
+
+def test_scheduler_recomputes_for_mha_and_traces(tmp_path):
+    """MHA OPT (an activation is half its K/V): the scheduler recomputes some extents; the trace records
+    the split and is drawable."""
     model = tiny_random_model("opt", seed=2)
     path = tmp_path / "trace.json"
-    pol = KVPRPolicy(trace=str(path), profile=None, **BASE)
-    want = generate(model, PROMPTS, NEW, policy="full")
-    assert generate(model, PROMPTS, NEW, policy=pol) == want
+    pol, state = _run(model, "kvpr", trace=str(path))
+    rec = state.records[-1]
+    assert 0 < rec["recompute_extents"] <= rec["used_extents"]
+    assert rec["recompute_tokens"] > 0 and rec["bytes_x"] > 0 and "recompute" in rec["split_reason"]
     tr = json.loads(path.read_text())
-    assert len(tr["steps"]) == NEW - 1
-    row = tr["steps"][-1]
+    assert len(tr["steps"]) == 6 and tr["steps"][0]["time_s"] is not None
     for k in ("split_point", "bytes_h2d", "bytes_x", "bytes_kv", "recompute_tokens", "predicted_s", "context"):
-        assert k in row
-    assert tr["steps"][0]["time_s"] is not None
-    d = pol.describe()
-    assert d["policy"] == "kvpr" and "memory_plan" in d
+        assert k in tr["steps"][-1]
+    d = pol.describe(state)
+    assert d["policy"] == "kvpr" and "memory_plan" in d and d["layout"]["act_extents"][1] > 0
     import importlib.util
     import os
 
@@ -75,30 +115,96 @@ def test_scheduler_choice_and_trace(tmp_path):
 
 
 def test_gqa_scheduler_says_no_recompute():
-    from kvoffload.policies.kvpr import KVPRPolicy
-
     # llama tiny: h = 64, n_kv * d = 2 * 16 -> an activation is as large as its K/V
     model = tiny_random_model("llama", seed=3)
-    pol = KVPRPolicy(**BASE)
-    generate(model, PROMPTS, 3, policy=pol)
-    assert pol.runtime.last_plan["split_point"] == 0
-    assert "GQA" in pol.runtime.last_plan["split_reason"]
+    pol, state = _run(model, "kvpr", steps=2)
+    assert state.records[-1]["recompute_extents"] == 0
+    assert "GQA" in state.records[-1]["split_reason"]
+    assert state.groups[0].layout.act_extents == (0, 0)  # no activations stored at all
+    assert all(x is None for x in state.groups[0].pool_x[0])
 
 
-def test_host_store_is_in_host_memory():
-    from kvoffload.policies.kvpr import KVPRPolicy
-
+def test_pool_is_in_host_memory_and_full_on_device():
     model = tiny_random_model("opt", seed=4)
-    pol = KVPRPolicy(**BASE)
-    import jax.numpy as jnp
-
-    tokens = jnp.zeros((2, 64), jnp.int32)
-    _, state = pol.prefill(model, tokens, jnp.asarray([10, 64], jnp.int32), 128)
-    seg = state.subs[0].segs[0][0]
+    _, state = _run(model, "kvpr", steps=0)
     kind, _ = M.host_memory_kind()
     assert kind == "pinned_host"
-    for a in (seg.k, seg.v, seg.x):
+    gr = state.groups[0]
+    for a in (gr.pool_k[0][0], gr.pool_v[0][0], gr.pool_x[0][0]):
         assert M.memory_kind_of(a) == "pinned_host"
+    assert M.memory_kind_of(gr.tail_k[0]) == "device"
+    _, state = _run(model, "full", steps=0)
+    assert M.memory_kind_of(state.groups[0].pool_k[0][0]) == "device"
+
+
+def test_ragged_batch_stores_and_moves_no_padding():
+    """Prompts 4x apart: the pool holds exactly the prompts' full blocks (partial blocks stay in the
+    GPU tail), and a step moves at most one partly filled extent beyond them."""
+    model = tiny_random_model("opt", seed=5)
+    prompts = [list(range(1, 1 + n)) for n in (16, 64, 33, 40)]
+    pol, state = _run(model, "offload", steps=1, prompts=prompts)
+    gr = state.groups[0]
+    full_blocks = sum(len(p) // BLOCK for p in prompts)
+    assert sum(len(t) for t in gr.alloc.tables) == full_blocks
+    assert gr.tail_base == tuple(len(p) % BLOCK for p in prompts)
+    cfg = model.config
+    block_bytes = BLOCK * cfg.kv_bytes_per_token * 4
+    moved_per_layer = state.records[-1]["bytes_kv"] / cfg.num_layers
+    assert full_blocks * block_bytes <= moved_per_layer < (full_blocks + gr.layout.extent_blocks) * block_bytes
+    real = sum(len(p) for p in prompts) * cfg.kv_bytes_per_token * 4
+    assert moved_per_layer <= 1.05 * real + gr.layout.extent_blocks * block_bytes
+
+
+def test_release_frees_blocks_and_keeps_others_exact():
+    model = tiny_random_model("llama", seed=6)
+    pol = make_policy("offload", **BASE)
+    tokens, lengths = pad_prompts(PROMPTS)
+    logits, state = pol.prefill(model, tokens, lengths, 128)
+    free0 = state.groups[0].alloc.num_free
+    released = pol.release(state, [1])
+    assert released.groups[0].alloc.num_free == free0 + len(PROMPTS[1]) // BLOCK
+    released.groups[0].alloc.check()
+    nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    b, _ = pol.decode_step(model, released, nxt)  # the step donates the tails: a fresh prefill for the other run
+    _, state = pol.prefill(model, tokens, lengths, 128)
+    a, _ = pol.decode_step(model, state, nxt)
+    np.testing.assert_array_equal(np.asarray(a)[[0, 2]], np.asarray(b)[[0, 2]])
+
+
+# ------------------------------------------------------------------------------------------------
+# the allocator
+# ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 4)), max_size=80),
+       st.integers(1, 4), st.integers(1, 6))
+def test_allocator_never_leaks_or_shares(ops_, extent_blocks, n_ext):
+    layout = PoolLayout(block_tokens=4, extent_blocks=extent_blocks, num_extents=n_ext)
+    alloc = BlockAllocator(layout.num_blocks, 5, 4)
+    for op, r in ops_:
+        if op == "alloc":
+            if alloc.num_free == 0:
+                with pytest.raises(PoolExhausted):
+                    alloc.allocate(r)
+            else:
+                b = alloc.allocate(r)
+                assert b == min(set(range(layout.num_blocks)) - {x for t in alloc.tables for x in t} | {b})
+        else:
+            alloc.release(r)
+        alloc.check()
+    t = alloc.device_tables(layout)
+    for r, blocks in enumerate(alloc.tables):  # each extent's table lists the request's blocks there, in order
+        for e in range(n_ext):
+            got = [e * extent_blocks + int(np.asarray(t.table[e])[r, j]) for j in range(int(np.asarray(t.count[e])[r]))]
+            assert got == [b for b in blocks if b // extent_blocks == e]
+    assert alloc.used_extents(extent_blocks) == (max((b for t_ in alloc.tables for b in t_), default=-1) // extent_blocks + 1)
+
+
+def test_prompts_are_laid_out_position_major():
+    alloc = BlockAllocator(16, 3, 4)
+    allocate_prompts(alloc, [12, 4, 9])  # 3, 1, 2 full blocks
+    assert alloc.tables == [[0, 3, 5], [1], [2, 4]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,64 +213,76 @@ def test_host_store_is_in_host_memory():
 
 
 def test_planner_refuses_before_allocating(monkeypatch):
-    """A store bigger than host memory is refused with one message, before any host allocation."""
-    from kvoffload.offload import store
-    from kvoffload.policies.kvpr import KVPRPolicy
+    """A pool bigger than host memory is refused with one message, before any host allocation."""
+    from kvoffload.offload import pipeline
 
     model = tiny_random_model("opt", seed=5)
     calls = []
-    monkeypatch.setattr(M, "to_host", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError))
-    monkeypatch.setattr(store.M, "to_host", M.to_host)
-    pol = KVPRPolicy(host_memory_limit_gb=1e-6, **BASE)
+    monkeypatch.setattr(pipeline.M, "to_host", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError))
     with pytest.raises(MemoryPlanError) as e:
-        generate(model, PROMPTS, NEW, policy=pol)
+        generate(model, PROMPTS, NEW, policy="kvpr", policy_options={**BASE, "host_memory_limit_gb": 1e-6})
     msg = str(e.value)
     assert "needs" in msg and "available" in msg and "lower the batch" in msg
     assert not calls
 
 
 def test_planner_knows_the_pinned_pool_cap(monkeypatch):
+    import jax.numpy as jnp
+
     cfg = model_shape("opt-13b")
-    plan = plan_memory(cfg, 128, 576, prompt_len=512, store_activations=False, offload_weights=True,
-                       gpu_batches=4)
-    assert 75e9 < plan.host_bytes < 95e9  # ~81 GB: K/V + weights (issue 4)
+    plan = plan_pool(cfg, jnp.bfloat16, [np.full(32, 512)] * 4, 576)
+    mem = pool_memory(cfg, jnp.bfloat16, plan.layouts, 128, 512, host_pool=True, offload_weights=True)
+    assert 75e9 < mem.host_bytes < 95e9  # ~81 GB: K/V + weights (issue 4's OPT-13B column workload)
     monkeypatch.delenv(M.HOST_LIMIT_ENV, raising=False)
     cap = M.host_pool_cap_bytes("gpu")
     assert cap == 64e9
     with pytest.raises(MemoryPlanError, match=M.HOST_LIMIT_ENV):
-        check_memory(plan, host_available=120e9, gpu_available=80e9, host_cap=cap)
+        check_memory(mem, host_available=120e9, gpu_available=80e9, host_cap=cap)
     monkeypatch.setenv(M.HOST_LIMIT_ENV, "100")
-    check_memory(plan, host_available=120e9, gpu_available=80e9, host_cap=M.host_pool_cap_bytes("gpu"))
+    check_memory(mem, host_available=120e9, gpu_available=80e9, host_cap=M.host_pool_cap_bytes("gpu"))
     assert M.host_pool_cap_bytes("cpu") is None
 
 
-def test_planner_gpu_side_and_split_store():
+def test_planner_sizes_the_pool_from_real_blocks():
     cfg = model_shape("opt-6.7b")
-    both = plan_memory(cfg, 64, 1152, prompt_len=1024, store_activations=True, offload_weights=False)
-    split = plan_memory(cfg, 64, 1152, prompt_len=1024, store_activations=True, offload_weights=False,
-                        split_store=True)
-    off = plan_memory(cfg, 64, 1152, prompt_len=1024, store_activations=False, offload_weights=False)
-    assert split.host_bytes <= off.host_bytes < both.host_bytes
-    with pytest.raises(MemoryPlanError, match="GPU"):
-        check_memory(both, host_available=1e12, gpu_available=1e9)
+    lens = np.asarray([512, 2048, 1000, 1500])
+    plan = plan_pool(cfg, jnp.bfloat16, [lens], 2048 + 128, block_tokens=64, extent_mb=64)
+    lay = plan.layouts[0]
+    prompt_blocks = int((lens // 64).sum())
+    assert plan.flushes == 2 and lay.num_blocks >= prompt_blocks + 4 * 2
+    assert lay.num_blocks - (prompt_blocks + 8) < lay.extent_blocks  # at most one extent of slack
+    # prompt blocks split evenly over whole extents: the last prompt extent is nearly full
+    assert (-prompt_blocks) % lay.extent_blocks < -(-prompt_blocks // lay.extent_blocks)
+
+
+def test_planner_checks_the_device_side_on_cpu():
+    """On a CPU backend the "GPU" side is host memory too: both must fit it together."""
+    cfg = model_shape("opt-6.7b")
+    plan = plan_pool(cfg, jnp.bfloat16, [np.full(8, 1024)], 1152)
+    mem = pool_memory(cfg, jnp.bfloat16, plan.layouts, 8, 1024, host_pool=True, offload_weights=False)
+    check_memory(mem, host_available=mem.host_bytes + mem.gpu_bytes + 1, device_is_host=True)
+    with pytest.raises(MemoryPlanError, match="host memory"):
+        check_memory(mem, host_available=mem.host_bytes + 1, device_is_host=True)
 
 
 def test_options_are_validated():
-    from kvoffload.policies import make_policy
-
     with pytest.raises(ValueError, match="schedule"):
         make_policy("kvpr", schedule="diagonal")
     with pytest.raises(ValueError, match="split point"):
         make_policy("offload", split_point=5)
     with pytest.raises(ValueError, match="unknown option"):
         make_policy("kvpr", shedule="row")
+    with pytest.raises(ValueError, match="power of two"):
+        make_policy("offload", block_tokens=48)
+    with pytest.raises(ValueError, match="full"):
+        make_policy("full", offload_weights=True)
     p = make_policy("kvpr", schedule="column", offload_weights=True, split_point=None, gpu_batches=2,
                     profile=None, trace=None, sync_depth=None)
     assert p.describe()["schedule"] == "column"
 
 
 def test_layer_split_join():
-    from kvoffload.offload.runtime import join_layer, split_layer
+    from kvoffload.offload.pipeline import join_layer, split_layer
 
     model = tiny_random_model("llama", seed=0)
     lp = model.params.layers[0]

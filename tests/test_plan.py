@@ -13,7 +13,7 @@ from kvoffload.plan.profiler import model_shape
 
 def _problem(cfg_name, batch, s, bucket=64, offload_weights=False, g=1, p=2):
     cfg = model_shape(cfg_name)
-    from kvoffload.offload.planner import weight_bytes
+    from kvoffload.plan.memory import weight_bytes
     import jax.numpy as jnp
 
     wb = weight_bytes(cfg, jnp.bfloat16)

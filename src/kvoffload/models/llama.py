@@ -61,10 +61,10 @@ def attn_input(cfg: ModelConfig, lp: LlamaLayer, h):
     return rms_norm(h, lp.attn_norm, cfg.norm_eps)
 
 
-def recompute_kv(cfg: ModelConfig, lp: LlamaLayer, x, positions):
+def recompute_kv(cfg: ModelConfig, lp: LlamaLayer, x, positions, impl="auto"):
     """K, V [B, n_kv, T, d] from stored activations x [B, T, H] at positions [B, T]."""
     cos, sin = rope_cos_sin(cfg, positions)
-    return ops.recompute_kv(x, lp.wk, lp.bk, lp.wv, lp.bv, cos, sin, n_kv=cfg.num_kv_heads)
+    return ops.recompute_kv(x, lp.wk, lp.bk, lp.wv, lp.bv, cos, sin, n_kv=cfg.num_kv_heads, impl=impl)
 
 
 def qkv(cfg: ModelConfig, lp: LlamaLayer, x, positions):

@@ -57,9 +57,9 @@ def attn_input(cfg: ModelConfig, lp: OPTLayer, h):
     return h
 
 
-def recompute_kv(cfg: ModelConfig, lp: OPTLayer, x, positions):
+def recompute_kv(cfg: ModelConfig, lp: OPTLayer, x, positions, impl="auto"):
     del positions  # positions entered through the embedding
-    return ops.recompute_kv(x, lp.wk, lp.bk, lp.wv, lp.bv, None, None, n_kv=cfg.num_kv_heads)
+    return ops.recompute_kv(x, lp.wk, lp.bk, lp.wv, lp.bv, None, None, n_kv=cfg.num_kv_heads, impl=impl)
 
 
 def qkv(cfg: ModelConfig, lp: OPTLayer, x, positions):

@@ -38,6 +38,10 @@ def _workloads(quick: bool):
         "llama8b": dict(shape="llama-3-8b", batch=32, gpu_batches=1, schedule="row", offload_weights=False,
                         prompts=(1024,), gens=(32,), contexts=(1024,), policies=("full", "offload", "kvpr"),
                         hf=False, kvpr_store="both"),
+        # a ragged batch: prompts 512-2048 tokens (the pool moves only real blocks)
+        "opt67b_ragged": dict(shape="opt-6.7b", batch=64, gpu_batches=1, schedule="row", offload_weights=False,
+                              prompts=(2048,), gens=(32,), contexts=(2048,), policies=("offload",), hf=False,
+                              kvpr_store="both", lengths=tuple(int(x) for x in np.linspace(512, 2048, 64))),
         # CPU smoke test of the whole path (tests, `kvoffload bench --workloads tiny`)
         "tiny": dict(shape="tiny-opt", batch=4, gpu_batches=2, schedule="column", offload_weights=True,
                      prompts=(64,), gens=(8,), contexts=(64, 128), policies=("offload", "kvpr"), hf=True,
@@ -112,73 +116,49 @@ def run_hf(shape: dict, batch: int, prompt: int, steps: int, caches=("offloaded"
 # ------------------------------------------------------------------------------------------------
 
 
-def _full_prefill(model, tokens, lengths, capacity):
-    """The `full` policy's cache, built layer by layer (the whole-prompt prefill keeps every layer's
-    unpadded K/V and a padded copy alive at once, which does not fit the big shapes)."""
+def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0, lengths=None, back_to_back=0):
+    """Prefill at `context` (or ragged `lengths`), `warmup` decode steps, then `steps` timed steps, each
+    ending when its greedy tokens are on the host (as a generation loop that reads every token), and
+    with back_to_back > 0 also that many steps dispatched without a host read (one wait at the end)."""
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.models.transformer import dense_cache
-    from kvoffload.policies.full import FullState
-    from kvoffload.offload.runtime import _embed, _last_hidden, _layer_prefill, _logits, without_layers
-
-    cfg = model.config
-    b, t = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    fp = without_layers(model.params)
-    h = _embed(cfg, fp, tokens, pos)
-    ks, vs = [], []
-    pad = jax.jit(lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, capacity - t), (0, 0))))
-    for lp in model.params.layers:
-        h, k, v, _ = _layer_prefill(cfg, lp, h, pos, lengths, False)
-        ks.append(pad(k))
-        vs.append(pad(v))
-        del k, v
-    logits = _logits(cfg, fp, _last_hidden(cfg, h, lengths))
-    return logits, FullState(dense_cache(ks, vs, lengths))
-
-
-def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0):
-    import jax.numpy as jnp
-
-    from kvoffload.policies.full import FullPolicy
-    from kvoffload.policies.kvpr import KVPRPolicy
-    from kvoffload.policies.offload import OffloadPolicy
+    from kvoffload.policies import make_policy
 
     cfg = model.config
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(4, cfg.vocab_size - 1, (batch, context)), jnp.int32)
-    lengths = jnp.full((batch,), context, jnp.int32)
-    capacity = context + warmup + steps
-    pol = None
+    lengths = jnp.full((batch,), context, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    capacity = context + warmup + steps + back_to_back + 1
     t0 = time.perf_counter()
-    if policy_name == "full":
-        logits, state = _full_prefill(model, tokens, lengths, capacity)
-
-        def step(state, nxt):
-            return FullPolicy().decode_step(model, state, nxt)
-    else:
-        pol = (KVPRPolicy if policy_name == "kvpr" else OffloadPolicy)(**opts)
-        logits, state = pol.prefill(model, tokens, lengths, capacity)
-
-        def step(state, nxt):
-            return pol.decode_step(model, state, nxt)
-    nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    # `full` takes the same pool options (same blocks and extents) but keeps everything on the device
+    pol = make_policy(policy_name, **{k: v for k, v in opts.items() if policy_name != "full" or k != "offload_weights"})
+    logits, state = pol.prefill(model, tokens, lengths, capacity)
+    argmax = jax.jit(lambda x: jnp.argmax(x, -1).astype(jnp.int32))
+    nxt = argmax(logits)
     np.asarray(nxt)
     prefill_s = time.perf_counter() - t0
     times = []
     for i in range(warmup + steps):
         t = time.perf_counter()
-        logits, state = step(state, nxt)
-        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        logits, state = pol.decode_step(model, state, nxt)
+        nxt = argmax(logits)
         np.asarray(nxt)
         times.append(time.perf_counter() - t)
     res = {"policy": policy_name, "context": context, "prefill_s": prefill_s, "step_times_s": times[warmup:],
            "step_s": float(np.median(times[warmup:])), "warmup_s": times[:warmup]}
-    if pol is not None:
-        res["plan"] = pol.runtime.last_plan
-        res["memory_plan"] = pol.runtime.memory_plan.describe() if pol.runtime.memory_plan else None
-        res["trace"] = pol.runtime.trace_rows
+    if back_to_back:
+        t = time.perf_counter()
+        for _ in range(back_to_back):
+            logits, state = pol.decode_step(model, state, nxt)
+            nxt = argmax(logits)
+        np.asarray(nxt)
+        res["back_to_back_step_s"] = (time.perf_counter() - t) / back_to_back
+    res["plan"] = dict(state.records[-1]) if state.records else None
+    res["memory_plan"] = pol.pipeline.memory_plan.describe() if pol.pipeline.memory_plan else None
+    res["trace"] = list(state.records)
+    res["real_kv_bytes_per_layer"] = float(np.asarray(lengths).sum()) * cfg.kv_bytes_per_token * jnp.dtype(
+        model.params.layers[0].wk.dtype).itemsize
     del state, logits, pol
     gc.collect()
     return res
@@ -214,7 +194,7 @@ def run(args) -> dict:
     from kvoffload.offload import memory as M
     from kvoffload.plan.cost import LayerShape, predict_step
     from kvoffload.plan.profiler import MODEL_SHAPES, model_shape, run_profile, write_profile
-    from kvoffload.offload.planner import weight_bytes
+    from kvoffload.plan.memory import weight_bytes
 
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
@@ -255,15 +235,15 @@ def run(args) -> dict:
         for pol in wl["policies"]:
             for ctx in wl["contexts"]:
                 opts = dict(schedule=wl["schedule"], offload_weights=wl["offload_weights"],
-                            gpu_batches=wl["gpu_batches"], profile=ppath, flush_block=64, split_bucket=128,
-                            sync_depth=args.sync_depth)
+                            gpu_batches=wl["gpu_batches"], profile=ppath, block_tokens=64, sync_depth=args.sync_depth)
                 if pol == "kvpr":
                     opts["kvpr_store"] = wl["kvpr_store"]
                 if pol == "full" and wl["offload_weights"]:
                     continue
                 print(f"[bench]   {pol} at context {ctx}", file=sys.stderr, flush=True)
                 try:
-                    r = measure(model, pol, opts, wl["batch"], ctx, args.warmup, args.steps)
+                    r = measure(model, pol, opts, wl["batch"], ctx, args.warmup, args.steps,
+                                lengths=wl.get("lengths"), back_to_back=args.back_to_back if pol == "full" else 0)
                 except Exception as e:  # keep the other numbers
                     r = {"policy": pol, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:600]}"}
                     print(f"[bench]   FAILED: {r['error']}", file=sys.stderr, flush=True)
@@ -279,6 +259,9 @@ def run(args) -> dict:
                     moved = (r.get("plan") or {}).get("bytes_h2d", 0)
                     r["bytes_h2d"] = moved
                     r["bytes_over_bw_s"] = moved / cost.pcie_bw
+                    kv_layer = (r.get("plan") or {}).get("bytes_kv", 0) / cfg.num_layers
+                    r["moved_over_real_tokens"] = kv_layer / r["real_kv_bytes_per_layer"]
+                    r["step_over_bytes_bw"] = r["step_s"] / r["bytes_over_bw_s"] if moved else None
                 print(f"[bench]   {pol} ctx {ctx}: {r['step_s'] * 1e3:.1f} ms/step (model {pred['step_s'] * 1e3:.1f}), "
                       f"l={l}, prefill {r['prefill_s']:.1f} s", file=sys.stderr, flush=True)
                 if pol == "kvpr" and args.trace and "trace" in r:
@@ -362,6 +345,12 @@ def table(results) -> str:
                 f"{f(d, 'offload_vs_bytes_bw', '{:+.1%}'):>8s} | {f(d, 'hf_offloaded_step_ms'):>7s} "
                 f"{f(d, 'hf_dynamic_step_ms'):>7s} {f(d, 'kvpr_speedup_vs_hf_offloaded', '{:.2f}'):>7s} "
                 f"{f(d, 'full_speedup_vs_hf_dynamic', '{:.2f}'):>7s}")
+        for r in w["rows"]:
+            if "moved_over_real_tokens" in r or "back_to_back_step_s" in r:
+                lines.append(f"  {name} {r['policy']} ctx {r['context']}: step {r['step_s'] * 1e3:.1f} ms synced"
+                             + (f", {r['back_to_back_step_s'] * 1e3:.1f} ms back-to-back" if "back_to_back_step_s" in r else "")
+                             + (f"; K/V moved / real tokens {r['moved_over_real_tokens']:.3f}, step / (bytes / PCIe bw) "
+                                f"{r['step_over_bytes_bw']:.3f}" if r.get("step_over_bytes_bw") else ""))
         errs = [r for r in w["rows"] if "error" in r]
         for r in errs:
             lines.append(f"  {name} {r['policy']} ctx {r['context']}: ERROR {r['error'][:200]}")
@@ -381,6 +370,8 @@ def build_parser(prog="kvoffload bench"):
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--sync-depth", type=int, default=3)
     ap.add_argument("--trace", action="store_true", help="write kvpr's per-step traces")
+    ap.add_argument("--back-to-back", type=int, default=16,
+                    help="also time this many `full` steps dispatched without a host read per step")
     return ap
 
 

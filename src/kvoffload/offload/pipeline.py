@@ -117,7 +117,7 @@ class GroupState:
 
     @property
     def used_extents(self) -> int:
-        return self.alloc.used_extents(self.layout.extent_blocks)
+        return self.alloc.used_extents(self.layout)
 
 
 _register(GroupState, ("rows", "layout", "alloc", "tail_base", "n_gen", "since_flush"))
@@ -243,7 +243,7 @@ class LayerHooks:
     extent from the pool as it is (device memory: `full`; host memory: fetched whole: `offload`)."""
 
     name = "pool"
-    kinds = ("kv",)  # what the pool stores
+    kinds = ("kv",)  # what the pool can store (split_store says where)
 
     def plan_group(self, pipe: "LayerPipeline", model, group: GroupState) -> GroupPlan:
         return GroupPlan(used_extents=group.used_extents)
@@ -396,7 +396,7 @@ class LayerPipeline:
                                pk=[], pv=[], px=[], tk=[], tv=[], tx=[],
                                srcs=[extent_sources(alloc, layout, e, t_blk // blk) for e in range(layout.num_extents)],
                                start=jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32)))
-        keep_x = "act" in self.hooks.kinds
+        keep_x = any(len(lay.extents_of("act")) for lay in layouts)  # activations stored somewhere
         pending = []
         for i in range(cfg.num_layers):
             lp = M.to_device(layers[i], self.dev) if o.offload_weights else layers[i]
@@ -428,12 +428,13 @@ class LayerPipeline:
 
     def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype):
         """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty."""
-        blk, E = layout.block_tokens, layout.extent_blocks
+        blk = layout.block_tokens
         n_kv, d, hdim = k.shape[1], k.shape[3], self.cfg.hidden_size
-        used = alloc.used_extents(E)
+        used = alloc.used_extents(layout)
         pk, pv, px = [], [], []
         for e in range(layout.num_extents):
             src, valid = srcs[e]
+            E = layout.size(e)
             if layout.has("kv", e):
                 if e < used:
                     pk.append(gather_kv_extent(k, src, valid, blk))
@@ -541,14 +542,15 @@ class LayerPipeline:
 
     def flush(self, gr: GroupState):
         """Every request's oldest blk tail tokens become a new pool block (one per request, lockstep)."""
-        layout, blk, E = gr.layout, gr.layout.block_tokens, gr.layout.extent_blocks
+        layout, blk = gr.layout, gr.layout.block_tokens
         alloc = gr.alloc.copy()
         ids = np.asarray([alloc.allocate(r) for r in range(gr.size)])
-        ext_of = ids // E
+        ext_of, slot_of = layout.locate(ids)
         pk, pv, px = [list(p) for p in gr.pool_k], [list(p) for p in gr.pool_v], [list(p) for p in gr.pool_x]
         tk, tv, tx = list(gr.tail_k), list(gr.tail_v), list(gr.tail_x)
         touched = sorted(set(int(e) for e in ext_of))
-        slots = {e: jnp.asarray(np.where(ext_of == e, ids % E, E), jnp.int32) for e in touched}
+        # a slot past the extent's end is dropped: one scatter program per extent size
+        slots = {e: jnp.asarray(np.where(ext_of == e, slot_of, layout.size(e)), jnp.int32) for e in touched}
         nbytes = 0
         for i in range(len(tk)):
             bk, tk[i] = _pop_block(tk[i], blk, 1)
@@ -557,13 +559,14 @@ class LayerPipeline:
             if tx[i] is not None:
                 bx, tx[i] = _pop_block(tx[i], blk, 0)
             for e in touched:
+                share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
                 if layout.has("kv", e):
                     pk[i][e] = write_blocks(pk[i][e], bk, slots[e])
                     pv[i][e] = write_blocks(pv[i][e], bv, slots[e])
-                    nbytes += 2 * _nbytes(bk) * int((ext_of == e).sum()) // gr.size
+                    nbytes += int(2 * _nbytes(bk) * share)
                 if layout.has("act", e) and bx is not None:
                     px[i][e] = write_blocks(px[i][e], bx, slots[e])
-                    nbytes += _nbytes(bx) * int((ext_of == e).sum()) // gr.size
+                    nbytes += int(_nbytes(bx) * share)
         return dataclasses.replace(
             gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
             pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),
@@ -595,7 +598,7 @@ class LayerPipeline:
         rec = {"step": state.step, "context": int(max(gr0.alloc.tables[r].__len__() * blk + gr0.tail_base[r]
                                                          for r in range(gr0.size)) + gr0.n_gen),
                "used_extents": p0.used_extents, "recompute_extents": p0.recompute_extents,
-               "split_point": p0.recompute_extents * gr0.layout.extent_blocks * blk // max(1, gr0.size),
+               "split_point": gr0.layout.start(p0.recompute_extents) * blk // max(1, gr0.size),
                "split_reason": p0.note, "recompute_tokens": sum(w.recompute_tokens for w in works), **moved,
                "bytes_d2h": d2h, "bytes_h2d": moved["bytes_x"] + moved["bytes_kv"] + moved["bytes_w"],
                "predicted_s": pred["step_s"], "predicted_transfer_s": pred["transfer_s"],
@@ -608,15 +611,8 @@ class LayerPipeline:
         """The cost model's view of one GPU batch's layer under this plan."""
         from kvoffload.plan.cost import LayerWork
 
-        E, blk = gr.layout.extent_blocks, gr.layout.block_tokens
-        sh = self.shape(model)
-        n_fetch = plan.used_extents - plan.recompute_extents if self.host_pool else 0
-        n_rec = plan.recompute_extents
-        tokens = sum(len(t) for t in gr.alloc.tables) * blk + sum(gr.tail_base) + gr.size * (gr.since_flush + 1)
-        return LayerWork(batch=gr.size, bytes_kv=n_fetch * E * blk * sh.kv_tok,
-                         bytes_x=(n_rec * E * blk * sh.x_tok) if self.host_pool else 0.0,
-                         transfers=(2 * n_fetch + n_rec) if self.host_pool else 0,
-                         recompute_tokens=n_rec * E * blk, attended_tokens=tokens)
+        return extent_work(self.shape(model), gr.layout, gr.size, plan.used_extents, plan.recompute_extents,
+                           attended_tokens(gr), fetch=self.host_pool)
 
     def shape(self, model):
         from kvoffload.plan.cost import LayerShape
@@ -638,6 +634,26 @@ class LayerPipeline:
         with open(path, "w") as f:
             json.dump({"policy": self.hooks.name, "options": dataclasses.asdict(self.opts),
                        "cost_model": self.cost.to_json(), "steps": list(records)}, f, indent=1, default=str)
+
+
+def attended_tokens(gr: GroupState) -> int:
+    """Tokens the group's next step attends, summed over its requests (pool blocks + tails + new)."""
+    blk = gr.layout.block_tokens
+    return sum(len(t) for t in gr.alloc.tables) * blk + sum(gr.tail_base) + gr.size * (gr.since_flush + 1)
+
+
+def extent_work(shape, layout: PoolLayout, batch: int, used: int, recompute: int, tokens: int, fetch: bool = True):
+    """The cost model's LayerWork of a layer that recomputes extents [0, recompute) from X and fetches
+    K/V of extents [recompute, used) (fetch False: a device pool, nothing moves)."""
+    from kvoffload.plan.cost import LayerWork
+
+    blk = layout.block_tokens
+    rec_blocks = layout.start(recompute)
+    kv_blocks = layout.start(used) - rec_blocks
+    return LayerWork(batch=batch, bytes_kv=kv_blocks * blk * shape.kv_tok if fetch else 0.0,
+                     bytes_x=rec_blocks * blk * shape.x_tok if fetch else 0.0,
+                     transfers=(2 * (used - recompute) + recompute) if fetch else 0,
+                     recompute_tokens=rec_blocks * blk, attended_tokens=tokens)
 
 
 def _nbytes(a) -> int:

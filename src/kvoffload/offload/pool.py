@@ -53,13 +53,17 @@ class PoolExhausted(KVOffloadError):
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
-    """Static shape of a pool. ``kv_extents`` / ``act_extents``: the extent range [start, stop) that
-    holds that kind (KVPR's split store keeps activations below its split and K/V above it; an empty
-    range means the kind is not stored)."""
+    """Static shape of a pool: ``prompt_extents`` extents of ``extent_blocks`` blocks (the prompts'
+    blocks, split evenly), then extents of ``gen_extent_blocks`` blocks (each a whole number of lockstep
+    flushes: one block per request per flush), ``num_extents`` in all. ``kv_extents`` /
+    ``act_extents``: the extent range [start, stop) that holds that kind (KVPR's split store keeps
+    activations below its split and K/V above it; an empty range means the kind is not stored)."""
 
     block_tokens: int
     extent_blocks: int
     num_extents: int
+    prompt_extents: int = -1  # -1: every extent has extent_blocks blocks
+    gen_extent_blocks: int = 0
     kv_extents: tuple = (0, 0)
     act_extents: tuple = (0, 0)
 
@@ -69,10 +73,31 @@ class PoolLayout:
             raise ValueError(f"block_tokens must be a power of two (GPU kernels tile by it), got {blk}")
         if self.extent_blocks < 1 or self.num_extents < 0:
             raise ValueError(f"bad pool layout: {self}")
+        if self.prompt_extents < 0:
+            object.__setattr__(self, "prompt_extents", self.num_extents)
+        if self.gen_extent_blocks < 1:
+            object.__setattr__(self, "gen_extent_blocks", self.extent_blocks)
+
+    def size(self, e: int) -> int:
+        """Blocks of extent e."""
+        return self.extent_blocks if e < self.prompt_extents else self.gen_extent_blocks
+
+    def start(self, e: int) -> int:
+        """First block id of extent e."""
+        p = min(e, self.prompt_extents)
+        return p * self.extent_blocks + (e - p) * self.gen_extent_blocks
 
     @property
     def num_blocks(self) -> int:
-        return self.extent_blocks * self.num_extents
+        return self.start(self.num_extents)
+
+    def locate(self, ids):
+        """(extent, slot) of block ids (numpy)."""
+        ids = np.asarray(ids, np.int64)
+        cut = self.prompt_extents * self.extent_blocks
+        e = np.where(ids < cut, ids // self.extent_blocks, self.prompt_extents + (ids - cut) // self.gen_extent_blocks)
+        slot = np.where(ids < cut, ids % self.extent_blocks, (ids - cut) % self.gen_extent_blocks)
+        return e, slot
 
     def has(self, kind: str, e: int) -> bool:
         a, b = self.kv_extents if kind == "kv" else self.act_extents
@@ -153,30 +178,32 @@ class BlockAllocator:
             seen[b] += 1
         assert (seen == 1).all(), "a block is leaked or shared"
 
-    def used_extents(self, extent_blocks: int) -> int:
+    def used_extents(self, layout: "PoolLayout") -> int:
         """Extents [0, n) hold every used block (allocation is lowest id first)."""
         used = np.flatnonzero(self.owner >= 0)
-        return 0 if used.size == 0 else int(used.max()) // extent_blocks + 1
+        return 0 if used.size == 0 else int(layout.locate(used.max())[0]) + 1
 
     def device_tables(self, layout: PoolLayout) -> "BlockTables":
         """Per-extent block tables for the attention programs (one upload per change, shared by all layers)."""
-        E, n_ext, n_req = layout.extent_blocks, layout.num_extents, len(self.tables)
-        table = np.zeros((n_ext, n_req, E), np.int32)
+        n_ext, n_req = layout.num_extents, len(self.tables)
+        tables = [np.zeros((n_req, layout.size(e)), np.int32) for e in range(n_ext)]
         count = np.zeros((n_ext, n_req), np.int32)
         for r, t in enumerate(self.tables):
-            for b in t:
-                e, s = divmod(b, E)
-                table[e, r, count[e, r]] = s
+            es, ss = layout.locate(t)
+            for e, s in zip(es, ss):
+                tables[e][r, count[e, r]] = s
                 count[e, r] += 1
-        pos = np.where(self.first_pos >= 0, self.first_pos, 0).astype(np.int32).reshape(n_ext, E)
-        return BlockTables(table=jnp.asarray(table), count=jnp.asarray(count), first_pos=jnp.asarray(pos))
+        pos = np.where(self.first_pos >= 0, self.first_pos, 0).astype(np.int32)
+        firsts = [pos[layout.start(e):layout.start(e) + layout.size(e)] for e in range(n_ext)]
+        table, cnt, first = jax.device_put((tables, list(count), firsts))  # one transfer
+        return BlockTables(table=tuple(table), count=tuple(cnt), first_pos=tuple(first))
 
 
 @pytree_dataclass
 class BlockTables:
-    table: Any  # [n_ext, B, E] int32: local slots of each request's blocks in that extent, position order
-    count: Any  # [n_ext, B] int32: how many
-    first_pos: Any  # [n_ext, E] int32: first token position of each slot's block (recomputation's RoPE)
+    table: tuple  # per extent [B, E_e] int32: local slots of each request's blocks there, position order
+    count: tuple  # per extent [B] int32: how many
+    first_pos: tuple  # per extent [E_e] int32: first token position of each slot's block (recomputation's RoPE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,8 +227,7 @@ def allocate_prompts(alloc: BlockAllocator, lengths) -> None:
 def extent_sources(alloc: BlockAllocator, layout: PoolLayout, e: int, t_blocks: int):
     """For building extent e from a prefill's [B, ..., T] arrays: flat source block index r * t_blocks
     + j of each slot, and which slots are used."""
-    E = layout.extent_blocks
-    ids = np.arange(e * E, (e + 1) * E)
+    ids = np.arange(layout.start(e), layout.start(e) + layout.size(e))
     owner, pos = alloc.owner[ids], alloc.first_pos[ids]
     valid = owner >= 0
     src = np.where(valid, owner * t_blocks + pos // layout.block_tokens, 0)

@@ -99,9 +99,17 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
     for lens in group_lengths:
         lens = np.asarray(lens, np.int64)
         pb = int((lens // blk).sum())
-        total = max(1, pb + len(lens) * flushes)
-        e = min(extent_blocks_for(k_block, pb, extent_mb * 2**20), total)
-        layouts.append(PoolLayout(block_tokens=blk, extent_blocks=e, num_extents=-(-total // e)))
+        e = extent_blocks_for(k_block, pb, extent_mb * 2**20)
+        n_p = -(-pb // e) if pb else 0
+        spare = n_p * e - pb  # prompt extents' free slots: the first generated blocks go there
+        gen = max(0, len(lens) * flushes - spare)
+        # generated extents: whole flushes (one block per request each), about extent_mb each
+        e_g = len(lens) * max(1, min(flushes, int(extent_mb * 2**20 // (k_block * len(lens))))) if gen else e
+        n = n_p + -(-gen // e_g)
+        if n == 0:  # nothing to store (every prompt shorter than a block, nothing generated): one tiny extent
+            n, n_p = 1, 1
+        layouts.append(PoolLayout(block_tokens=blk, extent_blocks=e, num_extents=n, prompt_extents=n_p,
+                                  gen_extent_blocks=e_g, kv_extents=(0, n)))
         prompt_blocks.append(pb)
     return PoolPlan(tuple(layouts), tuple(prompt_blocks), flushes)
 
@@ -115,13 +123,14 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     L = cfg.num_layers
     kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
     x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p  # noqa: E731
-    kv = sum(L * len(lay.extents_of("kv")) * lay.extent_blocks * kv_blk(lay) for lay in layouts)
-    act = sum(L * len(lay.extents_of("act")) * lay.extent_blocks * x_blk(lay) for lay in layouts)
+    blocks = lambda lay, kind: sum(lay.size(e) for e in lay.extents_of(kind))  # noqa: E731
+    kv = sum(L * blocks(lay, "kv") * kv_blk(lay) for lay in layouts)
+    act = sum(L * blocks(lay, "act") * x_blk(lay) for lay in layouts)
     pool = {"K/V blocks": kv, "activation blocks": act}
     host = dict(pool) if host_pool else {}
     host["weights"] = L * wb.per_layer if offload_weights else 0
     g = max(1, len(layouts))
-    per_layer_fetch = max(lay.num_extents * lay.extent_blocks * max(kv_blk(lay), x_blk(lay)) for lay in layouts)
+    per_layer_fetch = max(lay.num_blocks * max(kv_blk(lay), x_blk(lay)) for lay in layouts)
     lay0 = layouts[0]
     tail_tok = cfg.kv_bytes_per_token * p + (cfg.hidden_size * p if any(len(l.extents_of("act")) for l in layouts) else 0)
     b = -(-batch // g)

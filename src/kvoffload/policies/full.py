@@ -1,26 +1,19 @@
-"""`full`: the dense KV cache on the device. The reference every other policy is compared with."""
+"""`full`: the whole KV cache on the device. The reference every other policy is compared with.
+
+It is the layer pipeline with the block pool in device memory: the same attention programs over the
+same blocks in the same order as the offloading policies, so `offload` equals it bit for bit."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-from kvoffload.models.transformer import DenseKVCache, dense_cache_from_prefill, dense_decode, prefill
-from kvoffload.policies.base import Policy, register_policy
-
-
-@dataclasses.dataclass
-class FullState:
-    cache: DenseKVCache
-    tail_count: int = 0  # tokens in the cache's tail, tracked on the host
+from kvoffload.policies.base import register_policy
+from kvoffload.policies.layered import LayeredPolicy
 
 
 @register_policy("full")
-class FullPolicy(Policy):
-    def prefill(self, model, tokens, lengths, capacity):
-        logits, ks, vs, _ = prefill(model.config, model.params, tokens, lengths)
-        return logits, FullState(dense_cache_from_prefill(ks, vs, lengths, capacity))
+class FullPolicy(LayeredPolicy):
+    host_pool = False
 
-    def decode_step(self, model, state: FullState, tokens) -> tuple[Any, FullState]:
-        logits, cache, n = dense_decode(model.config, model.params, state.cache, tokens, state.tail_count)
-        return logits, FullState(cache, n)
+    def __init__(self, **options):
+        if options.get("offload_weights"):
+            raise ValueError("policy 'full' keeps weights and K/V on the device; use 'offload' or 'kvpr' to stream weights")
+        super().__init__(**options)

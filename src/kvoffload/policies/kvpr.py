@@ -1,14 +1,123 @@
-"""`kvpr`: KV cache and attention-input activations X in pinned host memory. For layer i+1, X[0:l]
-and K/V[l:s] are fetched while layer i computes; K/V[0:l] are recomputed on the GPU (X W_K, X W_V)
-and attention runs over both parts merged by log-sum-exp. l comes from the split-point scheduler
-(plan/split.py) for each step, or is forced with split_point."""
+"""`kvpr`: KVPR. The pool keeps activation blocks X (the attention input) beside K/V blocks. For layer
+i+1, the activation extents [0, r) and the K/V extents [r, n) are fetched while layer i computes; K/V of
+extents [0, r) are recomputed on the GPU through the model family's `recompute_kv` and attention runs
+over every extent in order, merged exactly. The scheduler picks r each step from the cost model
+(plan/cost.py: transfer of layer i+1 against compute of layer i), or a forced split point fixes it.
+
+Stores: ``both`` (X and K/V of every block: r can move every step; twice the host memory) or ``split``
+(X of the extents below the split chosen at prefill, K/V above it: KVPR's memory saving, r fixed).
+With GQA, when an activation is at least as large as its K/V, recomputing can only add PCIe bytes: the
+scheduler stores no activations and runs as `offload`, and says why.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
+from kvoffload.offload.pipeline import GroupPlan, LayerHooks, attended_tokens, extent_work
 from kvoffload.policies.base import register_policy
-from kvoffload.policies.offload import _OffloadBase
+from kvoffload.policies.layered import LayeredPolicy
+
+STORES = ("both", "split")
+
+
+class KVPRHooks(LayerHooks):
+    name = "kvpr"
+    kinds = ("kv", "act")
+
+    def __init__(self, split_point=None, kvpr_store="both", objective="pipelined"):
+        if kvpr_store not in STORES:
+            raise ValueError(f"kvpr_store must be one of {STORES}, got {kvpr_store!r}")
+        if split_point is not None and int(split_point) < 0:
+            raise ValueError(f"split_point must be >= 0 or None, got {split_point}")
+        if objective != "pipelined":
+            raise ValueError("the pool pipeline plans with the 'pipelined' objective (transfers of layer i+1 under "
+                             f"compute of layer i); got {objective!r}")
+        self.split_point = None if split_point is None else int(split_point)
+        self.store = kvpr_store
+        self._cache: dict = {}
+
+    def gqa_reason(self, pipe, model):
+        sh = pipe.shape(model)
+        if self.split_point is None and sh.x_tok >= sh.kv_tok:
+            return (f"no recompute: an activation ({sh.x_tok:.0f} B/token) is at least as large as its K/V "
+                    f"({sh.kv_tok:.0f} B/token, GQA), so recomputing can only add PCIe bytes; no activations stored")
+        return None
+
+    # -- where X and K/V are stored ------------------------------------------------------------
+    def split_store(self, pipe, model, layout, lengths):
+        n = layout.num_extents
+        if self.gqa_reason(pipe, model):
+            return dataclasses.replace(layout, kv_extents=(0, n), act_extents=(0, 0))
+        if self.store == "both":
+            return dataclasses.replace(layout, kv_extents=(0, n), act_extents=(0, n))
+        # split: X below e0, K/V from e0 on; e0 from the scheduler at the prompt's length (or forced)
+        from kvoffload.offload.pool import BlockAllocator, allocate_prompts
+
+        alloc = BlockAllocator(layout.num_blocks, len(lengths), layout.block_tokens)
+        allocate_prompts(alloc, lengths)
+        used = alloc.used_extents(layout)
+        if self.split_point is not None:
+            e0 = self._forced_from_alloc(alloc, layout, used)
+        else:
+            e0, _ = self._best(pipe, model, len(lengths), used, layout, int(np.asarray(lengths).sum()), range(0, used + 1))
+        return dataclasses.replace(layout, kv_extents=(e0, n), act_extents=(0, e0))
+
+    def _forced_from_alloc(self, alloc, layout, used) -> int:
+        """Extents whose blocks all end at or before the forced split point."""
+        end = np.where(alloc.owner >= 0, alloc.first_pos + alloc.block_tokens, 0)
+        e = 0
+        while e < used and end[layout.start(e):layout.start(e) + layout.size(e)].max(initial=0) <= self.split_point:
+            e += 1
+        return e
+
+    # -- per step ----------------------------------------------------------------------------
+    def plan_group(self, pipe, model, gr):
+        n = gr.used_extents
+        lay = gr.layout
+        reason = self.gqa_reason(pipe, model)
+        if reason:
+            return GroupPlan(used_extents=n, recompute_extents=0, note=reason)
+        # candidates: extents [0, r) all hold X and [r, n) all hold K/V
+        lo = 0 if lay.kv_extents[0] == 0 else min(lay.kv_extents[0], n)
+        hi = min(lay.act_extents[1], n)
+        cands = range(lo, max(lo, hi) + 1) if self.store == "both" else range(min(lay.kv_extents[0], n), min(lay.kv_extents[0], n) + 1)
+        if self.split_point is not None:
+            r = min(max(self._forced_from_alloc(gr.alloc, lay, n), cands[0]), cands[-1])
+            return GroupPlan(used_extents=n, recompute_extents=r,
+                             note=f"forced split point {self.split_point}: recompute {r} of {n} extents")
+        tokens = attended_tokens(gr)
+        key = (n, tuple(cands), gr.size, tokens // (lay.block_tokens * gr.size), lay)
+        if key not in self._cache:
+            self._cache[key] = self._best(pipe, model, gr.size, n, lay, tokens, cands)
+        r, note = self._cache[key]
+        return GroupPlan(used_extents=n, recompute_extents=r, note=note)
+
+    def _best(self, pipe, model, batch, used, layout, tokens, cands):
+        """The recompute extent count r in cands minimising the predicted layer time."""
+        from kvoffload.plan.cost import predict_layers
+
+        sh = pipe.shape(model)
+        g = pipe.opts.gpu_batches if pipe.opts.schedule == "column" else 1
+
+        def time_of(r):
+            w = extent_work(sh, layout, batch, used, r, tokens)
+            return predict_layers(pipe.cost, sh, [w] * g, offload_weights=pipe.opts.offload_weights)["step_s"]
+
+        times = {r: time_of(r) for r in cands}
+        best = min(cands, key=lambda r: (times[r], r))
+        if best == 0:
+            return 0, "no recompute: the GPU time (or transfer latency) dominates, recomputing would not shorten the layer"
+        return best, (f"recompute {best} of {used} extents from X: predicted {times[best] * 1e3:.3f} ms/layer vs "
+                      f"{times[cands[0]] * 1e3:.3f} ms at {cands[0]}")
 
 
 @register_policy("kvpr")
-class KVPRPolicy(_OffloadBase):
-    kvpr = True
+class KVPRPolicy(LayeredPolicy):
+    host_pool = True
+    extra_options = ("split_point", "kvpr_store", "objective")
+
+    def make_hooks(self, split_point=None, kvpr_store="both", objective="pipelined"):
+        return KVPRHooks(split_point=split_point, kvpr_store=kvpr_store or "both", objective=objective or "pipelined")

@@ -1,0 +1,56 @@
+"""The base of every policy that runs on the layer pipeline (offload/pipeline.py): options, prefill,
+decode_step and describe, shared; a subclass supplies its hooks and where the pool lives."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvoffload.offload.pipeline import LayerHooks, LayerPipeline, PipelineOptions
+from kvoffload.policies.base import Policy
+
+
+class LayeredPolicy(Policy):
+    host_pool = True  # the pool in pinned host memory (False: device memory)
+    extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
+
+    def __init__(self, **options):
+        known = {f.name for f in dataclasses.fields(PipelineOptions)}
+        unknown = sorted(set(options) - known - set(self.extra_options))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for policy {self.name!r}; it takes: "
+                             f"{', '.join(sorted(known | set(self.extra_options)))}")
+        pipe_opts = {k: v for k, v in options.items() if k in known and v is not None}  # None: the default
+        hook_opts = {k: v for k, v in options.items() if k in self.extra_options}
+        self.options = PipelineOptions(**pipe_opts)
+        self.pipeline = LayerPipeline(self.make_hooks(**hook_opts), self.options, host_pool=self.host_pool)
+
+    def make_hooks(self, **hook_options) -> LayerHooks:
+        hooks = LayerHooks()
+        hooks.name = self.name
+        return hooks
+
+    def prefill(self, model, tokens, lengths, capacity):
+        return self.pipeline.prefill(model, tokens, lengths, capacity)
+
+    def decode_step(self, model, state, tokens):
+        return self.pipeline.decode_step(model, state, tokens)
+
+    def release(self, state, rows):
+        """Frees the pool blocks of finished requests."""
+        return self.pipeline.release(state, rows)
+
+    def describe(self, state=None) -> dict:
+        o = self.options
+        d = {"policy": self.name, "schedule": o.schedule, "offload_weights": o.offload_weights,
+             "gpu_batches": o.gpu_batches, "block_tokens": o.block_tokens,
+             "pool": "pinned host" if self.host_pool else "device", "host_memory": self.pipeline.host_note,
+             "cost_model": self.pipeline.cost.source}
+        if self.pipeline.memory_plan is not None:
+            d["memory_plan"] = self.pipeline.memory_plan.describe()
+        if state is not None:
+            lay = state.groups[0].layout
+            d["layout"] = {"extent_blocks": lay.extent_blocks, "num_extents": lay.num_extents,
+                           "kv_extents": lay.kv_extents, "act_extents": lay.act_extents}
+            if state.records:
+                d["last_step"] = dict(state.records[-1])
+        return d
