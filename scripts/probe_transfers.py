@@ -576,13 +576,14 @@ def probe_bidirectional(ctx):
     d2h = lambda: jax.device_put(dev, ctx.hs)  # noqa: E731
     st = overlap_stats(h2d, d2h, s.reps)
     correct = all_equal([(to_device(d2h()), dev), (h2d(), to_device(host))])
+    both_s = st["move_then_compute_s"]  # h2d dispatched, then d2h
     return dict(rows=[dict(probe="bidirectional", case=f"h2d + d2h {_fmt_bytes(s.bidir_bytes)} each",
-                           bytes=2 * s.bidir_bytes, gbps=gbps(2 * s.bidir_bytes, st["move_then_compute_s"]),
+                           bytes=2 * s.bidir_bytes, seconds=both_s, gbps=gbps(2 * s.bidir_bytes, both_s),
+                           us_per_item=both_s * 1e6, h2d_s=st["move_s"], d2h_s=st["compute_s"],
                            h2d_gbps=gbps(s.bidir_bytes, st["move_s"]),
                            d2h_gbps=gbps(s.bidir_bytes, st["compute_s"]),
-                           overlap_tc=st["overlap_tc"], overlap_ct=st["overlap_ct"],
-                           correct=correct, note="gbps = both directions together; overlap vs the "
-                           "other direction", **{k: st[k] for k in ("move_s", "compute_s")})])
+                           overlap_tc=st["overlap_tc"], overlap_ct=st["overlap_ct"], correct=correct,
+                           note="GB/s of both directions at once (us/item: the pair); overlap: h2d vs d2h")])
 
 
 def probe_eager_slice(ctx):
