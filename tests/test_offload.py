@@ -34,14 +34,15 @@ def ref(request):
     return request.param, model, toks, logits
 
 
+# column cases cut the batch into 3 GPU batches of one sequence each (one set of shapes to compile)
 CASES = [
     ("offload", dict(schedule="row")),
     ("kvpr", dict(split_point=0, schedule="column", gpu_batches=3, offload_weights=True, sync_depth=0)),
     ("kvpr", dict(split_point=16, schedule="row", offload_weights=True)),  # mid prompt
-    ("kvpr", dict(split_point=10**6, schedule="column", gpu_batches=3)),  # every pool block, generated too
+    ("kvpr", dict(split_point=10**6)),  # every pool block, generated ones too
     ("kvpr", dict()),  # the scheduler's choice
     ("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3, offload_weights=True)),
-    ("offload", dict(schedule="column", gpu_batches=2, offload_weights=True)),
+    ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True)),
 ]
 
 
@@ -51,14 +52,9 @@ def test_matches_full(ref, policy, opts):
     got, logits = generate(model, PROMPTS, NEW, policy=policy, policy_options={**BASE, **opts}, return_logits=True)
     assert got == want, (arch, policy, opts)
     np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
-
-
-def test_offload_is_full_bit_for_bit(ref):
-    """Same programs over the same blocks in the same order: identical logits, not just close."""
-    _, model, want, want_logits = ref
-    got, logits = generate(model, PROMPTS, NEW, policy="offload", policy_options=BASE, return_logits=True)
-    assert got == want
-    assert np.array_equal(logits, want_logits)
+    if policy == "offload" and opts.get("gpu_batches", 1) == 1:
+        # the same programs over the same blocks in the same order: identical logits, not just close
+        assert np.array_equal(logits, want_logits)
 
 
 def test_full_matches_the_dense_reference(ref):
@@ -198,7 +194,7 @@ def test_allocator_never_leaks_or_shares(ops_, extent_blocks, n_ext):
         for e in range(n_ext):
             got = [e * extent_blocks + int(np.asarray(t.table[e])[r, j]) for j in range(int(np.asarray(t.count[e])[r]))]
             assert got == [b for b in blocks if b // extent_blocks == e]
-    assert alloc.used_extents(extent_blocks) == (max((b for t_ in alloc.tables for b in t_), default=-1) // extent_blocks + 1)
+    assert alloc.used_extents(layout) == (max((b for t_ in alloc.tables for b in t_), default=-1) // extent_blocks + 1)
 
 
 def test_prompts_are_laid_out_position_major():
