@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvoffload.engine import generate, pad_prompts
 from kvoffload.models import tiny_random_model
 from kvoffload.offload import memory as M
-from kvoffload.offload.pool import BlockAllocator, PoolExhausted, PoolLayout, allocate_prompts
+from kvoffload.offload.pool import BlockAllocator, PoolExhausted, PoolLayout, allocate_prompts, allocate_prompts_aligned
 from kvoffload.plan import MemoryPlanError, check_memory, plan_pool, pool_memory
 from kvoffload.plan.profiler import model_shape
 from kvoffload.policies import make_policy
@@ -197,10 +197,15 @@ def test_allocator_never_leaks_or_shares(ops_, extent_blocks, n_ext):
     assert alloc.used_extents(layout) == (max((b for t_ in alloc.tables for b in t_), default=-1) // extent_blocks + 1)
 
 
-def test_prompts_are_laid_out_position_major():
+def test_prompts_are_laid_out_position_major_and_flushes_aligned():
     alloc = BlockAllocator(16, 3, 4)
     allocate_prompts(alloc, [12, 4, 9])  # 3, 1, 2 full blocks
     assert alloc.tables == [[0, 3, 5], [1], [2, 4]]
+    layout = PoolLayout(block_tokens=4, extent_blocks=4, num_extents=5, prompt_extents=2, gen_extent_blocks=3)
+    alloc = BlockAllocator(layout.num_blocks, 3, 4)
+    allocate_prompts_aligned(alloc, layout, [12, 4, 9])
+    assert [alloc.allocate(r) for r in range(3)] == [8, 9, 10]  # the first generated extent, from its start
+    alloc.check()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,7 +251,8 @@ def test_planner_sizes_the_pool_from_real_blocks():
     lay = plan.layouts[0]
     prompt_blocks = int((lens // 64).sum())
     assert plan.flushes == 2 and lay.num_blocks >= prompt_blocks + 4 * 2
-    assert lay.num_blocks - (prompt_blocks + 8) < lay.extent_blocks  # at most one extent of slack
+    # slack: the prompt extents' spare slots (fewer than one per extent) and one partly used generated extent
+    assert lay.num_blocks - (prompt_blocks + 8) < lay.prompt_extents + lay.gen_extent_blocks
     # prompt blocks split evenly over whole extents: the last prompt extent is nearly full
     assert (-prompt_blocks) % lay.extent_blocks < -(-prompt_blocks // lay.extent_blocks)
 

@@ -46,7 +46,7 @@ from kvoffload.offload.pool import (
     BlockAllocator,
     BlockTables,
     PoolLayout,
-    allocate_prompts,
+    allocate_prompts_aligned,
     extent_sources,
     gather_act_extent,
     gather_kv_extent,
@@ -166,9 +166,51 @@ def _put_rows(tail, new, at, axis):
     return jax.vmap(lambda t, n, i: jax.lax.dynamic_update_slice_in_dim(t, n, i, axis))(tail, new.astype(tail.dtype), at)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("tail_k", "tail_v", "tail_x"))
-def _layer_begin(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len):
-    """The new token's q, and its k/v (and x) written into the GPU tail at each request's tail_len."""
+def recompute_extent(cfg, lp, x_ext, first_pos, impl="reference"):
+    """K, V extents [E, n_kv, blk, d] recomputed from an activation extent [E, blk, H] through the
+    family's recompute_kv (RoPE at each block's positions)."""
+    blk = x_ext.shape[1]
+    positions = first_pos[:, None] + jnp.arange(blk, dtype=jnp.int32)[None]
+    return family(cfg).recompute_kv(cfg, lp, x_ext, positions, impl=impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSources:
+    """What a layer attends, per extent of the layout (a fixed structure for the whole run, so the
+    layer program compiles once): K/V extents (fetched, GPU-resident, or a zero stand-in for an extent
+    with no blocks yet) and activation extents (None where the layout stores none), and the number
+    of leading extents whose K/V are recomputed from X this step."""
+
+    k: tuple
+    v: tuple
+    x: tuple
+    recompute: Any  # int32 scalar
+
+
+jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"], meta_fields=[])
+
+
+def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, recompute_impl, attention_impl):
+    """Folds every extent of the pool into acc, in order (the default hooks' attention)."""
+    for e in range(len(src.k)):
+        if src.x[e] is None:
+            k, v = src.k[e], src.v[e]
+        elif src.k[e] is None:
+            k, v = recompute_extent(cfg, lp, src.x[e], tables.first_pos[e], recompute_impl)
+        else:  # both stored: this step's split decides (one branch runs)
+            k, v = jax.lax.cond(e < src.recompute,
+                                lambda x, kk, vv, f: recompute_extent(cfg, lp, x, f, recompute_impl),
+                                lambda x, kk, vv, f: (kk, vv), src.x[e], src.k[e], src.v[e], tables.first_pos[e])
+        part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl)
+        acc = ops.merge_attention_into(acc, part)
+    return acc
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"), donate_argnames=("tail_k", "tail_v", "tail_x"))
+def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, attend, options):
+    """One decode layer, one program: the new token's q/k/v (k/v and x written into the GPU tail at
+    each request's tail_len), the policy's attention over its sources (`attend`, a pure function
+    folding sources into an fp32 accumulator), the tail folded last, output projection and MLP."""
     fam = family(cfg)
     x = fam.attn_input(cfg, lp, h)
     q, k, v = fam.qkv(cfg, lp, x, positions)
@@ -176,35 +218,12 @@ def _layer_begin(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len):
     tail_v = _put_rows(tail_v, v, tail_len, 1)
     if tail_x is not None:
         tail_x = _put_rows(tail_x, x, tail_len, 0)
-    return q[:, :, 0], tail_k, tail_v, tail_x
-
-
-@functools.partial(jax.jit, static_argnames=("impl",))
-def attend_extent(q, k_ext, v_ext, table, count, acc, impl="auto"):
-    """acc folded with attention over one extent's blocks of each request."""
-    return ops.merge_attention_into(acc, ops.paged_decode_attention(q, k_ext, v_ext, table, count, impl=impl))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
-def recompute_extent(cfg, kvw, x_ext, first_pos, impl="auto"):
-    """K, V extents [E, n_kv, blk, d] recomputed from an activation extent [E, blk, H] through the
-    family's recompute_kv (RoPE at each block's positions)."""
-    blk = x_ext.shape[1]
-    positions = first_pos[:, None] + jnp.arange(blk, dtype=jnp.int32)[None]
-    return family(cfg).recompute_kv(cfg, kvw, x_ext, positions, impl=impl)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
-def _layer_end(cfg, lp, h, q, tail_k, tail_v, tail_len, acc, impl="auto"):
-    """Tail attention folded last, output projection, residual and MLP."""
-    fam = family(cfg)
-    o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, impl=impl))
-    return fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
-
-
-@jax.jit
-def _empty_acc(q):
-    return ops.empty_attention(q)
+    q = q[:, :, 0]
+    recompute_impl, attention_impl = options
+    acc = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, recompute_impl, attention_impl)
+    o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, impl=attention_impl))
+    h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
+    return h, tail_k, tail_v, tail_x
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "axis"), donate_argnums=(0,))
@@ -258,21 +277,28 @@ class LayerHooks:
         early = [group.pool_x[layer][e] for e in range(plan.recompute_extents)]
         return early, late
 
-    def attend(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int, q, acc, fetched, kvw):
-        cfg, impl = pipe.cfg, pipe.opts.attention_impl
+    attend = staticmethod(attend_pool)  # the pure function the layer program folds the sources with
+
+    def sources(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int, fetched):
+        """The layer program's sources: fetched arrays in place of host extents, the pool's arrays for a
+        device pool, zero stand-ins for extents not in use (their tables are empty)."""
         early, late = fetched
-        t = group.tables
-        for e in range(plan.used_extents):
-            if e < plan.recompute_extents:
-                x_ext = early[e] if pipe.host_pool else group.pool_x[layer][e]
-                k, v = recompute_extent(cfg, kvw, x_ext, t.first_pos[e], pipe.opts.recompute_impl)
-            elif pipe.host_pool:
-                j = 2 * (e - plan.recompute_extents)
-                k, v = late[j], late[j + 1]
+        lay = group.layout
+        ks, vs, xs = [], [], []
+        for e in range(lay.num_extents):
+            has_x, has_kv = lay.has("act", e), lay.has("kv", e)
+            if not pipe.host_pool:
+                k, v, x = group.pool_k[layer][e], group.pool_v[layer][e], group.pool_x[layer][e]
             else:
-                k, v = group.pool_k[layer][e], group.pool_v[layer][e]
-            acc = attend_extent(q, k, v, t.table[e], t.count[e], acc, impl)
-        return acc
+                x = early[e] if e < plan.recompute_extents else (pipe.stand_in(group.pool_x[layer][e]) if has_x else None)
+                if plan.recompute_extents <= e < plan.used_extents:
+                    j = 2 * (e - plan.recompute_extents)
+                    k, v = late[j], late[j + 1]
+                else:
+                    k, v = (pipe.stand_in(group.pool_k[layer][e]), pipe.stand_in(group.pool_v[layer][e])) if has_kv \
+                        else (None, None)
+            ks.append(k), vs.append(v), xs.append(x)
+        return PoolSources(k=tuple(ks), v=tuple(vs), x=tuple(xs), recompute=pipe.scalar(plan.recompute_extents))
 
     def split_store(self, pipe: "LayerPipeline", model, layout: PoolLayout, lengths) -> PoolLayout:
         """Which extents hold which kinds (default: every kind everywhere)."""
@@ -295,7 +321,9 @@ class PipelineOptions:
     extent_mb: float = 64.0  # about this many MiB of K (or V) per extent array
     sync_depth: int = 3
     attention_impl: str = "auto"
-    recompute_impl: str = "auto"
+    # XLA's matmuls (cuBLAS) recompute 64-token blocks at 583 TFLOP/s on an H200, the fused Pallas
+    # kernel at 412 (profile of 2026-11-26): "reference" is the faster path here
+    recompute_impl: str = "reference"
     profile: str | None = None
     trace: str | None = None
     check_memory: bool = True
@@ -336,6 +364,22 @@ class LayerPipeline:
         self._cost = None
         self._host_layers: dict = {}
         self.memory_plan = None
+        self._stand_ins: dict = {}
+        self._scalars: dict = {}
+
+    # -- small device values reused every step ------------------------------------------------
+    def stand_in(self, like):
+        """A device array of like's shape and dtype standing in for an extent with no blocks in use
+        (allocated once; its tables are empty, so it is never read)."""
+        key = (like.shape, str(like.dtype))
+        if key not in self._stand_ins:
+            self._stand_ins[key] = jnp.zeros(like.shape, like.dtype, device=self.dev)
+        return self._stand_ins[key]
+
+    def scalar(self, n: int):
+        if n not in self._scalars:
+            self._scalars[n] = jax.device_put(jnp.int32(n), self.dev)
+        return self._scalars[n]
 
     # -- cost model --------------------------------------------------------------------------
     @property
@@ -391,7 +435,7 @@ class LayerPipeline:
         groups = []
         for (a, z), layout in zip(rows, layouts):
             alloc = BlockAllocator(layout.num_blocks, z - a, blk)
-            allocate_prompts(alloc, lengths_np[a:z])
+            allocate_prompts_aligned(alloc, layout, lengths_np[a:z])
             groups.append(dict(rows=(a, z), layout=layout, alloc=alloc, h=_embed(cfg, fam_params, tokens[a:z], positions[a:z]),
                                pk=[], pv=[], px=[], tk=[], tv=[], tx=[],
                                srcs=[extent_sources(alloc, layout, e, t_blk // blk) for e in range(layout.num_extents)],
@@ -512,18 +556,15 @@ class LayerPipeline:
                 issued += 1
             f = fetched.pop(n)
             gr, tl = groups[g], tails[g]
-            if o.offload_weights:
-                kvw, lp = weights[i][0], join_layer(weights[i][0], weights[i][1][0])
-            else:
-                lp = layers[i]
-                kvw = split_layer(lp)[0]
+            lp = join_layer(weights[i][0], weights[i][1][0]) if o.offload_weights else layers[i]
             with jax.named_scope(f"layer{i}"):
-                q, tl["k"][i], tl["v"][i], tl["x"][i] = _layer_begin(
-                    cfg, lp, hs[g], positions[g], tl["k"][i], tl["v"][i], tl["x"][i], gr.tail_len)
-                acc = self.hooks.attend(self, gr, plans[g], i, q, _empty_acc(q), f, kvw)
-                hs[g] = _layer_end(cfg, lp, hs[g], q, tl["k"][i], tl["v"][i], gr.tail_len, acc, o.attention_impl)
+                src = self.hooks.sources(self, gr, plans[g], i, f)
+                hs[g], tl["k"][i], tl["v"][i], tl["x"][i] = layer_step(
+                    cfg, lp, hs[g], positions[g], tl["k"][i], tl["v"][i], tl["x"][i], gr.tail_len, src, gr.tables,
+                    self.hooks.attend, (o.recompute_impl, o.attention_impl))
+            del src
             done_h.append(hs[g])
-            del f, acc
+            del f
             if o.offload_weights and not any(items[m][0] == i for m in fetched):
                 weights.pop(i, None)  # no issued item needs this layer's weights any more
         logits = [_logits(cfg, fam_params, h[:, 0]) for h in hs]
@@ -550,7 +591,7 @@ class LayerPipeline:
         tk, tv, tx = list(gr.tail_k), list(gr.tail_v), list(gr.tail_x)
         touched = sorted(set(int(e) for e in ext_of))
         # a slot past the extent's end is dropped: one scatter program per extent size
-        slots = {e: jnp.asarray(np.where(ext_of == e, slot_of, layout.size(e)), jnp.int32) for e in touched}
+        slots = {e: np.where(ext_of == e, slot_of, layout.size(e)) for e in touched}
         nbytes = 0
         for i in range(len(tk)):
             bk, tk[i] = _pop_block(tk[i], blk, 1)

@@ -156,6 +156,16 @@ class BlockAllocator:
         self.tables[request].append(b)
         return b
 
+    def reserve_below(self, n: int) -> None:
+        """Takes the free ids below n out of use (the prompt extents' spare slots), so generated blocks
+        start at the first generated extent, aligned: each lockstep flush is then one contiguous run."""
+        keep = [b for b in self.free if b >= n]
+        for b in self.free:
+            if b < n:
+                self.owner[b] = -2
+        self.free = keep
+        heapq.heapify(self.free)
+
     def release(self, request: int) -> list[int]:
         """Frees every block of a finished request."""
         ids = self.tables[request]
@@ -176,11 +186,12 @@ class BlockAllocator:
         for b in self.free:
             assert self.owner[b] == -1
             seen[b] += 1
+        seen[self.owner == -2] += 1  # reserved
         assert (seen == 1).all(), "a block is leaked or shared"
 
     def used_extents(self, layout: "PoolLayout") -> int:
         """Extents [0, n) hold every used block (allocation is lowest id first)."""
-        used = np.flatnonzero(self.owner >= 0)
+        used = np.flatnonzero(self.owner != -1)
         return 0 if used.size == 0 else int(layout.locate(used.max())[0]) + 1
 
     def device_tables(self, layout: PoolLayout) -> "BlockTables":
@@ -224,6 +235,12 @@ def allocate_prompts(alloc: BlockAllocator, lengths) -> None:
             alloc.allocate(int(r))
 
 
+def allocate_prompts_aligned(alloc: BlockAllocator, layout: "PoolLayout", lengths) -> None:
+    """Prompts position-major, then the prompt extents' spare slots reserved (see reserve_below)."""
+    allocate_prompts(alloc, lengths)
+    alloc.reserve_below(layout.start(layout.prompt_extents))
+
+
 def extent_sources(alloc: BlockAllocator, layout: PoolLayout, e: int, t_blocks: int):
     """For building extent e from a prefill's [B, ..., T] arrays: flat source block index r * t_blocks
     + j of each slot, and which slots are used."""
@@ -261,29 +278,44 @@ def _scatter_blocks(ext, blocks, slots):
     return ext.at[slots].set(blocks.astype(ext.dtype), mode="drop")
 
 
-_IN_PLACE = {}  # memory kind -> whether a jitted, donated scatter into that memory kind works here
-
-
-def write_blocks(ext, blocks, slots):
-    """ext with blocks [n, ...] written at slots [n] (entries >= E skipped). In place where this backend
-    can scatter straight into ext's memory (donated); otherwise through the device and back."""
-    kind = getattr(ext.sharding, "memory_kind", None)
-    if _IN_PLACE.get(kind, True):
-        try:
-            out = _scatter_blocks_to(ext.sharding)(ext, blocks, slots)
-            _IN_PLACE[kind] = True
-            return out
-        except Exception:  # noqa: BLE001  (a backend that cannot compile host-memory scatters)
-            if _IN_PLACE.get(kind) is True:
-                raise
-            _IN_PLACE[kind] = False
-    from kvoffload.offload import memory as M
-
-    dev = jax.device_put(ext, M.device_sharding())
-    return jax.device_put(_scatter_blocks(dev, blocks, slots), ext.sharding)
+_WRITE_OK = {}  # (path, memory kind) -> whether that in-place write compiles and runs on this backend
 
 
 @functools.lru_cache(maxsize=None)
-def _scatter_blocks_to(sharding):
-    return jax.jit(lambda ext, blocks, slots: ext.at[slots].set(blocks.astype(ext.dtype), mode="drop"),
-                   donate_argnums=(0,), out_shardings=sharding)
+def _write_program(sharding, path):
+    """A donated in-place write into an extent held on `sharding`: the blocks are moved into the
+    extent's memory inside the program (an update must share its operand's memory space), then
+    written with one dynamic_update_slice ("run": contiguous slots) or a scatter ("scatter")."""
+    def run(ext, blocks, start):
+        blocks = jax.device_put(blocks.astype(ext.dtype), sharding)
+        return jax.lax.dynamic_update_slice_in_dim(ext, blocks, start, axis=0)
+
+    def scatter(ext, blocks, slots):
+        blocks = jax.device_put(blocks.astype(ext.dtype), sharding)
+        return ext.at[slots].set(blocks, mode="drop")
+
+    return jax.jit(run if path == "run" else scatter, donate_argnums=(0,), out_shardings=sharding)
+
+
+def write_blocks(ext, blocks, slots):
+    """ext with blocks [n, ...] written at slots (host ints; entries >= E skipped), in place: one
+    dynamic_update_slice when the slots are one contiguous run of all n blocks (a lockstep flush into an
+    aligned extent: the common case, measured in place on an H200 at ~50 us per 1 MiB block), else a
+    scatter; where the backend cannot compile either into host memory, through the device and back."""
+    slots = np.asarray(slots)
+    kind = getattr(ext.sharding, "memory_kind", None)
+    contiguous = bool((slots == slots[0] + np.arange(len(slots))).all()) and slots[-1] < ext.shape[0]
+    for path, arg in ((("run", int(slots[0])),) if contiguous else ()) + (("scatter", jnp.asarray(slots, jnp.int32)),):
+        if _WRITE_OK.get((path, kind), True):
+            try:
+                out = _write_program(ext.sharding, path)(ext, blocks, arg)
+                _WRITE_OK[(path, kind)] = True
+                return out
+            except Exception:  # noqa: BLE001  (a backend that cannot compile this write into host memory)
+                if _WRITE_OK.get((path, kind)) is True or ext.is_deleted():
+                    raise
+                _WRITE_OK[(path, kind)] = False
+    from kvoffload.offload import memory as M
+
+    dev = jax.device_put(ext, M.device_sharding())
+    return jax.device_put(_scatter_blocks(dev, blocks, jnp.asarray(slots, jnp.int32)), ext.sharding)

@@ -101,8 +101,7 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
         pb = int((lens // blk).sum())
         e = extent_blocks_for(k_block, pb, extent_mb * 2**20)
         n_p = -(-pb // e) if pb else 0
-        spare = n_p * e - pb  # prompt extents' free slots: the first generated blocks go there
-        gen = max(0, len(lens) * flushes - spare)
+        gen = len(lens) * flushes  # the prompt extents' spare slots stay unused (flushes stay aligned)
         # generated extents: whole flushes (one block per request each), about extent_mb each
         e_g = len(lens) * max(1, min(flushes, int(extent_mb * 2**20 // (k_block * len(lens))))) if gen else e
         n = n_p + -(-gen // e_g)
