@@ -501,7 +501,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
-    ap.add_argument("--only", default=None, help="comma list of: decode,paged,int4,sparse,recompute,"
+    ap.add_argument("--only", default=None, help="comma list of: decode,paged,int4,sparse,"
+                    "recompute,"
                     "scores,quest,hata,tokenselect")
     ap.add_argument("--no-sweep", action="store_true", help="skip launch-parameter sweeps")
     args = ap.parse_args()
@@ -517,9 +518,9 @@ def main():
                           (_tk, "hata_scores_kernel"), (_tk, "tokenselect_scores_kernel")):
             setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
     ceil = ceilings()
-    benches = dict(decode=bench_decode, paged=bench_paged, sparse=bench_sparse, recompute=bench_recompute,
-                   int4=bench_int4, scores=bench_scores, quest=bench_quest, hata=bench_hata,
-                   tokenselect=bench_tokenselect)
+    benches = dict(decode=bench_decode, paged=bench_paged, sparse=bench_sparse,
+                   recompute=bench_recompute, int4=bench_int4, scores=bench_scores,
+                   quest=bench_quest, hata=bench_hata, tokenselect=bench_tokenselect)
     only = args.only.split(",") if args.only else list(benches)
     for name in only:
         try:
