@@ -502,8 +502,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--only", default=None, help="comma list of: decode,paged,int4,sparse,"
-                    "recompute,"
-                    "scores,quest,hata,tokenselect")
+                    "recompute,scores,quest,hata,tokenselect")
     ap.add_argument("--no-sweep", action="store_true", help="skip launch-parameter sweeps")
     args = ap.parse_args()
     global NO_SWEEP
