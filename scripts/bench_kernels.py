@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload.pallas import decode_attention as _da
+from kvoffload.pallas import paged_attention as _pa
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
@@ -238,6 +239,44 @@ def bench_decode(ceil, quick):
                        extra=dict(block_s=bs, programs_per_sm=pps, num_warps=nw, num_stages=st,
                                   merge=mg))
             del q, k, v
+
+
+def bench_paged(ceil, quick):
+    """Paged decode attention, Llama-3-8B layer (h32/kv8 d128 bf16), B=32 rows of 16 blocks of
+    64 tokens each in one extent of 512 blocks (rows own random, scattered blocks), against the
+    dense decode kernel over the same tokens laid out [B, n_kv, 1024, d], and the paged
+    reference (XLA gather + dense reference)."""
+    n_heads, n_kv, d = 32, 8, 128
+    B, blk, per_row, E = (2, 16, 4, 8) if TINY else (32, 64, 16, 512)
+    rng = np.random.default_rng(20)
+    q = rand(jax.random.PRNGKey(21), (B, n_heads, d), jnp.bfloat16)
+    kb = rand(jax.random.PRNGKey(22), (E, n_kv, blk, d), jnp.bfloat16)
+    vb = rand(jax.random.PRNGKey(23), (E, n_kv, blk, d), jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(E)[:B * per_row].reshape(B, per_row), jnp.int32)
+    nb = jnp.full((B,), per_row, jnp.int32)
+    S = per_row * blk
+    dense = jax.jit(lambda b: b[table].transpose(0, 2, 1, 3, 4).reshape(B, n_kv, S, d))
+    kd, vd = dense(kb), dense(vb)
+    L = jnp.full((B,), S, jnp.int32)
+    make = lambda **kw: jax.jit(lambda q, k, v, t, n: _pa.paged_decode_attention_kernel(
+        q, k, v, t, n, **kw))
+    f = make()
+    r = jax.jit(lambda q, k, v, t, n: _pa.paged_decode_attention_reference(q, k, v, t, n))
+    dk = jax.jit(lambda q, k, v, L: _da.decode_attention_kernel(q, k, v, L))
+    args = (q, kb, vb, table, nb)
+    t_p, t_r, t_d = timeit(f, *args), timeit(r, *args), timeit(dk, q, kd, vd, L)
+    bytes_ = kd.nbytes + vd.nbytes + q.nbytes * 2 + table.nbytes
+    flops = 4 * B * n_heads * S * d
+    cfg = f"B{B} {per_row}x{blk} tokens/row, extent E{E}, h32/kv8 d128 bf16"
+    t_b, best = _sweep("paged", make, args, [dict(num_splits=1), dict(num_splits=4),
+                                             dict(num_warps=8), dict(num_stages=3)], t_p)
+    record("paged_decode", cfg + " vs paged ref", t_p, t_r, bytes_, flops, ceil,
+           extra=dict(rel_err_vs_xla=relerr(f(*args), r(*args)),
+                      rel_err_vs_dense=relerr(f(*args), dk(q, kd, vd, L)),
+                      dense_kernel_us=t_d * 1e6, paged_over_dense=t_p / t_d,
+                      best_us=t_b * 1e6, best_params=best))
+    record("decode_attention", f"B{B} S{S} dense, same tokens as paged", t_d, None, bytes_,
+           flops, ceil)
 
 
 def bench_int4(ceil, quick):
@@ -462,8 +501,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
-    ap.add_argument("--only", default=None, help="comma list of: decode,int4,sparse,recompute,"
-                    "scores,quest,hata,tokenselect")
+    ap.add_argument("--only", default=None, help="comma list of: decode,paged,int4,sparse,"
+                    "recompute,scores,quest,hata,tokenselect")
     ap.add_argument("--no-sweep", action="store_true", help="skip launch-parameter sweeps")
     args = ap.parse_args()
     global NO_SWEEP
@@ -472,14 +511,15 @@ def main():
     if TINY:
         import functools
         for mod, name in ((_da, "decode_attention_kernel"), (_q, "decode_attention_int4_kernel"),
+                          (_pa, "paged_decode_attention_kernel"),
                           (_sa, "sparse_attention_kernel"), (_rc, "recompute_kv_kernel"),
                           (_tk, "topk_scores_exact_kernel"), (_tk, "quest_page_scores_kernel"),
                           (_tk, "hata_scores_kernel"), (_tk, "tokenselect_scores_kernel")):
             setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
     ceil = ceilings()
-    benches = dict(decode=bench_decode, sparse=bench_sparse, recompute=bench_recompute,
-                   int4=bench_int4, scores=bench_scores, quest=bench_quest, hata=bench_hata,
-                   tokenselect=bench_tokenselect)
+    benches = dict(decode=bench_decode, paged=bench_paged, sparse=bench_sparse,
+                   recompute=bench_recompute, int4=bench_int4, scores=bench_scores,
+                   quest=bench_quest, hata=bench_hata, tokenselect=bench_tokenselect)
     only = args.only.split(",") if args.only else list(benches)
     for name in only:
         try:

@@ -7,8 +7,9 @@
 
 Prints a table, writes check_kernels.json / .md to --out (default $OUT or .), exits
 non-zero if any check fails or errors. Also checks the ops dispatch (impl="auto" must
-pick the kernel on GPU), the zero-copy pinned_host sparse-attention path, and the
-quest / hata / tokenselect ops with impl="auto" against their references.
+pick the kernel on GPU), the zero-copy pinned_host sparse-attention path, the
+quest / hata / tokenselect ops with impl="auto" against their references, and paged decode
+attention through ops with the bitwise identities of the fp32 accumulator fold.
 """
 
 import argparse
@@ -89,6 +90,46 @@ def topk_ops_check():
         errs[f"err_{name}"] = C.rel_err(out[fin], ref[fin]) if same_inf else float("inf")
     r = C._result("ops quest/hata/tokenselect impl=auto vs reference", "auto", errs, 1e-4)
     r["path"] = f"kernel_default={ops.kernel_default()}"
+    return r
+
+
+def paged_ops_check():
+    """ops.paged_decode_attention with impl="auto" (the compiled kernel on GPU) against the
+    reference, and the fp32 accumulator fold on this device: folding an empty extent is a
+    bitwise no-op, folding into the empty accumulator returns the part bitwise, two extents
+    fold to the whole sequence."""
+    rng = np.random.default_rng(10)
+    B, n_kv, G, d, blk, M, E = 4, 8, 4, 128, 64, 6, 40
+    q = jnp.asarray(rng.standard_normal((B, n_kv * G, d)), jnp.bfloat16)
+    kb = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), jnp.bfloat16)
+    vb = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(E)[:B * M].reshape(B, M), jnp.int32)
+    nb = jnp.array([M, 0, 3, 1], jnp.int32)
+    ref = ops.paged_decode_attention(q, kb, vb, table, nb, impl="reference")
+    out = ops.paged_decode_attention(q, kb, vb, table, nb)
+    err = max(C.rel_err(out[0], np.asarray(ref[0].astype(jnp.float32))),
+              C.lse_err(np.asarray(out[1]), np.asarray(ref[1])))
+    bits = lambda x: np.asarray(x, np.float32).view(np.uint32)
+    acc = ops.merge_attention_into(ops.empty_attention(q), out)
+    first_exact = (np.array_equal(bits(acc[0]), bits(out[0].astype(jnp.float32)))
+                   and np.array_equal(bits(acc[1]), bits(out[1])))
+    none = ops.paged_decode_attention(q, kb, vb, table, jnp.zeros(B, jnp.int32))
+    again = ops.merge_attention_into(acc, none)
+    noop_exact = (np.array_equal(bits(again[0]), bits(acc[0]))
+                  and np.array_equal(bits(again[1]), bits(acc[1])))
+    # rows split over two extents (the first 3 table columns, then the rest) fold to the whole
+    na = jnp.minimum(nb, 3)
+    two = ops.merge_attention_into(ops.empty_attention(q),
+                                   ops.paged_decode_attention(q, kb, vb, table[:, :3], na))
+    two = ops.merge_attention_into(two, ops.paged_decode_attention(q, kb, vb, table[:, 3:],
+                                                                   nb - na))
+    err_two = max(C.rel_err(two[0], np.asarray(out[0].astype(jnp.float32))),
+                  C.lse_err(np.asarray(two[1]), np.asarray(out[1])))
+    r = C._result("ops paged_decode_attention impl=auto + merge_attention_into", "auto",
+                  dict(err_vs_reference=err, err_two_extents=err_two), 1e-2)
+    r["ok"] = r["ok"] and first_exact and noop_exact
+    r["path"] = (f"kernel_default={ops.kernel_default()} fold_into_empty_bitwise={first_exact} "
+                 f"empty_fold_noop_bitwise={noop_exact}")
     return r
 
 
@@ -222,7 +263,8 @@ def main():
             print(f"{status} {r['mode']:9s} {r['name']:66s} err={r['err']:.2e} "
                   f"tol={r['tol']:.0e} {r['seconds']:.1f}s"
                   + (f"\n     {r['error'][:400]}" if "error" in r else ""), flush=True)
-    for extra in (() if args.lower_only else (dispatch_check, pinned_host_check, topk_ops_check)):
+    for extra in (() if args.lower_only else (dispatch_check, pinned_host_check, topk_ops_check,
+                                              paged_ops_check)):
         try:
             r = extra()
         except Exception as e:  # noqa: BLE001
