@@ -43,7 +43,7 @@ def test_collect_shapes(model, qk):
 
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 256, size=(3, 192)).astype(np.int32)
-    _, ks, _, _ = prefill(cfg, model.params, jnp.asarray(toks[:1]), jnp.array([192]))
+    _, ks, _ = prefill(cfg, model.params, jnp.asarray(toks[:1]), jnp.array([192]))
     np.testing.assert_allclose(qk.k[0, 1], np.asarray(ks[1][0]), atol=1e-5)
 
 
