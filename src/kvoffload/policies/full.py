@@ -18,7 +18,7 @@ class FullState:
 @register_policy("full")
 class FullPolicy(Policy):
     def prefill(self, model, tokens, lengths, capacity):
-        logits, ks, vs, _ = prefill(model.config, model.params, tokens, lengths)
+        logits, ks, vs = prefill(model.config, model.params, tokens, lengths)
         return logits, FullState(dense_cache_from_prefill(ks, vs, lengths, capacity))
 
     def decode_step(self, model, state: FullState, tokens) -> tuple[Any, FullState]:
