@@ -215,11 +215,32 @@ def test_binarize_and_masks():
     np.testing.assert_allclose(deploy.query_scores(jnp.array([[0.3, 0.5]]), 2), [[0.3, 0.3, 0.5, 0.5]])
 
 
-def test_passkey_accuracy_runs(model, pdata):
+def test_passkey_accuracy_matches_model_logits(model, pdata):
+    """With every head on full attention, passkey_accuracy's counts and answer log-probability are
+    those of the model's own prefill logits at the answer positions."""
     from kvoffload.importance.evaluate import passkey_accuracy
+    from kvoffload.models.transformer import prefill
 
     r = passkey_accuracy(model, pdata, None, num_samples=2, length=600, sink=8, recent=32)
-    assert r["questions"] == 4 and 0.0 <= r["accuracy"] <= 1.0
+    hits = n = correct = 0
+    logp = 0.0
+    for i in range(2):
+        s = pdata.sample(i, 600, "eval")
+        lg, *_ = prefill(model.config, model.params, jnp.asarray(s.tokens[None]),
+                         jnp.array([s.length]), all_logits=True)
+        pos = np.flatnonzero(s.answer_mask)
+        lg = np.asarray(lg[0, pos], np.float64)
+        nxt = s.tokens[pos + 1]
+        pred = lg.argmax(-1)
+        hits += int(np.sum(pred == nxt))
+        n += len(pos)
+        lse = lg.max(-1) + np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1))
+        logp += float(np.sum(lg[np.arange(len(pos)), nxt] - lse))
+        got = dict(zip(pos.tolist(), pred.tolist()))
+        correct += sum(all(got[t - 1] == s.tokens[t] for t in range(a, e)) for a, e in s.answer_spans)
+    assert r["questions"] == 4 and r["correct"] == correct
+    assert r["accuracy"] == correct / 4 and r["token_accuracy"] == pytest.approx(hits / n)
+    assert r["answer_logprob"] == pytest.approx(logp / n, rel=1e-4)
 
 
 @pytest.mark.slow
