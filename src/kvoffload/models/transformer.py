@@ -40,25 +40,23 @@ def layer_prefill(cfg: ModelConfig, lp, h, positions, lengths):
     return fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o)), k, v, x
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "keep_activations", "all_logits"))
-def prefill(cfg: ModelConfig, params, tokens, lengths, keep_activations=False, all_logits=False):
-    """tokens [B, T] right-padded, lengths [B]. Returns (logits, ks, vs, xs):
-    logits [B, V] at each sequence's last token (or [B, T, V] with all_logits), ks/vs tuples of
-    [B, n_kv, T, d] per layer, xs a tuple of [B, T, H] per layer or None."""
+@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"))
+def prefill(cfg: ModelConfig, params, tokens, lengths, all_logits=False):
+    """tokens [B, T] right-padded, lengths [B]. Returns (logits, ks, vs): logits [B, V] at each
+    sequence's last token (or [B, T, V] with all_logits), ks/vs tuples of [B, n_kv, T, d] per
+    layer."""
     fam = family(cfg)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     h = fam.embed(cfg, params, tokens, positions)
-    ks, vs, xs = [], [], []
+    ks, vs = [], []
     for lp in params.layers:
-        h, k, v, x = layer_prefill(cfg, lp, h, positions, lengths)
+        h, k, v, _ = layer_prefill(cfg, lp, h, positions, lengths)
         ks.append(k)
         vs.append(v)
-        if keep_activations:
-            xs.append(x)
     if not all_logits:
         h = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return fam.logits(cfg, params, h), tuple(ks), tuple(vs), (tuple(xs) if keep_activations else None)
+    return fam.logits(cfg, params, h), tuple(ks), tuple(vs)
 
 
 TAIL_SLOTS = 32

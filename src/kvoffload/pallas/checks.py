@@ -112,6 +112,19 @@ def np_positions(indices, num_valid, page_size, S, lengths=None):
     return pos, ok
 
 
+def np_recompute_kv(x, wk, bk, wv, bv, cos, sin, n_kv):
+    """K, V [B, n_kv, T, d] = x @ W + b, RoPE (HF split-half) on K where cos/sin are given."""
+    B, T, _ = x.shape
+    d = wk.shape[1] // n_kv
+    k = (x @ wk + bk).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+    v = (x @ wv + bv).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+    if cos is not None:
+        c, s = cos[:, None], sin[:, None]
+        k1, k2 = k[..., : d // 2], k[..., d // 2:]
+        k = np.concatenate([k1 * c - k2 * s, k2 * c + k1 * s], -1)
+    return k, v
+
+
 # ----------------------------------------------------------------------------
 # checks
 # ----------------------------------------------------------------------------
@@ -283,13 +296,8 @@ def check_recompute(B=2, T=40, H=128, n_kv=2, d=64, dtype="float32", bias=True, 
         sin64 = np.asarray(sin.astype(jnp.float32), np.float64)
     else:
         cos = sin = None
-    k64 = (x64 @ wk64 + bk64).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
-    v64 = (x64 @ wv64 + bv64).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
-    if rope:
-        c, s = cos64[:, None], sin64[:, None]
-        h = d // 2
-        k1, k2 = k64[..., :h], k64[..., h:]
-        k64 = np.concatenate([k1 * c - k2 * s, k2 * c + k1 * s], -1)
+    k64, v64 = np_recompute_kv(x64, wk64, bk64, wv64, bv64, cos64 if rope else None,
+                               sin64 if rope else None, n_kv)
     args = (x, wk, bk, wv, bv, cos, sin)
     if mode == "reference":
         k, v = _rc.recompute_kv_reference(*args, n_kv=n_kv)

@@ -159,18 +159,28 @@ def pallas_call(kernel, *, out_shape, in_specs, out_specs, poison=False, **kwarg
     return call
 
 
+def bf16_head(x):
+    """float32 x with the low 16 bits of its significand cleared: a value bf16 holds exactly,
+    and x - bf16_head(x) is exact. Cleared by a bit mask, not rounded through bf16, because XLA
+    on GPU (xla_allow_excess_precision, on by default) deletes an f32 -> bf16 -> f32 convert
+    pair, which made the split's remainder 0 in interpret mode there."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
 def dot_split(a, b, n_terms=3, trans_b=False):
     """a (float32) @ b (bf16-exact values, e.g. int4 codes) on bf16 tensor cores with a
-    split into n_terms bf16 pieces (3 terms ~ fp32 accuracy); fp32 accumulation."""
+    split into n_terms bf16 pieces (each takes the next >= 8 significant bits, so 3 terms
+    reproduce a float32 a exactly); fp32 accumulation."""
     bb = b.astype(jnp.bfloat16)
     rest = a.astype(jnp.float32)
     acc = None
     for i in range(n_terms):
-        piece = rest.astype(jnp.bfloat16)
-        t = dot(piece, bb, trans_b=trans_b)
+        head = bf16_head(rest)
+        t = dot(head.astype(jnp.bfloat16), bb, trans_b=trans_b)
         acc = t if acc is None else acc + t
         if i + 1 < n_terms:
-            rest = rest - piece.astype(jnp.float32)
+            rest = rest - head
     return acc
 
 

@@ -17,7 +17,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvoffload.config import ModelConfig
 from kvoffload.offload import memory as M
@@ -47,13 +46,15 @@ def model_shape(name_or_path: str) -> ModelConfig:
     return ModelConfig.from_json(name_or_path)
 
 
-def _timeit(fn: Callable, reps: int = 5, warmup: int = 1) -> float:
+def _timeit(fn: Callable, *args, reps: int = 5, warmup: int = 1) -> float:
+    """Median seconds of fn(*args) (the arguments are passed, not closed over, so a caller can
+    free them right after)."""
     for _ in range(warmup):
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
@@ -76,8 +77,8 @@ def measure_transfers(sizes_mb, reps=5, progress=None, queue=8) -> dict:
         n = max(1, int(mb * 1e6 / 2))
         x_dev = [jax.random.normal(jax.random.key(i), (n,), jnp.bfloat16) for i in range(queue)]
         x_host = jax.block_until_ready(M.to_host(x_dev, dev))
-        th = _timeit(lambda: [M.to_device(a, dev) for a in x_host], reps) / queue
-        td = _timeit(lambda: [M.to_host(a, dev) for a in x_dev], reps) / queue
+        th = _timeit(lambda xs: [M.to_device(a, dev) for a in xs], x_host, reps=reps) / queue
+        td = _timeit(lambda xs: [M.to_host(a, dev) for a in xs], x_dev, reps=reps) / queue
         nbytes = n * 2
         h2d.append((nbytes, th))
         d2h.append((nbytes, td))
@@ -105,8 +106,8 @@ def measure_compute(cfg: ModelConfig, batch: int, dtype, tokens=(64, 256, 1024),
     for t in tokens:
         x = jax.random.normal(key, (batch, t, cfg.hidden_size), dtype)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-        sec = _timeit(lambda: rec(x, pos), reps)
-        sec_ops = _timeit(lambda: rec_ops(x, pos), reps)
+        sec = _timeit(rec, x, pos, reps=reps)
+        sec_ops = _timeit(rec_ops, x, pos, reps=reps)
         flops = batch * t * recompute_flops_per_token(cfg)
         out["recompute"].append((flops, sec))
         out["recompute_ops"].append((flops, sec_ops))
@@ -119,7 +120,7 @@ def measure_compute(cfg: ModelConfig, batch: int, dtype, tokens=(64, 256, 1024),
         q = jax.random.normal(key, (batch, cfg.num_heads, cfg.head_dim), dtype)
         k = jax.random.normal(key, (batch, cfg.num_kv_heads, s, cfg.head_dim), dtype)
         n = jnp.full((batch,), s, jnp.int32)
-        sec = _timeit(lambda: att(q, k, k, n), reps)
+        sec = _timeit(att, q, k, k, n, reps=reps)
         nbytes = batch * s * cfg.kv_bytes_per_token * jnp.dtype(dtype).itemsize
         out["attention"].append((nbytes, sec))
         _log(progress, f"attention B={batch} S={s:5d}: {sec * 1e3:8.3f} ms ({nbytes / sec / 1e9:7.1f} GB/s of K/V)")
@@ -133,7 +134,7 @@ def measure_compute(cfg: ModelConfig, batch: int, dtype, tokens=(64, 256, 1024),
     dense = jax.jit(dense_layer)
     for b in batches or sorted({max(1, batch // 4), max(1, batch // 2), batch}):
         h = jax.random.normal(key, (b, 1, cfg.hidden_size), dtype)
-        sec = _timeit(lambda: dense(h, lp), reps)
+        sec = _timeit(dense, h, lp, reps=reps)
         flops = b * dense_flops_per_token(cfg)
         out["dense"].append((flops, sec))
         _log(progress, f"projections+MLP B={b:4d}: {sec * 1e3:8.3f} ms")
@@ -141,7 +142,7 @@ def measure_compute(cfg: ModelConfig, batch: int, dtype, tokens=(64, 256, 1024),
     n = 64 * 2**20 if M.default_device().platform != "cpu" else 2**20
     big = jax.random.normal(key, (n,), dtype)
     cp = jax.jit(lambda a: a * 2)
-    sec = _timeit(lambda: cp(big), reps)
+    sec = _timeit(cp, big, reps=reps)
     out["hbm_bw"] = 2 * n * jnp.dtype(dtype).itemsize / sec
     _log(progress, f"device memory copy: {out['hbm_bw'] / 1e9:.0f} GB/s")
     return out
@@ -189,9 +190,4 @@ def write_profile(prof: dict, path: str) -> None:
         json.dump(prof, f, indent=1)
 
 
-def profile_cost_model(prof: dict) -> CostModel:
-    return CostModel.from_fits(prof["fits"], prof.get("device", "unknown"))
-
-
-__all__ = ["run_profile", "write_profile", "model_shape", "MODEL_SHAPES", "profile_cost_model", "fit_profile"]
-_ = np  # numpy kept for callers that extend the raw points
+__all__ = ["run_profile", "write_profile", "model_shape", "MODEL_SHAPES", "fit_profile"]
