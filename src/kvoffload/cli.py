@@ -108,8 +108,9 @@ def cmd_generate(args) -> int:
     dt = time.time() - t0
     print(tok.decode(out[0]) if args.chat else args.prompt + tok.decode(out[0]))
     n = sum(len(o) for o in out)
-    print(f"[{n} tokens in {dt:.2f}s incl. compilation; policy {args.policy}; prompt {len(ids)} tokens]",
-          file=sys.stderr)
+    if not args.quiet:
+        print(f"[{n} tokens in {dt:.2f}s incl. compilation; policy {args.policy}; prompt {len(ids)} tokens]",
+              file=sys.stderr)
     return 0
 
 

@@ -110,9 +110,9 @@ def load_model(path: str | None = None, dtype="float32", quiet: bool = False) ->
     return Model(cfg, params, load_hf_tokenizer(path, cfg.eos_token_ids))
 
 
-def _load_converted_model(path: str, dt, quiet: bool) -> Model:
+def _load_converted_model(path: str, dt, quiet: bool, redo_hint: bool = True) -> Model:
     _log(f"loading {path}", quiet)
-    cfg, params = load_converted(path)
+    cfg, params = load_converted(path, redo_hint=redo_hint)
     if params is not None and jax.tree.leaves(params)[0].dtype != dt:
         params = jax.tree.map(lambda a: a.astype(dt), params)
     # a checkpoint of format 2 lists its tokenizer files, so a deleted one fails the file check above
@@ -127,7 +127,7 @@ def _load_default_model(dt, quiet: bool) -> Model:
     state = converted_state(cached)
     if state == "complete":
         try:
-            return _load_converted_model(cached, dt, quiet)
+            return _load_converted_model(cached, dt, quiet, redo_hint=False)
         except CheckpointError as e:
             print(f"kvoffload: the cached default model is damaged ({' '.join(str(e).split())}); converting "
                   "it again", file=sys.stderr, flush=True)

@@ -510,8 +510,7 @@ def save_converted(directory: str, cfg: ModelConfig, params, tokenizer=None, *, 
     os.remove(os.path.join(directory, INCOMPLETE_MARKER))
 
 
-def _verify_files(directory: str, digests: dict[str, str], source: str | None):
-    redo = f"; convert again with `kvoffload convert {source or 'SRC'} {directory} --overwrite`"
+def _verify_files(directory: str, digests: dict[str, str], redo: str):
     for rel, want in digests.items():
         p = os.path.join(directory, rel)
         if not os.path.exists(p):
@@ -520,9 +519,10 @@ def _verify_files(directory: str, digests: dict[str, str], source: str | None):
             raise CheckpointError(f"{p}: file damaged (its sha256 differs from the one recorded at conversion){redo}")
 
 
-def load_converted(directory: str, verify: bool = True):
+def load_converted(directory: str, verify: bool = True, redo_hint: bool = True):
     """Returns (config, params) from a directory written by save_converted. verify: check every file
-    against the sha256 recorded at conversion, and every weight for NaN or infinity."""
+    against the sha256 recorded at conversion, and every weight for NaN or infinity. redo_hint: a
+    damaged file's error says how to convert again."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -537,7 +537,8 @@ def load_converted(directory: str, verify: bool = True):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{marker}: corrupt kvoffload checkpoint metadata ({e})") from e
     if verify and meta.get("files"):
-        _verify_files(directory, meta["files"], meta.get("source"))
+        redo = f"; convert again with `kvoffload convert {meta.get('source') or 'SRC'} {directory} --overwrite`"
+        _verify_files(directory, meta["files"], redo if redo_hint else "")
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), expected_shapes(cfg))
     try:
         params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
@@ -562,7 +563,7 @@ def print_progress(label: str, quiet: bool = False, unit: str = "tensor"):
     def cb(done, total):
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
+            bar = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, dynamic_ncols=True)
         bar.update(done - bar.n)
         if done >= total:
             bar.close()
