@@ -334,3 +334,26 @@ def test_progress_bars_show_rate_and_eta(tmp_path, capsys):
                    progress=stream, plot=False)
     text = stream.getvalue()
     assert "ppl random L=20 full" in text and "2/2" in text and "<00:00" in text  # description, count, ETA
+
+
+@pytest.mark.slow
+def test_real_default_cache_corrupted_is_reconverted(tmp_path):
+    """The embedded SmolLM2 through the real command line: a corrupted cache file never gives an empty
+    answer with exit code 0."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVOFFLOAD_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "kvoffload.cli", "generate", "The capital of France is", "--max-new-tokens", "5",
+           "--quiet"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0 and len(first.stdout.strip()) > len("The capital of France is"), first.stderr
+    from pathlib import Path
+
+    path = largest_data_file(Path(env["KVOFFLOAD_CACHE"]) / "models" / "SmolLM2-135M-Instruct")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(np.random.default_rng(1).bytes(4096))
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    assert "damaged" in again.stderr and path in again.stderr and "Traceback" not in again.stderr

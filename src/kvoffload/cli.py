@@ -54,7 +54,8 @@ _OPTION_FLAGS = {"schedule": "--schedule", "offload_weights": "--offload-weights
 
 def check_policy_options(name: str, options: dict, flags: dict | None = None):
     """Refuses, before any work, options the policy's factory does not take, naming the policy and
-    what it takes. A factory taking **options checks them itself."""
+    what it takes. A factory taking **options checks them itself. flags: how the user spelled each
+    option (e.g. split_point -> --split-point)."""
     from kvoffload.policies import available_policies
     from kvoffload.policies.base import _REGISTRY
 
@@ -87,8 +88,7 @@ def cmd_generate(args) -> int:
     _check_int(args.batch, "--batch", 1)
     _check_int(args.seed, "--seed", 0, 2**63 - 1)  # the PRNG key takes a 64-bit integer
     options = _policy_options(args)
-    check_policy_options(args.policy, options,
-                         {**_OPTION_FLAGS, **{k: f"--policy-option {k}" for k in options if k not in _OPTION_FLAGS}})
+    check_policy_options(args.policy, options, {k: _OPTION_FLAGS.get(k, f"--policy-option {k}") for k in options})
     model = load_model(args.model, args.dtype, quiet=args.quiet)
     tok = model.tokenizer
     if tok is None:
@@ -98,7 +98,7 @@ def cmd_generate(args) -> int:
     if args.chat:
         rendered = tok.apply_chat_template([{"role": "user", "content": text}])
         if rendered is None:
-            raise SystemExit("--chat: this model has no chat template")
+            raise ValueError("--chat: this model has no chat template")
         text = rendered
     ids = tok.encode(text, add_special_tokens=not args.chat)
     t0 = time.time()
