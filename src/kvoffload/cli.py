@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
+import os
 import sys
 import time
+
+from kvoffload.errors import KVOffloadError
 
 
 def _parse_value(v: str):
@@ -21,7 +25,7 @@ def _policy_options(args) -> dict:
     opts = {}
     for item in args.policy_option or []:
         if "=" not in item:
-            raise SystemExit(f"--policy-option takes KEY=VALUE, got {item!r}")
+            raise ValueError(f"--policy-option takes KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         opts[k.replace("-", "_")] = _parse_value(v)
     if args.schedule is not None:
@@ -39,39 +43,85 @@ def _policy_options(args) -> dict:
     return opts
 
 
+class PolicyOptionError(KVOffloadError, ValueError):
+    """An option the chosen policy does not take."""
+
+
+# the flag that sets each policy option in `kvoffload generate` (others come from --policy-option KEY=VALUE)
+_OPTION_FLAGS = {"schedule": "--schedule", "offload_weights": "--offload-weights", "split_point": "--split-point",
+                 "gpu_batches": "--gpu-batches", "profile": "--profile", "trace": "--trace"}
+
+
+def check_policy_options(name: str, options: dict, flags: dict | None = None):
+    """Refuses, before any work, options the policy's factory does not take, naming the policy and
+    what it takes. A factory taking **options checks them itself. flags: how the user spelled each
+    option (e.g. split_point -> --split-point)."""
+    from kvoffload.policies import available_policies
+    from kvoffload.policies.base import _REGISTRY
+
+    names = available_policies()
+    if name not in names:
+        raise PolicyOptionError(f"unknown policy {name!r}; available: {', '.join(names)}")
+    params = inspect.signature(_REGISTRY[name]).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in options if k not in takes]
+    if unknown:
+        flags = flags or {}
+        given = ", ".join(flags.get(k, k) for k in unknown)
+        what = "options " + ", ".join(takes) if takes else "no options"
+        raise PolicyOptionError(f"policy {name!r} takes {what}; got {given}")
+
+
+def _check_int(value: int, flag: str, low: int, high: int | None = None):
+    if value < low or (high is not None and value > high):
+        rng = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{flag} must be {rng}, got {value}")
+
+
 def cmd_generate(args) -> int:
     from kvoffload.engine import generate
-    from kvoffload.models import load_model
+    from kvoffload.models import default_model_dir, load_model
 
-    model = load_model(args.model, args.dtype)
+    _check_int(args.max_new_tokens, "--max-new-tokens", 1)
+    _check_int(args.batch, "--batch", 1)
+    _check_int(args.seed, "--seed", 0, 2**63 - 1)  # the PRNG key takes a 64-bit integer
+    options = _policy_options(args)
+    check_policy_options(args.policy, options, {k: _OPTION_FLAGS.get(k, f"--policy-option {k}") for k in options})
+    model = load_model(args.model, args.dtype, quiet=args.quiet)
     tok = model.tokenizer
     if tok is None:
-        raise SystemExit(f"{args.model}: no tokenizer found beside the checkpoint; generate needs one")
+        raise FileNotFoundError(f"{args.model or default_model_dir()}: no tokenizer found beside the checkpoint "
+                                "(tokenizer.json); generate needs one")
     text = args.prompt
     if args.chat:
         rendered = tok.apply_chat_template([{"role": "user", "content": text}])
         if rendered is None:
-            raise SystemExit("--chat: this model has no chat template")
+            raise ValueError("--chat: this model has no chat template")
         text = rendered
     ids = tok.encode(text, add_special_tokens=not args.chat)
     t0 = time.time()
     out = generate(model, [ids] * args.batch, args.max_new_tokens, policy=args.policy,
-                   policy_options=_policy_options(args), temperature=args.temperature, top_k=args.top_k,
+                   policy_options=options, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed)
     dt = time.time() - t0
     print(tok.decode(out[0]) if args.chat else args.prompt + tok.decode(out[0]))
     n = sum(len(o) for o in out)
-    print(f"[{n} tokens in {dt:.2f}s incl. compilation; policy {args.policy}; prompt {len(ids)} tokens]",
-          file=sys.stderr)
+    if not args.quiet:
+        print(f"[{n} tokens in {dt:.2f}s incl. compilation; policy {args.policy}; prompt {len(ids)} tokens]",
+              file=sys.stderr)
     return 0
 
 
 def cmd_convert(args) -> int:
-    from kvoffload.models import load_model, save_converted
+    from kvoffload.models import check_destination, load_model, save_converted
 
     t0 = time.time()
-    model = load_model(args.src, args.dtype)
-    save_converted(args.dst, model.config, model.params, model.tokenizer)
+    check_destination(args.dst, args.overwrite)  # before minutes of loading
+    model = load_model(args.src, args.dtype, quiet=args.quiet)
+    save_converted(args.dst, model.config, model.params, model.tokenizer, overwrite=args.overwrite,
+                   source=os.path.abspath(args.src))
     print(f"wrote {args.dst} ({model.config.model_type}, {args.dtype}) in {time.time() - t0:.1f}s", file=sys.stderr)
     return 0
 
@@ -87,7 +137,9 @@ _DELEGATED = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvoffload", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvoffload", description=__doc__,
+                                epilog="Errors print one line (exit code 2); --debug (anywhere) shows the traceback.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text (default model: embedded SmolLM2-135M-Instruct)")
@@ -109,12 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", default=None, help="JSON profile written by `kvoffload profile`")
     g.add_argument("--trace", default=None, help="write a per-step trace (JSON) here")
     g.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="any other policy option")
+    g.add_argument("--quiet", action="store_true", help="no progress bars or loading messages")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="convert a checkpoint (HF dir or GGUF) to an orbax checkpoint")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--overwrite", action="store_true", help="replace the kvoffload checkpoint already in DST")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_convert)
 
     sub.add_parser("policies", help="list the available KV policies").set_defaults(func=cmd_policies)
@@ -130,17 +185,48 @@ def cmd_policies(args) -> int:
     return 0
 
 
+# The errors a user can cause (bad input, a missing or unwritable file, a damaged checkpoint, a plan that
+# does not fit): printed as one line with exit code 2; anything else is a bug and keeps its traceback.
+USER_ERRORS = (KVOffloadError, ValueError, OSError)
+_MAX_MESSAGE = 600
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (storage layers put dumps in theirs), cut to a readable length."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, KeyError) and e.args:
+        msg = str(e.args[0])
+    if len(msg) > _MAX_MESSAGE:
+        msg = msg[:_MAX_MESSAGE] + " ... (--debug shows all)"
+    return msg
+
+
+def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
+    """Removes --debug from anywhere before a `--` separator (the sub-commands parse their own flags)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = "--debug" in argv[:end] or os.environ.get("KVOFFLOAD_DEBUG", "") not in ("", "0")
+    return [a for i, a in enumerate(argv) if not (i < end and a == "--debug")], debug
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in _DELEGATED:
-        module, fn, _ = _DELEGATED[argv[0]]
-        return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
+    argv, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    command = argv[0] if argv and not argv[0].startswith("-") else None
     try:
+        if command in _DELEGATED:
+            module, fn, _ = _DELEGATED[command]
+            return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kvoffload: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"kvoffload {command or ''}: error: {one_line(e)}".replace("  ", " "), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"kvoffload {command or ''}: interrupted".replace("  ", " "), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

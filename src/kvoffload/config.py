@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any
 
+from kvoffload.errors import KVOffloadError
+
 # model_type -> family. Families share one set of layer functions (models/llama.py, models/opt.py).
 SUPPORTED_MODEL_TYPES = {
     "llama": "llama",
@@ -19,8 +21,8 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
-class UnsupportedModelError(ValueError):
-    pass
+class UnsupportedModelError(KVOffloadError, ValueError):
+    """A model type or setting kvoffload does not implement; the message names what is supported."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""``python -m kvoffload.eval ruler|longbench|ppl ...`` (same as ``kvoffload eval ...``)."""
+"""``python -m kvoffload.eval ruler|longbench|ppl ...`` (same as ``kvoffload eval ...``, errors included)."""
 
 import sys
 
-from kvoffload.eval.cli import cli_main
+from kvoffload.cli import main
 
-sys.exit(cli_main())
+sys.exit(main(["eval", *sys.argv[1:]]))

@@ -26,8 +26,9 @@ def _common(p: argparse.ArgumentParser, default_lengths: str | None, lengths_hel
     p.add_argument("--out", default=None, help="output directory (default: eval-out/<benchmark>)")
     p.add_argument("--baseline", default="full", help="policy label the differences are taken from (default: full)")
     p.add_argument("--resume", action="store_true", help="keep the results already in --out and skip those samples")
+    p.add_argument("--overwrite", action="store_true", help="replace the results already in --out")
     p.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
-    p.add_argument("--quiet", action="store_true", help="no per-sample progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _gen(p: argparse.ArgumentParser):
@@ -93,15 +94,25 @@ def load_eval_model(spec: str | None, dtype: str = "float32"):
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Runs the benchmark a parsed namespace asks for; prints the summary table. Returns an exit code."""
+    from kvoffload.cli import USER_ERRORS, one_line
+
     from . import runner
 
     bench = args.eval_benchmark
     progress = None if args.quiet else sys.stderr
+    if args.resume and args.overwrite:
+        print(f"kvoffload eval {bench}: error: --resume keeps earlier results, --overwrite replaces them: "
+              "choose one", file=sys.stderr)
+        return 2
     try:
         specs = runner.parse_policies(args.policy or ["full"])
         lengths = runner.parse_lengths(args.lengths) if args.lengths else None
-    except ValueError as e:
-        print(f"kvoffload eval: {e}", file=sys.stderr)
+        if bench == "ruler":
+            from .ruler import check_installed
+
+            check_installed()  # NVIDIA's generators are installed (else: how to install them), before the model loads
+    except USER_ERRORS as e:
+        print(f"kvoffload eval {bench}: error: {one_line(e)}", file=sys.stderr)
         return 2
     out = args.out or f"eval-out/{bench}"
     model = load_eval_model(args.model, args.dtype)
@@ -109,7 +120,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         model.name = args.model or "embedded SmolLM2-135M-Instruct"
     except AttributeError:  # pragma: no cover - a frozen model object
         pass
-    common = dict(policies=specs, out_dir=out, resume=args.resume, progress=progress,
+    common = dict(policies=specs, out_dir=out, resume=args.resume, overwrite=args.overwrite, progress=progress,
                   baseline=args.baseline, plot=not args.no_plot)
     try:
         if bench == "ruler":
@@ -127,9 +138,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             res = runner.run_perplexity(model, lengths=lengths or [2048], texts=texts, text_file=args.text_file,
                                         window=args.window, stride=args.stride, decode_tokens=args.decode_tokens,
                                         seed=args.seed, **common)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"kvoffload eval {bench}: {msg}", file=sys.stderr)
+    except (*USER_ERRORS, KeyError) as e:
+        print(f"kvoffload eval {bench}: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(res.table)
     print()

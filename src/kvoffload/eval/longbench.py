@@ -20,6 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kvoffload.errors import KVOffloadError
+
 from . import metrics
 from .ruler import ChatWrapper
 
@@ -95,7 +97,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-class LongBenchFormatError(ValueError):
+class LongBenchFormatError(KVOffloadError, ValueError):
     """A LongBench jsonl file does not follow the official format; the message names file and line."""
 
 

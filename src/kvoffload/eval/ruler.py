@@ -49,6 +49,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kvoffload.errors import KVOffloadError
+
 from . import metrics
 
 __all__ = [
@@ -89,15 +91,26 @@ _LOCK = threading.RLock()
 # ------------------------------------------------------------------ package access
 
 
+INSTALL_COMMAND = "pip install --no-deps nvidia-long-context-eval"
+
+
+class RulerNotInstalledError(KVOffloadError, ImportError):
+    """NVIDIA's RULER generators (nvidia-long-context-eval) are not installed."""
+
+
 @functools.lru_cache(maxsize=None)
 def _package_dir() -> Path:
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "RULER needs NVIDIA's generators: `pip install --no-deps nvidia-long-context-eval` "
-            "(plus `wonderwords`, `scipy`, `pyyaml`, `tqdm`)"
-        )
+        # --no-deps: its declared dependencies (nemo-evaluator, openai, ...) are not used here, and the
+        # ones the generators need (wonderwords, scipy, pyyaml, tqdm) are kvoffload's own dependencies
+        raise RulerNotInstalledError(f"RULER needs NVIDIA's generators, not installed: run `{INSTALL_COMMAND}`")
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def check_installed():
+    """Raises RulerNotInstalledError, saying how to install them, when the generators are missing."""
+    _package_dir()
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence, TextIO
 
 import numpy as np
 
+from kvoffload.errors import KVOffloadError
+
 __all__ = [
     "PolicySpec",
     "parse_policies",
@@ -92,6 +94,7 @@ def parse_policies(specs: str | Sequence[str], available: Sequence[str] | None =
                 groups.append([seg])
     if not groups:
         raise ValueError("no policy given")
+    check_options = available is None  # names given by hand (tests) need not be registered
     if available is None:
         from kvoffload.policies import available_policies
 
@@ -108,6 +111,10 @@ def parse_policies(specs: str | Sequence[str], available: Sequence[str] | None =
         name = name.strip()
         if name not in available:
             raise ValueError(f"unknown policy {name!r}; available: {', '.join(available)}")
+        if check_options:
+            from kvoffload.cli import check_policy_options
+
+            check_policy_options(name, dict(opts))  # a policy given options it does not take fails now
         spec = PolicySpec(name, tuple(opts))
         if any(s.label == spec.label for s in out):
             raise ValueError(f"policy {spec.label!r} is listed twice")
@@ -149,22 +156,33 @@ def parse_lengths(s: str | int | Sequence[str | int]) -> list[int]:
 
 
 class _Progress:
-    def __init__(self, benchmark: str, total: int, stream: TextIO | None):
-        self.benchmark, self.total, self.stream = benchmark, total, stream
-        self.done, self.t0 = 0, time.time()
+    """A tqdm bar over the run's work units (samples; windows for perplexity) with rate and ETA; its
+    description names the task, length and policy under way, its postfix the last result. Notes print
+    above the bar. stream None: silent."""
+
+    def __init__(self, benchmark: str, total: int, stream: TextIO | None, unit: str = "sample"):
+        from tqdm import tqdm
+
+        self.benchmark, self.stream = benchmark, stream
+        self.bar = None if stream is None else tqdm(total=total, desc=benchmark, unit=unit, file=stream,
+                                                   dynamic_ncols=True, smoothing=0.05)
+
+    def task(self, what: str):
+        if self.bar is not None:
+            self.bar.set_description(f"{self.benchmark} {what}", refresh=False)
 
     def step(self, msg: str, n: int = 1):
-        self.done += n
-        if self.stream is None:
-            return
-        el = time.time() - self.t0
-        eta = el / self.done * (self.total - self.done) if self.done else 0.0
-        print(f"[{self.benchmark} {self.done}/{self.total} {_hms(el)} eta {_hms(eta)}] {msg}",
-              file=self.stream, flush=True)
+        if self.bar is not None:
+            self.bar.set_postfix_str(msg, refresh=False)
+            self.bar.update(n)
 
     def note(self, msg: str):
-        if self.stream is not None:
-            print(f"[{self.benchmark}] {msg}", file=self.stream, flush=True)
+        if self.bar is not None:
+            self.bar.write(f"[{self.benchmark}] {msg}", file=self.stream)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _hms(s: float) -> str:
@@ -176,25 +194,40 @@ def _sha(ids: Sequence[int]) -> str:
     return hashlib.sha1(np.asarray(ids, np.int64).tobytes()).hexdigest()[:16]
 
 
-class _ResultsFile:
-    """Appends per-sample records; with resume, knows which were done before."""
+class ExistingResultsError(KVOffloadError, ValueError):
+    """The output directory holds results of an earlier run and neither resume nor overwrite was asked."""
 
-    def __init__(self, path: Path, resume: bool):
+
+class _ResultsFile:
+    """Appends per-sample records, one JSON line each. With resume, knows which were done before (a
+    line cut by a crash is skipped, and the next record starts on a fresh line); without resume,
+    refuses a file holding earlier results unless overwrite."""
+
+    def __init__(self, path: Path, resume: bool, overwrite: bool = False):
         self.path = path
         self.done: dict[tuple, dict] = {}
         path.parent.mkdir(parents=True, exist_ok=True)
-        if resume and path.exists():
+        held = path.exists() and path.stat().st_size > 0
+        if held and resume:
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     try:
                         r = json.loads(line)
                     except json.JSONDecodeError:
-                        continue  # a line cut by a crash
-                    if "error" not in r:
+                        continue  # a line cut by a crash: its sample runs again
+                    if isinstance(r, dict) and "error" not in r:
                         self.done[self.key(r)] = r
-        elif path.exists():
-            path.unlink()
-        self._f = open(path, "a", encoding="utf-8")
+        elif held and not overwrite:
+            raise ExistingResultsError(
+                f"{path} holds results of an earlier run; pass --resume (resume=True) to keep them and run only "
+                "the missing samples, or --overwrite (overwrite=True) to replace them, or choose another --out")
+        self._f = open(path, "a" if resume else "w", encoding="utf-8")
+        if held and resume:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            if cut:  # the last line was cut mid-write: end it, so the next record is a line of its own
+                self._f.write("\n")
 
     @staticmethod
     def key(r: dict) -> tuple:
@@ -206,6 +239,49 @@ class _ResultsFile:
 
     def close(self):
         self._f.close()
+
+
+def _resume_or_run(rf: _ResultsFile, prog: _Progress, records: list[dict], errors: list[str], *, benchmark: str,
+                   task: str, length: int, spec: "PolicySpec", items: list[dict],
+                   run: Callable[[list[dict], Callable[..., None]], None]):
+    """The loop every benchmark shares for one (task, length, policy): items (dicts with ``index`` and
+    ``sha``, the prompt's hash) already in the results file are taken from it; the rest go to
+    ``run(todo, emit)``, which calls ``emit(item, record, steps=1)`` for each finished item. Each
+    record gets the common fields, is written and kept. A failure of ``run`` is recorded (in the file
+    and ``errors``) and does not stop the other policies."""
+    where = f"{task} L={length} {spec.label}"
+    prog.task(where)
+    running: list[float] = []
+    todo = []
+    for it in items:
+        r = rf.done.get((task, length, spec.label, it["index"], it["sha"]))
+        if r is None:
+            todo.append(it)
+            continue
+        records.append(r)
+        running.append(r["score"])
+        prog.step(f"#{it['index']} (resumed) score={r['score']:.2f}", n=r.get("windows", 1))
+    pending = {id(it) for it in todo}
+
+    def emit(it: dict, r: dict, steps: int = 1):
+        r = {"benchmark": benchmark, "task": task, "length": length, "policy": spec.label, "policy_name": spec.name,
+             "policy_options": spec.options_dict, "index": it["index"], **r, "prompt_sha": it["sha"]}
+        rf.write(r)
+        records.append(r)
+        running.append(r["score"])
+        pending.discard(id(it))
+        prog.step(f"#{it['index']} score={r['score']:.2f} (mean {np.mean(running):.2f})", n=steps)
+
+    if not todo:
+        return
+    try:
+        run(todo, emit)
+    except Exception as e:  # one failing policy must not sink the others
+        msg = f"{spec.label} failed on {task} L={length}: {type(e).__name__}: {e}"
+        errors.append(msg)
+        prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
+        rf.write({"benchmark": benchmark, "task": task, "length": length, "policy": spec.label, "error": msg})
+        prog.step("failed", n=sum(it.get("steps", 1) for it in todo if id(it) in pending))
 
 
 @dataclass
@@ -246,6 +322,11 @@ def _as_specs(policies) -> list[PolicySpec]:
     return list(policies)
 
 
+def _check_count(n, what: str):
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{what} must be a whole number >= 1, got {n!r}")
+
+
 def _max_positions(model) -> int:
     return int(model.config.max_position_embeddings)
 
@@ -278,6 +359,7 @@ def _finish(benchmark: str, records: list[dict], out_dir: Path, errors: list[str
     table = report.format_table(summary, benchmark, baseline=baseline)
     res = EvalResult(benchmark, records, summary, files, errors, time.time() - t0, table)
     progress.note(f"done in {_hms(res.seconds)}; results in {out_dir}")
+    progress.close()
     return res
 
 
@@ -309,12 +391,16 @@ def _meta(model, benchmark: str, specs: list[PolicySpec], extra: dict) -> dict:
 def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[int] = (4096,),
               policies: Sequence[PolicySpec] | str = "full", num_samples: int = 20, seed: int = 42,
               out_dir: str | os.PathLike = "eval-out", chat_template: str | bool | None = "auto",
-              batch_size: int = 1, resume: bool = False, save_inputs: bool = False,
+              batch_size: int = 1, resume: bool = False, overwrite: bool = False, save_inputs: bool = False,
               progress: TextIO | None = sys.stderr, baseline: str = "full", plot: bool = True,
               generate_fn: Callable | None = None) -> EvalResult:
-    """RULER tasks x lengths x policies on the same samples; writes results, summary and plot."""
+    """RULER tasks x lengths x policies on the same samples; writes results, summary and plot.
+    resume: keep the results already in out_dir and run only the missing samples; overwrite: replace
+    them (without either, earlier results are refused rather than lost)."""
     from . import ruler
 
+    _check_count(num_samples, "num_samples (--num-samples)")
+    _check_count(batch_size, "batch_size (--batch-size)")
     t_start = time.time()
     specs = _as_specs(policies)
     tasks = list(tasks or ruler.RULER_TASKS)
@@ -330,7 +416,7 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
     chat = _resolve_chat(tok, chat_template)
     generate_fn = generate_fn or _engine_generate()
     out = Path(out_dir)
-    rf = _ResultsFile(out / "ruler_results.jsonl", resume)
+    rf = _ResultsFile(out / "ruler_results.jsonl", resume, overwrite)
     prog = _Progress("ruler", len(tasks) * len(lengths) * len(specs) * num_samples, progress)
     prog.note(f"tasks={','.join(tasks)} lengths={lengths} policies={[s.label for s in specs]} "
               f"samples={num_samples} chat_template={'on' if chat.enabled else 'off'}")
@@ -358,58 +444,35 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
             for s in samples:
                 if not save_inputs:
                     s.input = ""  # keep memory flat at long lengths; the ids are what runs
-                items.append({"sample": s, "prompt_ids": s.prompt_ids, "max_new_tokens": s.max_new_tokens,
-                              "sha": _sha(s.prompt_ids)})
+                items.append({"sample": s, "index": s.index, "prompt_ids": s.prompt_ids,
+                              "max_new_tokens": s.max_new_tokens, "sha": _sha(s.prompt_ids)})
             all_items[(task, L)] = items
     if infeasible:
         if samples_file:
             samples_file.close()
         rf.close()
+        prog.close()
         raise ValueError("; ".join(infeasible))
     try:
         for L in lengths:
             for task in tasks:
                 items = all_items[(task, L)]
                 for spec in specs:
-                    running: list[float] = []
-                    todo = []
-                    for it in items:
-                        s = it["sample"]
-                        key = (task, L, spec.label, s.index, it["sha"])
-                        if key in rf.done:
-                            r = rf.done[key]
-                            records.append(r)
-                            running.append(r["score"])
-                            prog.step(f"{task} L={L} {spec.label} #{s.index} (resumed) score={r['score']:.0f}")
-                        else:
-                            todo.append(it)
+                    def run(todo, emit, spec=spec):
+                        def on_done(it, new_ids, dt):
+                            s = it["sample"]
+                            pred = tok.decode(new_ids, skip_special_tokens=True)
+                            emit(it, {"score": ruler.score_sample(s.metric, pred, s.outputs), "metric": s.metric,
+                                      "pred": pred, "outputs": s.outputs, "prompt_tokens": len(s.prompt_ids),
+                                      "new_tokens": len(new_ids), "seconds": round(dt, 3), "seed": seed})
 
-                    def on_done(it, new_ids, dt, spec=spec, task=task, L=L, running=running):
-                        s = it["sample"]
-                        pred = tok.decode(new_ids, skip_special_tokens=True)
-                        score = ruler.score_sample(s.metric, pred, s.outputs)
-                        running.append(score)
-                        r = {"benchmark": "ruler", "task": task, "length": L, "policy": spec.label,
-                             "policy_name": spec.name, "policy_options": spec.options_dict, "index": s.index,
-                             "score": score, "metric": s.metric, "pred": pred, "outputs": s.outputs,
-                             "prompt_tokens": len(s.prompt_ids), "new_tokens": len(new_ids),
-                             "seconds": round(dt, 3), "prompt_sha": it["sha"], "seed": seed}
-                        rf.write(r)
-                        records.append(r)
-                        prog.step(f"{task} L={L} {spec.label} #{s.index} score={score:.0f} "
-                                  f"(mean {np.mean(running):.1f}) {dt:.1f}s")
-
-                    try:
                         _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
-                    except Exception as e:  # one failing policy must not sink the others
-                        msg = f"{spec.label} failed on {task} L={L}: {type(e).__name__}: {e}"
-                        errors.append(msg)
-                        prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
-                        rf.write({"benchmark": "ruler", "task": task, "length": L, "policy": spec.label,
-                                  "error": msg})
-                        prog.done += len(todo) - (len(running) - (len(items) - len(todo)))
+
+                    _resume_or_run(rf, prog, records, errors, benchmark="ruler", task=task, length=L, spec=spec,
+                                   items=items, run=run)
     finally:
         rf.close()
+        prog.close()
         if samples_file:
             samples_file.close()
     meta = _meta(model, "ruler", specs, {"tasks": tasks, "lengths": lengths, "num_samples": num_samples,
@@ -424,11 +487,16 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                   lengths: Sequence[int] | None = None, policies: Sequence[PolicySpec] | str = "full",
                   limit: int | None = None, longbench_e: bool = False, out_dir: str | os.PathLike = "eval-out",
                   chat_template: str | bool | None = "auto", batch_size: int = 1, resume: bool = False,
+                  overwrite: bool = False,
                   progress: TextIO | None = sys.stderr, baseline: str = "full", plot: bool = True,
                   generate_fn: Callable | None = None) -> EvalResult:
-    """LongBench datasets x prompt budgets (``lengths``, in tokens) x policies."""
+    """LongBench datasets x prompt budgets (``lengths``, in tokens) x policies (resume, overwrite: as
+    :func:`run_ruler`)."""
     from . import longbench as lb
 
+    _check_count(batch_size, "batch_size (--batch-size)")
+    if limit is not None:
+        _check_count(limit, "limit (--limit)")
     t_start = time.time()
     specs = _as_specs(policies)
     data = lb.load_longbench(data_dir, datasets, longbench_e=longbench_e, limit=limit)
@@ -448,7 +516,7 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                              f"{limit_pos - worst - overhead}")
     generate_fn = generate_fn or _engine_generate()
     out = Path(out_dir)
-    rf = _ResultsFile(out / "longbench_results.jsonl", resume)
+    rf = _ResultsFile(out / "longbench_results.jsonl", resume, overwrite)
     total = sum(len(v) for v in data.values()) * len(lengths) * len(specs)
     prog = _Progress("longbench", total, progress)
     prog.note(f"datasets={','.join(data)} budgets={lengths} policies={[s.label for s in specs]} "
@@ -460,44 +528,25 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                 items = []
                 for s in samples:
                     _, ids, max_new = lb.build_prompt(tok, s, L, chat, max_positions=limit_pos)
-                    items.append({"sample": s, "prompt_ids": ids, "max_new_tokens": max_new, "sha": _sha(ids)})
+                    items.append({"sample": s, "index": s.index, "prompt_ids": ids, "max_new_tokens": max_new,
+                                  "sha": _sha(ids)})
                 for spec in specs:
-                    todo, running = [], []
-                    for it in items:
-                        key = (ds, L, spec.label, it["sample"].index, it["sha"])
-                        if key in rf.done:
-                            records.append(rf.done[key])
-                            running.append(rf.done[key]["score"])
-                            prog.step(f"{ds} L={L} {spec.label} #{it['sample'].index} (resumed)")
-                        else:
-                            todo.append(it)
+                    def run(todo, emit, spec=spec, ds=ds):
+                        def on_done(it, new_ids, dt):
+                            s = it["sample"]
+                            pred = tok.decode(new_ids, skip_special_tokens=True)
+                            emit(it, {"_id": s.id, "score": lb.score_sample(ds, pred, s.answers, s.all_classes),
+                                      "pred": pred, "answers": s.answers, "all_classes": s.all_classes,
+                                      "sample_length": s.length, "prompt_tokens": len(it["prompt_ids"]),
+                                      "new_tokens": len(new_ids), "seconds": round(dt, 3)})
 
-                    def on_done(it, new_ids, dt, spec=spec, ds=ds, L=L, running=running):
-                        s = it["sample"]
-                        pred = tok.decode(new_ids, skip_special_tokens=True)
-                        score = lb.score_sample(ds, pred, s.answers, s.all_classes)
-                        running.append(score)
-                        r = {"benchmark": "longbench", "task": ds, "length": L, "policy": spec.label,
-                             "policy_name": spec.name, "policy_options": spec.options_dict, "index": s.index,
-                             "_id": s.id, "score": score, "pred": pred, "answers": s.answers,
-                             "all_classes": s.all_classes, "sample_length": s.length,
-                             "prompt_tokens": len(it["prompt_ids"]), "new_tokens": len(new_ids),
-                             "seconds": round(dt, 3), "prompt_sha": it["sha"]}
-                        rf.write(r)
-                        records.append(r)
-                        prog.step(f"{ds} L={L} {spec.label} #{s.index} score={score:.1f} "
-                                  f"(mean {np.mean(running):.1f}) {dt:.1f}s")
-
-                    try:
                         _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
-                    except Exception as e:
-                        msg = f"{spec.label} failed on {ds} L={L}: {type(e).__name__}: {e}"
-                        errors.append(msg)
-                        prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
-                        rf.write({"benchmark": "longbench", "task": ds, "length": L, "policy": spec.label,
-                                  "error": msg})
+
+                    _resume_or_run(rf, prog, records, errors, benchmark="longbench", task=ds, length=L, spec=spec,
+                                   items=items, run=run)
     finally:
         rf.close()
+        prog.close()
     meta = _meta(model, "longbench", specs, {"datasets": list(data), "lengths": lengths, "limit": limit,
                                               "longbench_e": longbench_e, "chat_template": chat.enabled,
                                               "data_dir": str(data_dir), "errors": errors})
@@ -511,6 +560,7 @@ def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequenc
                    texts: Sequence[str] = ("essays",), text_file: str | os.PathLike | None = None,
                    window: int | None = None, stride: int | None = None, decode_tokens: int | None = None,
                    seed: int = 0, out_dir: str | os.PathLike = "eval-out", resume: bool = False,
+                   overwrite: bool = False,
                    progress: TextIO | None = sys.stderr, baseline: str = "full", plot: bool = True,
                    logprobs_fn: Callable | None = None) -> EvalResult:
     """Sliding-window perplexity of the first ``length`` tokens of each text, per policy.
@@ -553,51 +603,38 @@ def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequenc
         n_win = sum(1 for _ in pp.sliding_windows(L, w, s, decode_tokens))
         plans.append((L, w, s, n_win))
     out = Path(out_dir)
-    rf = _ResultsFile(out / "ppl_results.jsonl", resume)
+    rf = _ResultsFile(out / "ppl_results.jsonl", resume, overwrite)
     prog = _Progress("ppl", sum(p[3] for p in plans) * len(sources) * len(specs), progress)
     prog.note(f"texts={list(sources)} lengths={lengths} policies={[s.label for s in specs]} "
               f"windows={[(p[1], p[2]) for p in plans]}")
     records, errors = [], []
     try:
-        for (L, w, s, _), in zip(plans):
+        for L, w, stride_, n_win in plans:
             for name, src in sources.items():
                 ids = src(L)
-                sha = _sha(ids)
+                items = [{"index": 0, "sha": _sha(ids), "steps": n_win}]
                 for spec in specs:
-                    key = (name, L, spec.label, 0, sha)
-                    if key in rf.done:
-                        records.append(rf.done[key])
-                        prog.step(f"{name} L={L} {spec.label} (resumed) ppl={rf.done[key]['ppl']:.2f}",
-                                  n=rf.done[key].get("windows", 1))
-                        continue
-                    t0 = time.time()
+                    def run(todo, emit, spec=spec, ids=ids, w=w, stride_=stride_):
+                        t0 = time.time()
 
-                    def lp_fn(toks, prefix_len, spec=spec):
-                        return logprobs_fn(model, list(toks), prefix_len, policy=spec.name,
-                                           policy_options=spec.options_dict or None)
+                        def lp_fn(toks, prefix_len):
+                            return logprobs_fn(model, list(toks), prefix_len, policy=spec.name,
+                                               policy_options=spec.options_dict or None)
 
-                    def on_window(win, lp, spec=spec, name=name, L=L):
-                        prog.step(f"{name} L={L} {spec.label} window [{win.begin},{win.end}) "
-                                  f"ppl={math.exp(-float(np.mean(lp))):.2f}")
+                        def on_window(win, lp):
+                            prog.step(f"window [{win.begin},{win.end}) ppl={math.exp(-float(np.mean(lp))):.2f}")
 
-                    try:
-                        res = pp.perplexity(ids, lp_fn, w, s, decode_tokens, on_window=on_window)
-                    except Exception as e:
-                        msg = f"{spec.label} failed on {name} L={L}: {type(e).__name__}: {e}"
-                        errors.append(msg)
-                        prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
-                        rf.write({"benchmark": "ppl", "task": name, "length": L, "policy": spec.label,
-                                  "error": msg})
-                        continue
-                    r = {"benchmark": "ppl", "task": name, "length": L, "policy": spec.label,
-                         "policy_name": spec.name, "policy_options": spec.options_dict, "index": 0,
-                         "score": res.ppl, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
-                         "windows": res.windows, "window": w, "stride": s, "decode_tokens": decode_tokens,
-                         "seconds": round(time.time() - t0, 3), "prompt_sha": sha}
-                    rf.write(r)
-                    records.append(r)
+                        res = pp.perplexity(ids, lp_fn, w, stride_, decode_tokens, on_window=on_window)
+                        emit(todo[0], {"score": res.ppl, "ppl": res.ppl, "nll": res.nll, "tokens": res.tokens,
+                                       "windows": res.windows, "window": w, "stride": stride_,
+                                       "decode_tokens": decode_tokens, "seconds": round(time.time() - t0, 3)},
+                             steps=0)  # the windows advanced the bar
+
+                    _resume_or_run(rf, prog, records, errors, benchmark="ppl", task=name, length=L, spec=spec,
+                                   items=items, run=run)
     finally:
         rf.close()
+        prog.close()
     meta = _meta(model, "ppl", specs, {"texts": list(sources), "lengths": lengths, "window": window,
                                         "stride": stride, "decode_tokens": decode_tokens, "errors": errors})
     return _finish("ppl", records, out, errors, t_start, meta, prog, baseline, plot)

@@ -382,20 +382,26 @@ def train_hata(model, hcfg: HataConfig, *, data=None, train_qk: QKSet | None = N
                               jnp.asarray(train_qk.qpos[p]), hcfg.top_frac) for p in range(P)]
     losses = []
     end = hcfg.steps if stop_after is None else min(hcfg.steps, int(stop_after))
-    t0 = time.time()
+    from kvoffload.importance.train import _step_bar
+
+    bar = _step_bar("hata", int(state.step), end, hcfg.steps, quiet)
     for s in range(int(state.step), end):
         p = int(np.random.default_rng([hcfg.seed, 5, s]).integers(P))  # deterministic prompt order
         state, m = step_fn(state, jnp.asarray(train_qk.q[p]), jnp.asarray(train_qk.k[p]), weights[p])
         m = {k: float(v) for k, v in m.items()}
         losses.append(m["loss"])
-        if (s + 1) % hcfg.log_every == 0 or s + 1 == end:
-            _log(f"hata step {s + 1}/{hcfg.steps}  loss {m['loss']:.5f}  code-dist {m['sim']:.5f}  "
-                 f"balance {m['balance']:.4f}  ortho {m['ortho']:.4f}  {time.time() - t0:.1f}s", quiet)
+        if bar is not None and ((s + 1) % hcfg.log_every == 0 or s + 1 == end):
+            bar.set_postfix_str(f"loss {m['loss']:.5f} code-dist {m['sim']:.5f} balance {m['balance']:.4f} "
+                                f"ortho {m['ortho']:.4f}", refresh=False)
+        if bar is not None:
+            bar.update(1)
         if mgr is not None and ((s + 1) % hcfg.checkpoint_every == 0 or s + 1 == end):
             import orbax.checkpoint as ocp
 
             mgr.save(int(state.step), args=ocp.args.StandardSave(state), force=True)
             mgr.wait_until_finished()
+    if bar is not None:
+        bar.close()
     w = np.asarray(state.params["w"])
     rec_t = rec_r = None
     if evaluate and int(state.step) >= hcfg.steps:

@@ -221,6 +221,15 @@ def load_scores(path: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------ loop
+def _step_bar(label: str, start: int, end: int, total: int, quiet: bool):
+    """A tqdm bar over training steps (rate, ETA), starting at the resumed step; None when quiet."""
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
 def _log(msg: str, quiet: bool):
     if not quiet:
         print(msg, file=sys.stderr, flush=True)
@@ -261,9 +270,9 @@ def train_importance(model, tcfg: TrainConfig, *, data: PasskeyData | None = Non
     losses = []
     log_f = open(os.path.join(tcfg.out_dir, "log.jsonl"), "a") if tcfg.out_dir else None
     t_start = time.time()
-    t_last = t_start
     start = int(state.step)
     end = tcfg.steps if stop_after is None else min(tcfg.steps, int(stop_after))
+    bar = _step_bar("importance", start, end, tcfg.steps, quiet)
     try:
         for s in range(start, end):
             b = step_batch(data, tcfg, s, max_length)
@@ -276,15 +285,16 @@ def train_importance(model, tcfg: TrainConfig, *, data: PasskeyData | None = Non
                 log_f.write(json.dumps({"step": s + 1, "tokens": int(b.tokens.shape[1]),
                                         "seconds": round(now - t_start, 2), **m}) + "\n")
                 log_f.flush()
-            if (s + 1) % tcfg.log_every == 0 or s + 1 == end:
-                per = (now - t_start) / (s + 1 - start)
-                _log(f"step {s + 1}/{tcfg.steps}  loss {m['loss']:.6f}  mse {m['mse']:.3e}  "
-                     f"mean alpha {m['mean_alpha']:.4f}  T={b.tokens.shape[1]}  {now - t_last:.1f}s  "
-                     f"eta {per * (end - s - 1) / 60:.1f} min", quiet)
-            t_last = now
+            if bar is not None and ((s + 1) % tcfg.log_every == 0 or s + 1 == end):
+                bar.set_postfix_str(f"loss {m['loss']:.6f} mse {m['mse']:.3e} mean alpha {m['mean_alpha']:.4f} "
+                                    f"T={b.tokens.shape[1]}", refresh=False)
+            if bar is not None:
+                bar.update(1)
             if mgr is not None and ((s + 1) % tcfg.checkpoint_every == 0 or s + 1 == end):
                 save_checkpoint(mgr, state)
     finally:
+        if bar is not None:
+            bar.close()
         if log_f is not None:
             log_f.close()
     alpha = np.asarray(state.params["alpha"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -20,8 +21,10 @@ import jax.numpy as jnp
 
 from kvoffload.config import ModelConfig
 from kvoffload.models.checkpoint import (
-    CONVERTED_MARKER,
     CheckpointError,
+    check_destination,
+    converted_state,
+    incomplete_error,
     load_converted,
     load_gguf,
     load_hf_params,
@@ -83,40 +86,65 @@ def load_model(path: str | None = None, dtype="float32", quiet: bool = False) ->
     """Loads a model from an HF checkpoint directory, a GGUF file or a converted (orbax) directory.
 
     With path None: the embedded default model, converted from its GGUF on first use and cached
-    under the user cache directory (KVOFFLOAD_CACHE or ~/.cache/kvoffload).
+    under the user cache directory (KVOFFLOAD_CACHE or ~/.cache/kvoffload); a damaged or incomplete
+    cache is converted again.
     """
     dt = _dtype(dtype)
     if path is None:
-        cached = default_model_dir()
-        if not os.path.exists(os.path.join(cached, CONVERTED_MARKER)):
-            src = embedded_gguf_path()
-            _log(f"converting the default model {DEFAULT_MODEL_NAME} once, into {cached}", quiet)
-            t0 = time.time()
-            model = load_model(src, "float32", quiet=quiet)
-            save_converted(cached, model.config, model.params, model.tokenizer)
-            _log(f"converted in {time.time() - t0:.1f}s", quiet)
-            if dt != jnp.float32:
-                model.params = jax.tree.map(lambda a: a.astype(dt), model.params)
-            return model
-        path = cached
+        return _load_default_model(dt, quiet)
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path} (an HF checkpoint directory, a .gguf file or a converted directory)")
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise CheckpointError(f"{path}: a model file must be .gguf; for HF checkpoints pass the directory")
-        cfg, params, reader = load_gguf(path, dt, progress=None if quiet else print_progress("dequantizing GGUF tensors"))
+        cfg, params, reader = load_gguf(path, dt, progress=print_progress("dequantizing GGUF tensors", quiet))
         return Model(cfg, params, gguf_tokenizer(reader, path))
-    if os.path.exists(os.path.join(path, CONVERTED_MARKER)):
-        _log(f"loading {path}", quiet)
-        cfg, params = load_converted(path)
-        if params is not None and jax.tree.leaves(params)[0].dtype != dt:
-            params = jax.tree.map(lambda a: a.astype(dt), params)
-        tok = Tokenizer.load_saved(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-        return Model(cfg, params, tok)
+    state = converted_state(path)
+    if state == "complete":
+        return _load_converted_model(path, dt, quiet)
+    if state == "incomplete":
+        raise incomplete_error(os.path.abspath(path))
     cfg = ModelConfig.from_json(path)
-    params = load_hf_params(path, cfg, dt, progress=None if quiet else print_progress("loading weight files"))
+    params = load_hf_params(path, cfg, dt, progress=print_progress("loading weight files", quiet, unit="file"))
     return Model(cfg, params, load_hf_tokenizer(path, cfg.eos_token_ids))
+
+
+def _load_converted_model(path: str, dt, quiet: bool, redo_hint: bool = True) -> Model:
+    _log(f"loading {path}", quiet)
+    cfg, params = load_converted(path, redo_hint=redo_hint)
+    if params is not None and jax.tree.leaves(params)[0].dtype != dt:
+        params = jax.tree.map(lambda a: a.astype(dt), params)
+    # a checkpoint of format 2 lists its tokenizer files, so a deleted one fails the file check above
+    tok = Tokenizer.load_saved(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+    return Model(cfg, params, tok)
+
+
+def _load_default_model(dt, quiet: bool) -> Model:
+    """The embedded model from its cache; converted (again) when the cache is absent, cut or damaged:
+    the cache is derived data, so a clean reconversion is the fix, and it says so on one line."""
+    cached = default_model_dir()
+    state = converted_state(cached)
+    if state == "complete":
+        try:
+            return _load_converted_model(cached, dt, quiet, redo_hint=False)
+        except CheckpointError as e:
+            print(f"kvoffload: the cached default model is damaged ({' '.join(str(e).split())}); converting "
+                  "it again", file=sys.stderr, flush=True)
+    elif state == "incomplete":
+        print(f"kvoffload: the cached default model in {cached} is incomplete (an earlier conversion was "
+              "interrupted); converting it again", file=sys.stderr, flush=True)
+    src = embedded_gguf_path()
+    if os.path.isdir(cached):
+        shutil.rmtree(cached)  # kvoffload's own folder: whatever a cut or damaged conversion left goes
+    _log(f"converting the default model {DEFAULT_MODEL_NAME} once, into {cached}", quiet)
+    t0 = time.time()
+    model = load_model(src, "float32", quiet=quiet)
+    save_converted(cached, model.config, model.params, model.tokenizer, overwrite=True, source=src)
+    _log(f"converted in {time.time() - t0:.1f}s", quiet)
+    if dt != jnp.float32:
+        model.params = jax.tree.map(lambda a: a.astype(dt), model.params)
+    return model
 
 
 TINY_CONFIGS = {
@@ -141,5 +169,5 @@ def tiny_random_model(arch: str = "llama", seed: int = 0, dtype="float32", **ove
 
 __all__ = [
     "Model", "ModelConfig", "load_model", "tiny_random_model", "init_params", "family", "save_converted",
-    "CheckpointError", "Tokenizer", "embedded_gguf_path", "default_model_dir",
+    "CheckpointError", "Tokenizer", "embedded_gguf_path", "default_model_dir", "check_destination",
 ]

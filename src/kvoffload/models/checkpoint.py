@@ -7,9 +7,11 @@ tensors are converted one at a time so host memory stays near the model size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 import sys
 from typing import Any, Callable, Iterator
@@ -20,10 +22,11 @@ import ml_dtypes
 import numpy as np
 
 from kvoffload.config import ModelConfig, UnsupportedModelError
+from kvoffload.errors import KVOffloadError
 from kvoffload.models import llama, opt
 
 
-class CheckpointError(ValueError):
+class CheckpointError(KVOffloadError, ValueError):
     """A missing, corrupt or mismatched checkpoint; the message names the file and tensor."""
 
 
@@ -104,6 +107,16 @@ def _param_classes(cfg: ModelConfig):
     return (llama.LlamaParams, llama.LlamaLayer) if cfg.family == "llama" else (opt.OPTParams, opt.OPTLayer)
 
 
+def check_finite(arr, what: str):
+    """Refuses a tensor holding NaN or infinity (a damaged file decodes to them), naming it."""
+    arr = np.asarray(arr)
+    if arr.dtype.kind == "f" or arr.dtype == ml_dtypes.bfloat16:
+        finite = np.isfinite(arr)
+        if not finite.all():
+            bad = int(arr.size - np.count_nonzero(finite))
+            raise CheckpointError(f"{what} holds {bad} non-finite value(s) (NaN or infinity): the file is damaged")
+
+
 def expected_shapes(cfg: ModelConfig):
     """The parameter pytree of this config with jax.ShapeDtypeStruct leaves (float32)."""
     from kvoffload.models.transformer import init_params
@@ -139,6 +152,7 @@ def assemble_params(cfg: ModelConfig, tensors: Iterator[tuple[str, str, Any]], d
                 f"{file}: tensor {name} has shape {tuple(np.asarray(arr).shape)}, expected "
                 f"{tuple(want.shape) if transform == 'id' else tuple(reversed(want.shape))} for {cfg.model_type}"
             )
+        check_finite(arr, f"{file}: tensor {name}")
         val = jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 and dtype == jnp.float32 else arr, dtype=dtype)
         (layers[layer] if layer is not None else top)[field] = val
     missing = []
@@ -356,30 +370,159 @@ def load_gguf(path: str, dtype=jnp.float32, progress: Callable[[int, int], None]
 
 
 # ----------------------------------------------------------------------------- orbax
-CONVERTED_MARKER = "kvoffload.json"
+CONVERTED_MARKER = "kvoffload.json"  # written last: its presence means the conversion finished
+INCOMPLETE_MARKER = "kvoffload.incomplete"  # written first, removed last: a conversion under way or cut
+# everything save_converted writes (and all that --overwrite removes)
+_CONVERTED_ENTRIES = {CONVERTED_MARKER, INCOMPLETE_MARKER, "params", "tokenizer.json", "tokenizer_meta.json"}
+_FORMAT = 2  # 2: the marker records a sha256 per file
 
 
-def save_converted(directory: str, cfg: ModelConfig, params, tokenizer=None):
-    """Writes an orbax checkpoint of params plus the config (and tokenizer) beside it."""
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_digests(directory: str) -> dict[str, str]:
+    """sha256 of every file under directory except the markers, by path relative to it."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            p = os.path.join(root, name)
+            rel = os.path.relpath(p, directory)
+            if rel not in (CONVERTED_MARKER, INCOMPLETE_MARKER):
+                out[rel] = _sha256(p)
+    return dict(sorted(out.items()))
+
+
+def converted_state(directory: str) -> str | None:
+    """'complete', 'incomplete' (a conversion was cut or is under way) or None (not a converted dir)."""
+    if os.path.exists(os.path.join(directory, CONVERTED_MARKER)):
+        return "complete"
+    if os.path.exists(os.path.join(directory, INCOMPLETE_MARKER)):
+        return "incomplete"
+    return None
+
+
+def incomplete_error(directory: str) -> CheckpointError:
+    source = None
+    try:
+        with open(os.path.join(directory, INCOMPLETE_MARKER)) as f:
+            source = json.load(f).get("source")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return CheckpointError(
+        f"{directory}: the conversion into this directory did not finish (it was interrupted); convert again "
+        f"with `kvoffload convert {source or 'SRC'} {directory} --overwrite`")
+
+
+def check_destination(directory: str, overwrite: bool = False):
+    """Refuses, before any work, a destination that cannot be written or whose files would be lost:
+    a non-empty directory that is not a kvoffload checkpoint, or one that is unless overwrite."""
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory):
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{directory}: exists and is not a directory; choose a new or empty directory")
+        entries = sorted(os.listdir(directory))
+        if entries and converted_state(directory) is None:
+            shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+            raise CheckpointError(f"{directory}: not empty ({shown}) and not a kvoffload checkpoint; its files "
+                                  "would be lost: choose a new or empty directory")
+        if entries and not overwrite:
+            raise CheckpointError(f"{directory}: already holds a kvoffload checkpoint; pass --overwrite "
+                                  "(overwrite=True) to replace it")
+    # Create what is missing and write a probe file, then undo: a path under a file, a read-only or
+    # virtual file system (/sys) fails here, before minutes of loading.
+    created, d = [], directory
+    while not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"cannot create {directory}: {d} is not a directory")
+    try:
+        for c in reversed(created):
+            os.mkdir(c)
+        probe = os.path.join(directory, f".kvoffload-write-test-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"cannot write to {directory}: {e.strerror or e}") from e
+    finally:
+        for c in created:
+            try:
+                os.rmdir(c)
+            except OSError:
+                pass
+
+
+def _clear_converted(directory: str):
+    """Removes what save_converted writes (only that: other files stay)."""
+    for name in _CONVERTED_ENTRIES - {INCOMPLETE_MARKER}:
+        p = os.path.join(directory, name)
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        elif os.path.exists(p):
+            os.remove(p)
+
+
+def _write_json_atomically(path: str, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_converted(directory: str, cfg: ModelConfig, params, tokenizer=None, *, overwrite: bool = False,
+                   source: str | None = None):
+    """Writes an orbax checkpoint of params plus the config (and tokenizer) beside it.
+
+    The marker (kvoffload.json, written last) records a sha256 of every file, verified at load; a
+    kvoffload.incomplete file marks the directory while the conversion runs. Refuses a non-empty
+    directory that is not a kvoffload checkpoint, and replaces one only with overwrite.
+    """
     import dataclasses
 
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
+    check_destination(directory, overwrite)
+    for what, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        check_finite(leaf, f"parameter {jax.tree_util.keystr(what)}")
     os.makedirs(directory, exist_ok=True)
+    _write_json_atomically(os.path.join(directory, INCOMPLETE_MARKER), {"source": source})
+    _clear_converted(directory)
     leaves = jax.tree.leaves(params)
-    meta = {"config": dataclasses.asdict(cfg), "dtype": str(leaves[0].dtype), "format": 1}
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(os.path.join(directory, "params"), params, force=True)
     ckpt.wait_until_finished()
     if tokenizer is not None:
         tokenizer.save(directory)
-    with open(os.path.join(directory, CONVERTED_MARKER), "w") as f:
-        json.dump(meta, f, indent=1)
+    meta = {"config": dataclasses.asdict(cfg), "dtype": str(leaves[0].dtype), "format": _FORMAT,
+            "source": source, "files": _file_digests(directory)}
+    _write_json_atomically(os.path.join(directory, CONVERTED_MARKER), meta)
+    os.remove(os.path.join(directory, INCOMPLETE_MARKER))
 
 
-def load_converted(directory: str):
-    """Returns (config, params) from a directory written by save_converted."""
+def _verify_files(directory: str, digests: dict[str, str], redo: str):
+    for rel, want in digests.items():
+        p = os.path.join(directory, rel)
+        if not os.path.exists(p):
+            raise CheckpointError(f"{p}: file missing from the converted checkpoint{redo}")
+        if _sha256(p) != want:
+            raise CheckpointError(f"{p}: file damaged (its sha256 differs from the one recorded at conversion){redo}")
+
+
+def load_converted(directory: str, verify: bool = True, redo_hint: bool = True):
+    """Returns (config, params) from a directory written by save_converted. verify: check every file
+    against the sha256 recorded at conversion, and every weight for NaN or infinity. redo_hint: a
+    damaged file's error says how to convert again."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -390,24 +533,39 @@ def load_converted(directory: str):
         c = meta["config"]
         c["eos_token_ids"] = tuple(c.get("eos_token_ids") or ())
         cfg = ModelConfig(**c)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        dtype = jnp.dtype(meta.get("dtype", "float32"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{marker}: corrupt kvoffload checkpoint metadata ({e})") from e
-    dtype = jnp.dtype(meta.get("dtype", "float32"))
+    if verify and meta.get("files"):
+        redo = f"; convert again with `kvoffload convert {meta.get('source') or 'SRC'} {directory} --overwrite`"
+        _verify_files(directory, meta["files"], redo if redo_hint else "")
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), expected_shapes(cfg))
     try:
         params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
-    except Exception as e:
-        raise CheckpointError(f"{directory}/params: cannot restore orbax checkpoint ({type(e).__name__}: {e})") from e
+    except Exception as e:  # orbax/TensorStore raise many types with multi-line dumps: keep the first line
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"{directory}/params: cannot restore the orbax checkpoint ({type(e).__name__}: "
+                              f"{first}); convert the model again") from e
+    if verify:
+        for what, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            check_finite(leaf, f"{directory}: parameter {jax.tree_util.keystr(what)}")
     return cfg, params
 
 
-def print_progress(label: str):
-    """A progress callback writing one updating line to stderr."""
+def print_progress(label: str, quiet: bool = False, unit: str = "tensor"):
+    """A progress callback cb(done, total) drawing a tqdm bar (rate, ETA) on stderr; None when quiet."""
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    bar = None
 
     def cb(done, total):
-        sys.stderr.write(f"\r{label}: {done}/{total}")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, dynamic_ncols=True)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
 
     return cb

