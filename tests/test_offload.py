@@ -65,7 +65,7 @@ def test_full_matches_the_dense_reference(ref):
     arch, model, want, want_logits = ref
     cfg, params = model.config, model.params
     tokens, lengths = pad_prompts(PROMPTS)
-    logits, ks, vs, _ = prefill(cfg, params, tokens, lengths)
+    logits, ks, vs = prefill(cfg, params, tokens, lengths)
     cache, n = dense_cache_from_prefill(ks, vs, lengths, capacity=128), 0
     for step in range(NEW):
         np.testing.assert_allclose(np.asarray(logits), want_logits[step], atol=1e-4, rtol=0)
