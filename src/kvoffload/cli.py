@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import os
 import sys
 import time
@@ -53,19 +52,15 @@ _OPTION_FLAGS = {"schedule": "--schedule", "offload_weights": "--offload-weights
 
 
 def check_policy_options(name: str, options: dict, flags: dict | None = None):
-    """Refuses, before any work, options the policy's factory does not take, naming the policy and
-    what it takes. A factory taking **options checks them itself. flags: how the user spelled each
-    option (e.g. split_point -> --split-point)."""
+    """Refuses, before any work, options the policy does not take, naming the policy and what it
+    takes. flags: how the user spelled each option (e.g. split_point -> --split-point)."""
     from kvoffload.policies import available_policies
-    from kvoffload.policies.base import _REGISTRY
+    from kvoffload.policies.base import policy_options
 
     names = available_policies()
     if name not in names:
         raise PolicyOptionError(f"unknown policy {name!r}; available: {', '.join(names)}")
-    params = inspect.signature(_REGISTRY[name]).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return
-    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes = policy_options(name)
     unknown = [k for k in options if k not in takes]
     if unknown:
         flags = flags or {}

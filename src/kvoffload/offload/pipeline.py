@@ -280,25 +280,18 @@ class LayerHooks:
     attend = staticmethod(attend_pool)  # the pure function the layer program folds the sources with
 
     def sources(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int, fetched):
-        """The layer program's sources: fetched arrays in place of host extents, the pool's arrays for a
-        device pool, zero stand-ins for extents not in use (their tables are empty)."""
+        """The layer program's sources: the pool's own arrays for a device pool; for a host pool the
+        fetched arrays in place of the extents in use and zero stand-ins for the rest (their tables
+        are empty). Built from per-layout templates: this runs once per layer and step."""
+        rec = pipe.scalar(plan.recompute_extents)
+        if not pipe.host_pool:
+            return PoolSources(k=group.pool_k[layer], v=group.pool_v[layer], x=group.pool_x[layer], recompute=rec)
         early, late = fetched
-        lay = group.layout
-        ks, vs, xs = [], [], []
-        for e in range(lay.num_extents):
-            has_x, has_kv = lay.has("act", e), lay.has("kv", e)
-            if not pipe.host_pool:
-                k, v, x = group.pool_k[layer][e], group.pool_v[layer][e], group.pool_x[layer][e]
-            else:
-                x = early[e] if e < plan.recompute_extents else (pipe.stand_in(group.pool_x[layer][e]) if has_x else None)
-                if plan.recompute_extents <= e < plan.used_extents:
-                    j = 2 * (e - plan.recompute_extents)
-                    k, v = late[j], late[j + 1]
-                else:
-                    k, v = (pipe.stand_in(group.pool_k[layer][e]), pipe.stand_in(group.pool_v[layer][e])) if has_kv \
-                        else (None, None)
-            ks.append(k), vs.append(v), xs.append(x)
-        return PoolSources(k=tuple(ks), v=tuple(vs), x=tuple(xs), recompute=pipe.scalar(plan.recompute_extents))
+        ks, vs, xs = (list(t) for t in pipe.stand_ins(group, layer))
+        r, n = plan.recompute_extents, plan.used_extents
+        xs[:r] = early
+        ks[r:n], vs[r:n] = late[0::2], late[1::2]
+        return PoolSources(k=tuple(ks), v=tuple(vs), x=tuple(xs), recompute=rec)
 
     def split_store(self, pipe: "LayerPipeline", model, layout: PoolLayout, lengths) -> PoolLayout:
         """Which extents hold which kinds (default: every kind everywhere)."""
@@ -365,16 +358,26 @@ class LayerPipeline:
         self._host_layers: dict = {}
         self.memory_plan = None
         self._stand_ins: dict = {}
+        self._templates: dict = {}
         self._scalars: dict = {}
 
     # -- small device values reused every step ------------------------------------------------
-    def stand_in(self, like):
-        """A device array of like's shape and dtype standing in for an extent with no blocks in use
-        (allocated once; its tables are empty, so it is never read)."""
-        key = (like.shape, str(like.dtype))
-        if key not in self._stand_ins:
-            self._stand_ins[key] = jnp.zeros(like.shape, like.dtype, device=self.dev)
-        return self._stand_ins[key]
+    def stand_ins(self, group: GroupState, layer: int):
+        """Per extent of the group's layout: zero device arrays shaped like its K, V and X extents
+        (None where the layout stores none), allocated once per shape and shared by every extent of
+        that shape, every layer and step: what a layer program gets for extents with no blocks in use."""
+        key = group.layout  # every layer's extents have the same shapes
+        if key not in self._templates:
+            def like(a):
+                if a is None:
+                    return None
+                k = (a.shape, str(a.dtype))
+                if k not in self._stand_ins:
+                    self._stand_ins[k] = jnp.zeros(a.shape, a.dtype, device=self.dev)
+                return self._stand_ins[k]
+
+            self._templates[key] = tuple(tuple(like(a) for a in p[layer]) for p in (group.pool_k, group.pool_v, group.pool_x))
+        return self._templates[key]
 
     def scalar(self, n: int):
         if n not in self._scalars:
@@ -523,7 +526,8 @@ class LayerPipeline:
         for gr in groups:
             pos = (gr.prompt_lens + gr.n_gen)[:, None]
             positions.append(pos)
-            hs.append(_embed(cfg, fam_params, tokens[gr.rows[0]:gr.rows[1]][:, None], pos))
+            rows_tokens = tokens if len(groups) == 1 else tokens[gr.rows[0]:gr.rows[1]]
+            hs.append(_embed(cfg, fam_params, rows_tokens[:, None], pos))
         tails = [dict(k=list(gr.tail_k), v=list(gr.tail_v), x=list(gr.tail_x)) for gr in groups]
         items = self._items(cfg.num_layers, len(groups))
         weights: dict = {}
@@ -548,10 +552,12 @@ class LayerPipeline:
             moved["arrays"] += len(early) + len(late)
             fetched[n] = (early_d, late_d)
 
+        # a device pool moves nothing: no transfer buffers to bound, the host never waits in the step
+        sync_depth = o.sync_depth if self.host_pool or o.offload_weights else 0
         for n, (i, g) in enumerate(items):
             while issued < min(n + 2, len(items)):
-                if o.sync_depth and 0 <= issued - o.sync_depth < len(done_h):
-                    jax.block_until_ready(done_h[issued - o.sync_depth])
+                if sync_depth and 0 <= issued - sync_depth < len(done_h):
+                    jax.block_until_ready(done_h[issued - sync_depth])
                 issue(issued)
                 issued += 1
             f = fetched.pop(n)

@@ -38,6 +38,18 @@ def register_policy(name: str):
     return deco
 
 
+def policy_options(name: str) -> tuple[str, ...]:
+    """The option names a registered policy takes (its factory's `option_names()`, else its signature)."""
+    import inspect
+
+    _load_builtin()
+    factory = _REGISTRY[name]
+    if hasattr(factory, "option_names"):
+        return tuple(factory.option_names())
+    params = inspect.signature(factory).parameters.values()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 def available_policies() -> list[str]:
     _load_builtin()
     return sorted(_REGISTRY)

@@ -13,6 +13,10 @@ class LayeredPolicy(Policy):
     host_pool = True  # the pool in pinned host memory (False: device memory)
     extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
 
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(sorted({f.name for f in dataclasses.fields(PipelineOptions)} | set(cls.extra_options)))
+
     def __init__(self, **options):
         known = {f.name for f in dataclasses.fields(PipelineOptions)}
         unknown = sorted(set(options) - known - set(self.extra_options))
