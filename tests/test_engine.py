@@ -22,7 +22,7 @@ from kvoffload.engine import (
     teacher_forced_logprobs,
 )
 from kvoffload.errors import KVOffloadError
-from kvoffload.models import save_converted, tiny_random_model
+from kvoffload.models import Model, save_converted, tiny_random_model
 from kvoffload.models.sampling import SamplingParameterError, sample
 from kvoffload.policies import make_policy
 from kvoffload.policies.base import Policy
@@ -72,6 +72,12 @@ class Counting(Policy):
 @pytest.fixture(scope="module")
 def llama():
     return tiny_random_model("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def llama4():
+    """Four layers, so that layer 2 is one in the middle."""
+    return tiny_random_model("llama", seed=2, num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +134,8 @@ def test_host_reads_only_at_syncs(llama, monkeypatch):
     assert out == reference_generate(llama, PROMPTS, 13, stop_on_eos=False)[0]
 
 
-def test_teacher_forced_logprobs_match_per_step_loop(llama):
+def test_teacher_forced_logprobs_match_per_step_loop(llama4):
+    llama = llama4
     seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     pol = make_policy("full")
     tokens, lengths = pad_prompts([seq[:4]])
@@ -161,12 +168,11 @@ def test_bad_sampling_parameters_refused(llama, kw, match):
     assert isinstance(e.value, KVOffloadError) and isinstance(e.value, ValueError)
 
 
-def test_top_p_zero_is_greedy(llama):
+def test_top_p_zero_is_greedy():
     logits = jax.random.normal(jax.random.key(0), (6, 50)) * 3
     best = np.argmax(np.asarray(logits), -1)
     for seed in range(3):
         np.testing.assert_array_equal(sample(logits, jax.random.key(seed), temperature=1.0, top_p=0.0), best)
-    assert generate(llama, PROMPTS, 6, temperature=1.3, top_p=0.0, seed=4) == generate(llama, PROMPTS, 6)
 
 
 @pytest.mark.parametrize("prompts, n, match", [
@@ -193,23 +199,24 @@ def test_numpy_integer_prompts_accepted(llama):
 
 # --- non-finite logits ------------------------------------------------------------------------
 
-def test_nan_weight_stops_at_prefill_naming_layer_and_tensor():
-    model = tiny_random_model("llama", seed=2, num_hidden_layers=4)
-    layers = list(model.params.layers)
+def test_nan_weight_stops_at_prefill_naming_layer_and_tensor(llama4):
+    # one prompt of the teacher-forced test's shapes, so the programs compiled there are reused
+    prompt, params = [3, 1, 4, 1], llama4.params
+    layers = list(params.layers)
     layers[2] = layers[2].__class__(**{**vars(layers[2]), "wq": jnp.full_like(layers[2].wq, jnp.nan)})
-    model.params = model.params.__class__(**{**vars(model.params), "layers": tuple(layers)})
+    model = Model(llama4.config, params.__class__(**{**vars(params), "layers": tuple(layers)}), llama4.tokenizer)
     seen = []
     with pytest.raises(NonFiniteLogitsError) as e:
-        generate(model, PROMPTS, 5, on_token=lambda *a: seen.append(a))
+        generate(model, [prompt], 6, on_token=lambda *a: seen.append(a))
     msg = str(e.value)
     assert "at step 0 (the prefill) for prompt 0" in msg
     assert "first turns non-finite at layer 2." in msg
     assert f"Non-finite weights: layers[2].wq ({layers[2].wq.size} of {layers[2].wq.size} values)." in msg
     assert seen == []  # no token was ever handed out
     with pytest.raises(NonFiniteLogitsError, match="at step 0"):
-        generate(model, PROMPTS, 5, sync_every=64)
-    with pytest.raises(NonFiniteLogitsError, match="at step 0 .*layer 2"):
-        teacher_forced_logprobs(model, [1, 2, 3, 4, 5], 3)
+        generate(model, [prompt], 6, sync_every=64)
+    with pytest.raises(NonFiniteLogitsError, match=r"at step 0 .*layer 2\."):
+        teacher_forced_logprobs(model, prompt + [5, 9, 2, 6, 5, 3], 4)
 
 
 class PoisonedAt(Counting):

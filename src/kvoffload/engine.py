@@ -248,6 +248,9 @@ def _committed(model, arrays):
 
 
 def _device_of(x):
+    """The one device an array lives on, or None (not a jax array, or sharded over several)."""
+    if not isinstance(x, jax.Array):
+        return None
     devices = x.devices()
     return next(iter(devices)) if len(devices) == 1 else None
 
@@ -257,7 +260,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, polic
              seed: int = 0, stop_on_eos: bool = True, return_logits: bool = False, sync_every: int = SYNC_EVERY,
              on_token: Callable[[int, list[int], np.ndarray], Any] | None = None):
     """Generates up to max_new_tokens for each prompt (a batch). Returns the new tokens per prompt
-    (and, with return_logits, the [steps, B, V] float32 logits that chose them). A row stops after
+    (and, with return_logits, the [steps, B, V] logits that chose them, as a numpy array). A row stops after
     its first end token (the model config's and the tokenizer's eos ids) unless stop_on_eos is False.
 
     The host reads the device every `sync_every` steps (to stop when every row is done; up to
