@@ -28,6 +28,7 @@ from kvoffload.policies.base import Policy
 PROMPT_BUCKET = 64
 CAPACITY_BUCKET = 128
 LONG = 1024  # past this length buckets are 4x coarser: fewer compilations for long-context eval
+TOKEN_BUCKET = 64
 SYNC_EVERY = 16  # decode steps between two reads of the device's done flags
 
 
@@ -206,7 +207,7 @@ class DecodeProgress:
     """What the loop keeps on the device between host reads."""
 
     key: Any  # PRNG key; each step splits it into (next key, the step's sampling key)
-    tokens: Any  # [B, max_new_tokens] int32: the token chosen at each step (every row, even finished ones)
+    tokens: Any  # [B, >= max_new_tokens] int32: the token chosen at each step (every row, even finished ones)
     done: Any  # [B] bool: the row has produced an end token
     step: Any  # int32: the next step's index
     nonfinite_step: Any  # int32: first step whose logits (for a row still generating) were not finite, or -1
@@ -287,7 +288,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, polic
     end_ids = eos_token_ids(model) if stop_on_eos else []
     # a row stops at an end id; -1 (never sampled) keeps the array non-empty without stop_on_eos
     end_ids_dev = jax.device_put(jnp.asarray(end_ids or [-1], jnp.int32), device)
-    progress = _start_progress(seed, b, max_new_tokens, device)
+    # the token buffer's width is bucketed too, so calls with nearby max_new_tokens share a program
+    progress = _start_progress(seed, b, bucket(max_new_tokens, TOKEN_BUCKET), device)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     step_logits = []
     done_before = np.zeros(b, bool)  # on_token only: the done flags read at the previous step
