@@ -89,3 +89,14 @@ def test_cli_rejects_long_prompt(tmp_path, capsys):
     save_converted(str(tmp_path / "m"), model.config, model.params, model.tokenizer)
     assert main(["generate", "x" * 40, "--model", str(tmp_path / "m")]) == 2
     assert "needs 73 positions but the model allows 32" in capsys.readouterr().err
+
+
+def test_check_sampling_normalizes_numpy_scalars_and_refuses_bools():
+    from kvoffload.models.sampling import SamplingParameterError, check_sampling
+
+    t, k, p = check_sampling(np.float32(0.5), np.int64(5), 1)
+    assert (t, k, p) == (0.5, 5, 1.0) and type(k) is int and type(p) is float
+    with pytest.raises(SamplingParameterError, match=r"top_k must be an integer >= 0 \(0 = no top-k filter\), got True"):
+        check_sampling(1.0, True, 1.0)
+    with pytest.raises(SamplingParameterError, match="temperature must be a number, got None"):
+        check_sampling(None, 0, 1.0)

@@ -97,11 +97,22 @@ def cmd_generate(args) -> int:
         text = rendered
     ids = tok.encode(text, add_special_tokens=not args.chat)
     t0 = time.time()
+    streamer = None
+    if args.stream:
+        from kvoffload.engine import TextStreamer, eos_token_ids
+
+        if not args.chat:
+            print(args.prompt, end="", flush=True)
+        streamer = TextStreamer(tok, lambda piece: print(piece, end="", flush=True), eos_token_ids(model))
     out = generate(model, [ids] * args.batch, args.max_new_tokens, policy=args.policy,
                    policy_options=options, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed)
+                   top_p=args.top_p, seed=args.seed, on_token=streamer)
     dt = time.time() - t0
-    print(tok.decode(out[0]) if args.chat else args.prompt + tok.decode(out[0]))
+    if streamer is not None:
+        streamer.finish()
+        print()
+    else:
+        print(tok.decode(out[0]) if args.chat else args.prompt + tok.decode(out[0]))
     n = sum(len(o) for o in out)
     if not args.quiet:
         print(f"[{n} tokens in {dt:.2f}s incl. compilation; policy {args.policy}; prompt {len(ids)} tokens]",
@@ -148,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--batch", type=int, default=1, help="run the prompt as a batch of this size")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--stream", action="store_true",
+                   help="print the first sequence's text as it is decoded (reads the device every step)")
     g.add_argument("--policy", default="full", help="KV policy (see `kvoffload generate --list-policies`)")
     g.add_argument("--schedule", choices=["row", "column"], default=None)
     g.add_argument("--offload-weights", action="store_true", help="offload/kvpr: stream weights layer by layer")
