@@ -497,6 +497,8 @@ class LayerPipeline:
                 px.append(None)
         if self.host_pool:  # one asynchronous device->host put of the layer's extents
             pk, pv, px = M.to_host((pk, pv, px), self.dev)
+        else:  # committed, like the written extents a flush returns (else each first write recompiles)
+            pk, pv, px = jax.device_put((pk, pv, px), M.device_sharding(self.dev))
         return tuple(pk), tuple(pv), tuple(px)
 
     # -- decode ------------------------------------------------------------------------------
