@@ -281,7 +281,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, polic
         out = [[] for _ in range(b)]
         return (out, np.zeros((0, b, model.config.vocab_size), np.float32)) if return_logits else out
     pol = resolve_policy(policy, policy_options)
-    tokens, lengths = _committed(model, pad_prompts(prompts))
+    tokens, _ = _committed(model, pad_prompts(prompts))
+    # the lengths go in as host numbers: the pool allocates blocks from them without reading the device
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
     capacity = bucket(max(len(p) for p in prompts) + max_new_tokens, CAPACITY_BUCKET)
     logits, state = pol.prefill(model, tokens, lengths, capacity)
     device = _device_of(logits)
@@ -402,7 +404,8 @@ def teacher_forced_logprobs(model, tokens: Sequence[int], prefix_len: int, polic
         raise GenerationInputError(f"prefix_len must be in [1, {len(tokens)}), got {prefix_len}")
     check_lengths(model, [tokens[:prefix_len]], len(tokens) - prefix_len)
     pol = resolve_policy(policy, policy_options)
-    toks, lengths = _committed(model, pad_prompts([tokens[:prefix_len]]))
+    toks, _ = _committed(model, pad_prompts([tokens[:prefix_len]]))
+    lengths = np.asarray([prefix_len], np.int32)  # host numbers (see generate)
     logits, state = pol.prefill(model, toks, lengths, bucket(len(tokens), CAPACITY_BUCKET))
     targets = jax.device_put(jnp.asarray(np.asarray(tokens[prefix_len:], np.int32)), _device_of(logits))
     logprobs, finite = [], []

@@ -250,10 +250,12 @@ def run(args) -> dict:
                     rows.append(r)
                     continue
                 l = (r.get("plan") or {}).get("split_point", 0) or 0
+                # the pipeline's own prediction of the step it ran (its LayerWork: real blocks, extents,
+                # recompute); the scalar model beside it for reference
                 pred = predict_step(cost, cfg, shape, sub_b, ctx, l, offload_weights=wl["offload_weights"],
                                     gpu_batches=wl["gpu_batches"], policy=pol)
-                r["predicted_step_s"] = pred["step_s"]
-                r["predicted"] = pred
+                r["predicted_step_s"] = (r.get("plan") or {}).get("predicted_s") or pred["step_s"]
+                r["predicted_scalar_model"] = pred
                 r["split_point"] = l
                 if pol != "full":
                     moved = (r.get("plan") or {}).get("bytes_h2d", 0)

@@ -429,7 +429,7 @@ class LayerPipeline:
                        what=f"{self.hooks.name} for batch {b} x {capacity} tokens")
         fam_params = without_layers(model.params)
         layers = self.layers(model)
-        lengths = jnp.asarray(lengths, jnp.int32)
+        lengths = jax.device_put(jnp.asarray(lengths_np, jnp.int32), self.dev)  # committed, like a step's outputs
         blk = o.block_tokens
         t_blk = -(-t_pad // blk) * blk
         if t_blk != t_pad:  # whole blocks for the gathers below (pad tokens are never attended)

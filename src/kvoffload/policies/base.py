@@ -16,7 +16,8 @@ class Policy:
     name = "base"
 
     def prefill(self, model, tokens, lengths, capacity: int) -> tuple[Any, Any]:
-        """tokens [B, T] right-padded, lengths [B] -> (logits at each last token [B, V], state).
+        """tokens [B, T] right-padded, lengths [B] (host numbers, as `generate` passes them, or a device
+        array) -> (logits at each last token [B, V], state).
         capacity: the most tokens any sequence will hold (prompt + generated)."""
         raise NotImplementedError
 
