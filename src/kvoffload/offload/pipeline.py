@@ -5,12 +5,15 @@ the same way). The loop is driven from Python: for work item n (layer i of GPU b
 item n+1's transfers (eager ``device_put`` of whole arrays: the only transfers that overlap the jitted
 compute dispatched after them), then item n's jitted compute. A policy is a set of `LayerHooks`:
 
+* ``split_store`` -- at prefill: which extents hold K/V and which activations;
 * ``plan_group``  -- once per step and GPU batch, on the host: what each layer will need (which extents
   to fetch, which to recompute, a selection to run first) and what to record;
 * ``fetch``       -- the host arrays layer i needs, as (early, late): early transfers (activations to
   recompute from) are issued right after W_K/W_V, late ones (K/V) after the rest of the weights;
-* ``attend``      -- fold layer i's sources (fetched, recomputed, GPU-resident) into the attention
-  accumulator, in extent order.
+* ``sources``     -- the layer program's inputs, a structure fixed for the run (so it compiles once);
+* ``attend``      -- a pure function inside the layer's one jitted program: fold the sources (fetched,
+  recomputed, GPU-resident) into the attention accumulator, in extent order;
+* ``init_slots``  -- the policy's own state carried from step to step in `GroupState.slots`.
 
 The pipeline owns what all policies share: weights (resident or streamed, W_K/W_V first), the new
 token's q/k/v and its GPU tail, the tail's flush into the pool, schedules (``row``: each GPU batch through
@@ -254,7 +257,6 @@ class GroupPlan:
     used_extents: int  # extents [0, n) hold blocks
     recompute_extents: int = 0  # extents [0, r) attended from recomputed K/V
     note: str = ""
-    extra: Any = None  # policy-specific
 
 
 class LayerHooks:
@@ -278,6 +280,11 @@ class LayerHooks:
         return early, late
 
     attend = staticmethod(attend_pool)  # the pure function the layer program folds the sources with
+
+    def init_slots(self, pipe: "LayerPipeline", model, layout: PoolLayout, batch: int):
+        """The policy's own per-layer / per-request / per-head state, a pytree carried in the group's
+        state from step to step (selections, cached queries, GPU cache buffers); none by default."""
+        return {}
 
     def sources(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int, fetched):
         """The layer program's sources: the pool's own arrays for a device pool; for a host pool the
@@ -467,7 +474,7 @@ class LayerPipeline:
                 pool_k=tuple(gr["pk"]), pool_v=tuple(gr["pv"]), pool_x=tuple(gr["px"]),
                 tables=gr["alloc"].device_tables(gr["layout"]), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
                 tail_x=tuple(gr["tx"]), tail_len=jnp.asarray(lens % blk, jnp.int32), prompt_lens=lengths[a:z],
-                slots=self.hooks.init_slots(self, model, gr) if hasattr(self.hooks, "init_slots") else {},
+                slots=self.hooks.init_slots(self, model, gr["layout"], z - a),
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
                 n_gen=0, since_flush=0))
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
@@ -658,8 +665,6 @@ class LayerPipeline:
 
     def layer_work(self, model, gr: GroupState, plan: GroupPlan):
         """The cost model's view of one GPU batch's layer under this plan."""
-        from kvoffload.plan.cost import LayerWork
-
         return extent_work(self.shape(model), gr.layout, gr.size, plan.used_extents, plan.recompute_extents,
                            attended_tokens(gr), fetch=self.host_pool)
 

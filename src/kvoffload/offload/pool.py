@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -265,11 +264,6 @@ def gather_act_extent(x, src, valid, blk):
     b, t, h = x.shape
     blocks = x.reshape(b * (t // blk), blk, h)
     return jnp.where(valid[:, None, None], blocks[src], jnp.zeros((), x.dtype))
-
-
-def empty_extent(shape, dtype, sharding):
-    """An all-zero extent placed on `sharding` (host or device)."""
-    return jax.device_put(np.zeros(shape, dtype), sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

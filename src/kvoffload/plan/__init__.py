@@ -12,8 +12,8 @@ from kvoffload.plan.memory import (  # noqa: F401
     pool_memory,
     weight_bytes,
 )
-from kvoffload.plan.split import SplitPlan, SplitProblem, brute_force, bucket_candidates, choose_split  # noqa: F401
+from kvoffload.plan.split import SplitPlan, choose_split, no_recompute_reason  # noqa: F401
 
 __all__ = ["CostModel", "LayerShape", "LayerWork", "Linear", "layer_terms", "predict_layers", "predict_step", "MemoryPlan",
            "MemoryPlanError", "PoolPlan", "check_memory", "check_pool", "plan_pool", "pool_memory", "weight_bytes",
-           "SplitPlan", "SplitProblem", "brute_force", "bucket_candidates", "choose_split"]
+           "SplitPlan", "choose_split", "no_recompute_reason"]

@@ -27,24 +27,19 @@ class KVPRHooks(LayerHooks):
     name = "kvpr"
     kinds = ("kv", "act")
 
-    def __init__(self, split_point=None, kvpr_store="both", objective="pipelined"):
+    def __init__(self, split_point=None, kvpr_store="both"):
         if kvpr_store not in STORES:
             raise ValueError(f"kvpr_store must be one of {STORES}, got {kvpr_store!r}")
         if split_point is not None and int(split_point) < 0:
             raise ValueError(f"split_point must be >= 0 or None, got {split_point}")
-        if objective != "pipelined":
-            raise ValueError("the pool pipeline plans with the 'pipelined' objective (transfers of layer i+1 under "
-                             f"compute of layer i); got {objective!r}")
         self.split_point = None if split_point is None else int(split_point)
         self.store = kvpr_store
         self._cache: dict = {}
 
     def gqa_reason(self, pipe, model):
-        sh = pipe.shape(model)
-        if self.split_point is None and sh.x_tok >= sh.kv_tok:
-            return (f"no recompute: an activation ({sh.x_tok:.0f} B/token) is at least as large as its K/V "
-                    f"({sh.kv_tok:.0f} B/token, GQA), so recomputing can only add PCIe bytes; no activations stored")
-        return None
+        from kvoffload.plan.split import no_recompute_reason
+
+        return None if self.split_point is not None else no_recompute_reason(pipe.shape(model))
 
     # -- where X and K/V are stored ------------------------------------------------------------
     def split_store(self, pipe, model, layout, lengths):
@@ -96,28 +91,20 @@ class KVPRHooks(LayerHooks):
         return GroupPlan(used_extents=n, recompute_extents=r, note=note)
 
     def _best(self, pipe, model, batch, used, layout, tokens, cands):
-        """The recompute extent count r in cands minimising the predicted layer time."""
-        from kvoffload.plan.cost import predict_layers
+        """(r, reason): the recompute extent count in cands that the scheduler (plan/split.py) picks."""
+        from kvoffload.plan.split import choose_split
 
         sh = pipe.shape(model)
         g = pipe.opts.gpu_batches if pipe.opts.schedule == "column" else 1
-
-        def time_of(r):
-            w = extent_work(sh, layout, batch, used, r, tokens)
-            return predict_layers(pipe.cost, sh, [w] * g, offload_weights=pipe.opts.offload_weights)["step_s"]
-
-        times = {r: time_of(r) for r in cands}
-        best = min(cands, key=lambda r: (times[r], r))
-        if best == 0:
-            return 0, "no recompute: the GPU time (or transfer latency) dominates, recomputing would not shorten the layer"
-        return best, (f"recompute {best} of {used} extents from X: predicted {times[best] * 1e3:.3f} ms/layer vs "
-                      f"{times[cands[0]] * 1e3:.3f} ms at {cands[0]}")
+        plan = choose_split(pipe.cost, sh, lambda r: [extent_work(sh, layout, batch, used, r, tokens)] * g, list(cands),
+                            offload_weights=pipe.opts.offload_weights)
+        return plan.r, plan.reason
 
 
 @register_policy("kvpr")
 class KVPRPolicy(LayeredPolicy):
     host_pool = True
-    extra_options = ("split_point", "kvpr_store", "objective")
+    extra_options = ("split_point", "kvpr_store")
 
-    def make_hooks(self, split_point=None, kvpr_store="both", objective="pipelined"):
-        return KVPRHooks(split_point=split_point, kvpr_store=kvpr_store or "both", objective=objective or "pipelined")
+    def make_hooks(self, split_point=None, kvpr_store="both"):
+        return KVPRHooks(split_point=split_point, kvpr_store=kvpr_store or "both")
