@@ -202,6 +202,15 @@ def store_padded(ref, val, r, c=None):
     plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=msk)
 
 
+def split_partials(B, n_kv, num_splits, Gp, dp, dtype=jnp.float32):
+    """(out_specs, out_shape) of a flash-decoding kernel on grid (B, n_kv, splits): each program writes
+    its split's partial out [Gp, dp] and lse [Gp]; `merge_splits` combines them."""
+    return ([pl.BlockSpec((None, None, None, Gp, dp), lambda b, h, s: (b, h, s, 0, 0)),
+             pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0))],
+            [jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp, dp), dtype),
+             jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp), jnp.float32)])
+
+
 def merge_splits(o, lse, *, G, d, out_dtype, interpret=False, poison=False):
     """Pallas merge of per-split partials o [B, n_kv, NS, Gp, dp], lse [B, n_kv, NS, Gp]
     -> (out [B, n_kv, G, d] out_dtype, lse [B, n_kv, G] f32), one launch."""
@@ -259,6 +268,7 @@ def decode_attention_kernel(
         blocks_per_split=blocks_per_split, d=d, dp=dp, S=S, G=G, Gp=Gp,
     )
     out_dtype = jnp.float32
+    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp, out_dtype)
     o, lse = pallas_call(
         kernel, poison=poison,
         grid=(B, n_kv, num_splits),
@@ -268,14 +278,8 @@ def decode_attention_kernel(
             pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
             pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, Gp, dp), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp, dp), out_dtype),
-            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kvo_decode_attention",

@@ -45,6 +45,7 @@ from kvoffload.pallas.decode_attention import (
     decode_attention_reference,
     load_padded,
     merge_splits,
+    split_partials,
 )
 
 
@@ -204,6 +205,7 @@ def paged_decode_attention_kernel(
         _paged_kernel, scale=scale, blocks_per_split=blocks_per_split, blk=blk, blkp=blkp, d=d,
         dp=dp, G=G, Gp=Gp, M=M, E=E,
     )
+    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
     o, lse = pallas_call(
         kernel, poison=poison,
         grid=(B, n_kv, num_splits),
@@ -214,14 +216,8 @@ def paged_decode_attention_kernel(
             pl.BlockSpec((E, None, blk, d), lambda b, h, s: (0, h, 0, 0)),
             pl.BlockSpec((E, None, blk, d), lambda b, h, s: (0, h, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, Gp, dp), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp, dp), jnp.float32),
-            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kvo_paged_decode_attention",

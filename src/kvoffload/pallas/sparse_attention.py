@@ -32,7 +32,7 @@ from kvoffload.pallas.common import (
     softmax_stats_to_out,
     triton_params,
 )
-from kvoffload.pallas.decode_attention import _attend_masked, merge_splits
+from kvoffload.pallas.decode_attention import _attend_masked, merge_splits, split_partials
 
 
 def expand_indices(indices, num_valid, page_size, S, lengths=None):
@@ -146,6 +146,7 @@ def sparse_attention_kernel(
         _sparse_kernel, scale=scale, block_n=block_n,
         blocks_per_split=blocks_per_split, d=d, dp=dp,
     )
+    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
     o, lse = pallas_call(
         kernel, poison=poison,
         grid=(B, n_kv, num_splits),
@@ -156,14 +157,8 @@ def sparse_attention_kernel(
             pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
             pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, Gp, dp), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp, dp), jnp.float32),
-            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kvo_sparse_attention",
