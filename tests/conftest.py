@@ -1,4 +1,9 @@
 import os
+import sys
+
+# Test this checkout's code even where another copy of kvoffload is installed (an editable install
+# of a different clone, a GPU box running with PYTHONPATH unset).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 # Tests compare against float64/float32 references: keep XLA's CPU matmuls exact.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")

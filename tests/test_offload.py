@@ -292,3 +292,56 @@ def test_layer_split_join():
     assert kv.wq is None and rest.wk is None and kv.wk is lp.wk
     back = join_layer(kv, rest)
     assert all(a is b for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(lp)))
+
+
+# ------------------------------------------------------------------------------------------------
+# a policy's own state: per-layer slots carried from step to step
+# ------------------------------------------------------------------------------------------------
+
+
+def _counting_attend(cfg, lp, q, acc, src, tables, slots, recompute_impl, attention_impl):
+    """The default attention, plus per-layer, per-request counters in the slots: steps attended and
+    pool blocks seen in the last step (what a selection policy would keep: its own state per layer)."""
+    from kvoffload.offload.pipeline import attend_pool
+
+    acc, _ = attend_pool(cfg, lp, q, acc, src, tables, None, recompute_impl, attention_impl)
+    blocks = sum(c for c in tables.count)
+    return acc, {"steps": slots["steps"] + 1, "blocks": blocks}
+
+
+def test_policy_slots_are_carried_and_updated():
+    from kvoffload.offload.pipeline import LayerHooks
+    from kvoffload.policies.layered import LayeredPolicy
+
+    class CountingHooks(LayerHooks):
+        attend = staticmethod(_counting_attend)
+
+        def init_slots(self, pipe, model, layout, batch):
+            zero = jnp.zeros((batch,), jnp.int32)
+            return tuple({"steps": zero, "blocks": zero} for _ in range(model.config.num_layers))
+
+    class Counting(LayeredPolicy):
+        name = "counting"
+
+        def make_hooks(self):
+            return CountingHooks()
+
+    model = tiny_random_model("llama", seed=7)
+    pol = Counting(**BASE)
+    tokens, lengths = pad_prompts(PROMPTS)
+    logits, state = pol.prefill(model, tokens, np.asarray([len(p) for p in PROMPTS]), 128)
+    want = generate(model, PROMPTS, NEW, policy="full", policy_options=BASE)
+    got = [[] for _ in PROMPTS]
+    for step in range(NEW - 1):
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        for r, t in enumerate(np.asarray(nxt)):
+            got[r].append(int(t))
+        logits, state = pol.decode_step(model, state, nxt)
+        gr = state.groups[0]
+        for layer in gr.slots:
+            np.testing.assert_array_equal(np.asarray(layer["steps"]), step + 1)
+        # blocks seen by the step just run: the pool blocks before this step's flush (if any)
+    got = [g + [int(t)] for g, t in zip(got, np.asarray(jnp.argmax(logits, -1)))]
+    assert got == want  # the counting attention attends exactly as the default
+    seen = np.asarray(gr.slots[0]["blocks"])
+    np.testing.assert_array_equal(seen, [len(t) for t in gr.alloc.tables])  # no flush on the last step

@@ -105,7 +105,7 @@ class GroupState:
     tail_x: tuple  # [layer] [b, 2 blk, H] or None
     tail_len: Any  # [b] int32: valid tail slots
     prompt_lens: Any  # [b] int32
-    slots: Any  # the policy's per-layer / per-request / per-head state (a pytree; {} if none)
+    slots: tuple  # [layer] the policy's per-request / per-head state (a pytree each), or () if none
     # host bookkeeping (static)
     rows: tuple  # (start, stop) in the whole batch
     layout: PoolLayout
@@ -193,8 +193,9 @@ class PoolSources:
 jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"], meta_fields=[])
 
 
-def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, recompute_impl, attention_impl):
-    """Folds every extent of the pool into acc, in order (the default hooks' attention)."""
+def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl, attention_impl):
+    """Folds every extent of the pool into acc, in order (the default hooks' attention). Returns
+    (acc, slots): a policy's attention may update its per-layer slots; this one keeps none."""
     for e in range(len(src.k)):
         if src.x[e] is None:
             k, v = src.k[e], src.v[e]
@@ -206,14 +207,15 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, recompute_impl, atten
                                 lambda x, kk, vv, f: (kk, vv), src.x[e], src.k[e], src.v[e], tables.first_pos[e])
         part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl)
         acc = ops.merge_attention_into(acc, part)
-    return acc
+    return acc, slots
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"), donate_argnames=("tail_k", "tail_v", "tail_x"))
-def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, attend, options):
+def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, attend, options):
     """One decode layer, one program: the new token's q/k/v (k/v and x written into the GPU tail at
     each request's tail_len), the policy's attention over its sources (`attend`, a pure function
-    folding sources into an fp32 accumulator), the tail folded last, output projection and MLP."""
+    folding sources into an fp32 accumulator and updating the layer's slots), the tail folded last,
+    output projection and MLP. Returns (h, tail_k, tail_v, tail_x, slots)."""
     fam = family(cfg)
     x = fam.attn_input(cfg, lp, h)
     q, k, v = fam.qkv(cfg, lp, x, positions)
@@ -223,10 +225,10 @@ def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
         tail_x = _put_rows(tail_x, x, tail_len, 0)
     q = q[:, :, 0]
     recompute_impl, attention_impl = options
-    acc = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, recompute_impl, attention_impl)
+    acc, slots = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, slots, recompute_impl, attention_impl)
     o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, impl=attention_impl))
     h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
-    return h, tail_k, tail_v, tail_x
+    return h, tail_k, tail_v, tail_x, slots
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "axis"), donate_argnums=(0,))
@@ -281,10 +283,11 @@ class LayerHooks:
 
     attend = staticmethod(attend_pool)  # the pure function the layer program folds the sources with
 
-    def init_slots(self, pipe: "LayerPipeline", model, layout: PoolLayout, batch: int):
-        """The policy's own per-layer / per-request / per-head state, a pytree carried in the group's
-        state from step to step (selections, cached queries, GPU cache buffers); none by default."""
-        return {}
+    def init_slots(self, pipe: "LayerPipeline", model, layout: PoolLayout, batch: int) -> tuple:
+        """The policy's own state, one pytree per layer (per-request / per-head: selections, cached
+        queries, GPU cache buffers), carried in the group's state from step to step; `attend` gets its
+        layer's and returns the new one. () for none."""
+        return ()
 
     def sources(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int, fetched):
         """The layer program's sources: the pool's own arrays for a device pool; for a host pool the
@@ -474,7 +477,7 @@ class LayerPipeline:
                 pool_k=tuple(gr["pk"]), pool_v=tuple(gr["pv"]), pool_x=tuple(gr["px"]),
                 tables=gr["alloc"].device_tables(gr["layout"]), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
                 tail_x=tuple(gr["tx"]), tail_len=jnp.asarray(lens % blk, jnp.int32), prompt_lens=lengths[a:z],
-                slots=self.hooks.init_slots(self, model, gr["layout"], z - a),
+                slots=tuple(self.hooks.init_slots(self, model, gr["layout"], z - a)),
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
                 n_gen=0, since_flush=0))
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
@@ -537,7 +540,7 @@ class LayerPipeline:
             positions.append(pos)
             rows_tokens = tokens if len(groups) == 1 else tokens[gr.rows[0]:gr.rows[1]]
             hs.append(_embed(cfg, fam_params, rows_tokens[:, None], pos))
-        tails = [dict(k=list(gr.tail_k), v=list(gr.tail_v), x=list(gr.tail_x)) for gr in groups]
+        tails = [dict(k=list(gr.tail_k), v=list(gr.tail_v), x=list(gr.tail_x), slots=list(gr.slots)) for gr in groups]
         items = self._items(cfg.num_layers, len(groups))
         weights: dict = {}
         fetched: dict = {}
@@ -574,9 +577,12 @@ class LayerPipeline:
             lp = join_layer(weights[i][0], weights[i][1][0]) if o.offload_weights else layers[i]
             with jax.named_scope(f"layer{i}"):
                 src = self.hooks.sources(self, gr, plans[g], i, f)
-                hs[g], tl["k"][i], tl["v"][i], tl["x"][i] = layer_step(
+                slot = tl["slots"][i] if tl["slots"] else None
+                hs[g], tl["k"][i], tl["v"][i], tl["x"][i], slot = layer_step(
                     cfg, lp, hs[g], positions[g], tl["k"][i], tl["v"][i], tl["x"][i], gr.tail_len, src, gr.tables,
-                    self.hooks.attend, (o.recompute_impl, o.attention_impl))
+                    slot, self.hooks.attend, (o.recompute_impl, o.attention_impl))
+                if tl["slots"]:
+                    tl["slots"][i] = slot
             del src
             done_h.append(hs[g])
             del f
@@ -587,6 +593,7 @@ class LayerPipeline:
         new_groups, d2h = [], 0
         for gr, tl in zip(groups, tails):
             gr = dataclasses.replace(gr, tail_k=tuple(tl["k"]), tail_v=tuple(tl["v"]), tail_x=tuple(tl["x"]),
+                                     slots=tuple(tl["slots"]),
                                      tail_len=gr.tail_len + 1, n_gen=gr.n_gen + 1, since_flush=gr.since_flush + 1)
             if gr.since_flush == gr.layout.block_tokens:
                 gr, nbytes = self.flush(gr)
