@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvoffload import ops
-from kvoffload.config import ModelConfig
 from kvoffload.models.transformer import family, layer_prefill
 from kvoffload.offload import memory as M
 from kvoffload.offload.pool import (
@@ -363,7 +362,6 @@ class LayerPipeline:
         self.host_pool = host_pool
         self.dev = M.default_device()
         self.host_kind, self.host_note = M.host_memory_kind(self.dev)
-        self.cfg: ModelConfig | None = None
         self._cost = None
         self._host_layers: dict = {}
         self.memory_plan = None
@@ -418,7 +416,6 @@ class LayerPipeline:
         from kvoffload.plan.memory import check_pool, plan_pool, pool_memory, weight_bytes
 
         cfg = model.config
-        self.cfg = cfg
         o = self.opts
         b, t_pad = tokens.shape
         g = min(o.gpu_batches, b)
@@ -486,7 +483,8 @@ class LayerPipeline:
     def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype):
         """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty."""
         blk = layout.block_tokens
-        n_kv, d, hdim = k.shape[1], k.shape[3], self.cfg.hidden_size
+        n_kv, d = k.shape[1], k.shape[3]
+        hdim = x.shape[2] if x is not None else None  # activations kept only where the layout stores them
         used = alloc.used_extents(layout)
         pk, pv, px = [], [], []
         for e in range(layout.num_extents):
@@ -523,7 +521,6 @@ class LayerPipeline:
 
     def decode_step(self, model, state: DecodeState, tokens):
         cfg, o = model.config, self.opts
-        self.cfg = cfg
         now = time.perf_counter()
         records = state.records
         if state.step_started is not None and records:
