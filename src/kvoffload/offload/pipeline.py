@@ -176,6 +176,11 @@ def recompute_extent(cfg, lp, x_ext, first_pos, impl="reference"):
     return family(cfg).recompute_kv(cfg, lp, x_ext, positions, impl=impl)
 
 
+def _zero_kv(cfg, x_ext):
+    shape = (x_ext.shape[0], cfg.num_kv_heads, x_ext.shape[1], cfg.head_dim)
+    return jnp.zeros(shape, x_ext.dtype), jnp.zeros(shape, x_ext.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolSources:
     """What a layer attends, per extent of the layout (a fixed structure for the whole run, so the
@@ -198,8 +203,10 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
     for e in range(len(src.k)):
         if src.x[e] is None:
             k, v = src.k[e], src.v[e]
-        elif src.k[e] is None:
-            k, v = recompute_extent(cfg, lp, src.x[e], tables.first_pos[e], recompute_impl)
+        elif src.k[e] is None:  # activations only: recomputed when some request has blocks there
+            k, v = jax.lax.cond(jnp.any(tables.count[e] > 0),
+                                lambda x, f: recompute_extent(cfg, lp, x, f, recompute_impl),
+                                lambda x, f: _zero_kv(cfg, x), src.x[e], tables.first_pos[e])
         else:  # both stored: this step's split decides (one branch runs)
             k, v = jax.lax.cond(e < src.recompute,
                                 lambda x, kk, vv, f: recompute_extent(cfg, lp, x, f, recompute_impl),
@@ -258,6 +265,27 @@ class GroupPlan:
     used_extents: int  # extents [0, n) hold blocks
     recompute_extents: int = 0  # extents [0, r) attended from recomputed K/V
     note: str = ""
+    # per extent, how the layer gets it (derived from the two counts above when empty):
+    # "dev" the pool's own array (device memory), "kv" K/V fetched, "x" activations fetched (recomputed),
+    # "skip" no blocks in use (a zero stand-in, empty tables)
+    modes: tuple = ()
+    groups_info: dict | None = None  # what the policy wants in the step record for this GPU batch
+
+    def extent_modes(self, pipe: "LayerPipeline", layout: PoolLayout) -> tuple:
+        if self.modes:
+            return self.modes
+        out = []
+        for e in range(layout.num_extents):
+            if not pipe.host_pool or layout.on_device(e):
+                out.append("dev")
+            elif e < self.recompute_extents:
+                out.append("x")
+            elif e < self.used_extents:
+                out.append("kv")
+            else:
+                out.append("skip")
+        object.__setattr__(self, "modes", tuple(out))  # computed once per step and GPU batch
+        return self.modes
 
 
 class LayerHooks:
@@ -272,12 +300,12 @@ class LayerHooks:
 
     def fetch(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int):
         """(early, late) lists of host arrays to move for this layer (empty for a device pool)."""
-        if not pipe.host_pool:
-            return [], []
+        modes = plan.extent_modes(pipe, group.layout)
+        early = [group.pool_x[layer][e] for e, m in enumerate(modes) if m == "x"]
         late = []
-        for e in range(plan.recompute_extents, plan.used_extents):
-            late += [group.pool_k[layer][e], group.pool_v[layer][e]]
-        early = [group.pool_x[layer][e] for e in range(plan.recompute_extents)]
+        for e, m in enumerate(modes):
+            if m == "kv":
+                late += [group.pool_k[layer][e], group.pool_v[layer][e]]
         return early, late
 
     attend = staticmethod(attend_pool)  # the pure function the layer program folds the sources with
@@ -297,10 +325,31 @@ class LayerHooks:
             return PoolSources(k=group.pool_k[layer], v=group.pool_v[layer], x=group.pool_x[layer], recompute=rec)
         early, late = fetched
         ks, vs, xs = (list(t) for t in pipe.stand_ins(group, layer))
-        r, n = plan.recompute_extents, plan.used_extents
-        xs[:r] = early
-        ks[r:n], vs[r:n] = late[0::2], late[1::2]
+        ie, il = iter(early), iter(late)
+        for e, m in enumerate(plan.extent_modes(pipe, group.layout)):
+            if m == "dev":
+                ks[e], vs[e], xs[e] = group.pool_k[layer][e], group.pool_v[layer][e], group.pool_x[layer][e]
+            elif m == "x":
+                xs[e] = next(ie)
+            elif m == "kv":
+                ks[e], vs[e] = next(il), next(il)
         return PoolSources(k=tuple(ks), v=tuple(vs), x=tuple(xs), recompute=rec)
+
+    def group_rows(self, pipe: "LayerPipeline", model, lengths, capacity: int) -> list:
+        """The GPU batches: contiguous row ranges (start, stop) of the batch (default: gpu_batches
+        ranges of equal size)."""
+        b = len(lengths)
+        g = min(pipe.opts.gpu_batches, b)
+        bounds = np.linspace(0, b, g + 1).astype(int)
+        return [(int(bounds[i]), int(bounds[i + 1])) for i in range(g)]
+
+    def pool_layouts(self, pipe: "LayerPipeline", model, dtype, rows, lengths, capacity: int) -> list:
+        """Each GPU batch's pool layout (default: `plan_pool`'s extents, then `split_store`)."""
+        from kvoffload.plan.memory import plan_pool
+
+        plan = plan_pool(model.config, dtype, [lengths[a:z] for a, z in rows], capacity,
+                         block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb)
+        return [self.split_store(pipe, model, lay, lengths[a:z]) for lay, (a, z) in zip(plan.layouts, rows)]
 
     def split_store(self, pipe: "LayerPipeline", model, layout: PoolLayout, lengths) -> PoolLayout:
         """Which extents hold which kinds (default: every kind everywhere)."""
@@ -413,19 +462,15 @@ class LayerPipeline:
 
     # -- prefill -----------------------------------------------------------------------------
     def prefill(self, model, tokens, lengths, capacity):
-        from kvoffload.plan.memory import check_pool, plan_pool, pool_memory, weight_bytes
+        from kvoffload.plan.memory import check_pool, pool_memory, weight_bytes
 
         cfg = model.config
         o = self.opts
         b, t_pad = tokens.shape
-        g = min(o.gpu_batches, b)
         dtype = model.params.layers[0].wk.dtype
         lengths_np = np.asarray(lengths, np.int64)
-        bounds = np.linspace(0, b, g + 1).astype(int)
-        rows = [(int(bounds[i]), int(bounds[i + 1])) for i in range(g)]
-        plan = plan_pool(cfg, dtype, [lengths_np[a:z] for a, z in rows], capacity, block_tokens=o.block_tokens,
-                         extent_mb=o.extent_mb)
-        layouts = [self.hooks.split_store(self, model, lay, lengths_np[a:z]) for lay, (a, z) in zip(plan.layouts, rows)]
+        rows = self.hooks.group_rows(self, model, lengths_np, capacity)
+        layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths_np, capacity)
         self.memory_plan = pool_memory(cfg, dtype, layouts, b, t_pad, host_pool=self.host_pool,
                                        offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
                                        inflight=max(o.sync_depth, 2))
@@ -444,7 +489,7 @@ class LayerPipeline:
         positions = jnp.broadcast_to(jnp.arange(t_blk, dtype=jnp.int32), (b, t_blk))
         groups = []
         for (a, z), layout in zip(rows, layouts):
-            alloc = BlockAllocator(layout.num_blocks, z - a, blk)
+            alloc = BlockAllocator(layout.num_blocks, z - a, blk, layout)
             allocate_prompts_aligned(alloc, layout, lengths_np[a:z])
             groups.append(dict(rows=(a, z), layout=layout, alloc=alloc, h=_embed(cfg, fam_params, tokens[a:z], positions[a:z]),
                                pk=[], pv=[], px=[], tk=[], tv=[], tx=[],
@@ -503,11 +548,15 @@ class LayerPipeline:
                 px.append(gather_act_extent(x, src, valid, blk) if e < used else jnp.zeros((E, blk, hdim), dtype))
             else:
                 px.append(None)
-        if self.host_pool:  # one asynchronous device->host put of the layer's extents
-            pk, pv, px = M.to_host((pk, pv, px), self.dev)
-        else:  # committed, like the written extents a flush returns (else each first write recompiles)
-            pk, pv, px = jax.device_put((pk, pv, px), M.device_sharding(self.dev))
-        return tuple(pk), tuple(pv), tuple(px)
+        # committed, like the written extents a flush returns (else each first write recompiles); host
+        # extents in one asynchronous device->host put of the layer's extents
+        on_host = [self.host_pool and not layout.on_device(e) for e in range(layout.num_extents)]
+        pick = lambda want: [(a if h == want else None) for a, h in zip(pk + pv + px, on_host * 3)]  # noqa: E731
+        host = M.to_host(pick(True), self.dev) if any(on_host) else pick(True)
+        dev = jax.device_put(pick(False), M.device_sharding(self.dev))
+        both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host * 3)]
+        n = layout.num_extents
+        return tuple(both[:n]), tuple(both[n:2 * n]), tuple(both[2 * n:])
 
     # -- decode ------------------------------------------------------------------------------
     def _items(self, n_layers, n_groups):
@@ -663,14 +712,17 @@ class LayerPipeline:
                "bytes_d2h": d2h, "bytes_h2d": moved["bytes_x"] + moved["bytes_kv"] + moved["bytes_w"],
                "predicted_s": pred["step_s"], "predicted_transfer_s": pred["transfer_s"],
                "predicted_gpu_s": pred["gpu_s"], "time_s": None}
+        infos = [p.groups_info for p in plans if p.groups_info is not None]
+        if infos:
+            rec["gpu_batches"] = infos
         if self.opts.trace:
             self.write_trace(self.opts.trace, state.records + (rec,))
         return rec
 
     def layer_work(self, model, gr: GroupState, plan: GroupPlan):
         """The cost model's view of one GPU batch's layer under this plan."""
-        return extent_work(self.shape(model), gr.layout, gr.size, plan.used_extents, plan.recompute_extents,
-                           attended_tokens(gr), fetch=self.host_pool)
+        return modes_work(self.shape(model), gr.layout, gr.size, plan.extent_modes(self, gr.layout),
+                          gr.alloc.extents_in_use(gr.layout), plan.recompute_extents, attended_tokens(gr))
 
     def shape(self, model):
         from kvoffload.plan.cost import LayerShape
@@ -703,15 +755,34 @@ def attended_tokens(gr: GroupState) -> int:
 def extent_work(shape, layout: PoolLayout, batch: int, used: int, recompute: int, tokens: int, fetch: bool = True):
     """The cost model's LayerWork of a layer that recomputes extents [0, recompute) from X and fetches
     K/V of extents [recompute, used) (fetch False: a device pool, nothing moves)."""
+    n = layout.num_extents
+    modes = tuple("dev" if not fetch else "x" if e < recompute else "kv" if e < used else "skip" for e in range(n))
+    in_use = np.arange(n) < used
+    return modes_work(shape, layout, batch, modes, in_use, recompute, tokens)
+
+
+def modes_work(shape, layout: PoolLayout, batch: int, modes, in_use, recompute: int, tokens: int):
+    """The cost model's LayerWork of a layer that gets each extent as `modes` says (GroupPlan.modes):
+    fetched extents move whole; an extent's K/V are recomputed (whole) when it is fetched as X, or it is
+    a device-resident activation extent in use, or it holds both kinds and lies below `recompute`."""
     from kvoffload.plan.cost import LayerWork
 
     blk = layout.block_tokens
-    rec_blocks = layout.start(recompute)
-    kv_blocks = layout.start(used) - rec_blocks
-    return LayerWork(batch=batch, bytes_kv=kv_blocks * blk * shape.kv_tok if fetch else 0.0,
-                     bytes_x=rec_blocks * blk * shape.x_tok if fetch else 0.0,
-                     transfers=(2 * (used - recompute) + recompute) if fetch else 0,
-                     recompute_tokens=rec_blocks * blk, attended_tokens=tokens)
+    bytes_kv = bytes_x = 0.0
+    transfers = rec_tokens = 0
+    for e, m in enumerate(modes):
+        size = layout.size(e) * blk
+        if m == "kv":
+            bytes_kv += size * shape.kv_tok
+            transfers += 2
+        elif m == "x":
+            bytes_x += size * shape.x_tok
+            transfers += 1
+            rec_tokens += size
+        elif m == "dev" and in_use[e] and layout.has("act", e) and (not layout.has("kv", e) or e < recompute):
+            rec_tokens += size
+    return LayerWork(batch=batch, bytes_kv=bytes_kv, bytes_x=bytes_x, transfers=transfers,
+                     recompute_tokens=rec_tokens, attended_tokens=tokens)
 
 
 def _nbytes(a) -> int:

@@ -51,12 +51,47 @@ class PoolExhausted(KVOffloadError):
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockClass:
+    """A kind of block with its own extents and free list: what it stores ("kv": K and V, "act": the
+    activation X to recompute them from), where (``device``: GPU memory even in a host pool, so it is
+    never moved) and its ``share`` of every request's blocks (HybridServe's per-request KV:ACT ratio)."""
+
+    kind: str
+    device: bool = False
+    share: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"block kind must be one of {KINDS}, got {self.kind!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _class_pattern(shares: tuple, n: int) -> np.ndarray:
+    """Class of block positions 0..n-1 of a request: each next block goes to the class furthest behind
+    its share (largest share * (j + 1) - count so far; lowest class on ties), so every prefix of a
+    request's blocks follows the shares to within one block per class."""
+    s = np.asarray(shares, np.float64)
+    s = s / s.sum()
+    count = np.zeros(len(s))
+    out = np.empty(n, np.int64)
+    for j in range(n):
+        c = int(np.argmax(s * (j + 1) - count + 1e-12 * (len(s) - np.arange(len(s)))))
+        out[j] = c
+        count[c] += 1
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class PoolLayout:
     """Static shape of a pool: ``prompt_extents`` extents of ``extent_blocks`` blocks (the prompts'
     blocks, split evenly), then extents of ``gen_extent_blocks`` blocks (each a whole number of lockstep
     flushes: one block per request per flush), ``num_extents`` in all. ``kv_extents`` /
     ``act_extents``: the extent range [start, stop) that holds that kind (KVPR's split store keeps
-    activations below its split and K/V above it; an empty range means the kind is not stored)."""
+    activations below its split and K/V above it; an empty range means the kind is not stored).
+
+    Block classes (HybridServe): with ``classes`` set, extent e holds blocks of class
+    ``extent_class[e]`` only (its kind and placement), has ``extent_sizes[e]`` blocks, and block j of
+    every request belongs to the class `position_class(j)` says; kv_extents/act_extents are unused."""
 
     block_tokens: int
     extent_blocks: int
@@ -65,6 +100,9 @@ class PoolLayout:
     gen_extent_blocks: int = 0
     kv_extents: tuple = (0, 0)
     act_extents: tuple = (0, 0)
+    classes: tuple = ()  # of BlockClass
+    extent_class: tuple = ()  # per extent: its class
+    extent_sizes: tuple = ()  # per extent: blocks (classes only)
 
     def __post_init__(self):
         blk = int(self.block_tokens)
@@ -76,13 +114,23 @@ class PoolLayout:
             object.__setattr__(self, "prompt_extents", self.num_extents)
         if self.gen_extent_blocks < 1:
             object.__setattr__(self, "gen_extent_blocks", self.extent_blocks)
+        if self.classes:
+            if not (len(self.extent_class) == len(self.extent_sizes) == self.num_extents):
+                raise ValueError(f"a classed layout needs a class and a size per extent: {self}")
+            if min(self.extent_sizes, default=1) < 1 or max(self.extent_class, default=0) >= len(self.classes):
+                raise ValueError(f"bad classed pool layout: {self}")
+            object.__setattr__(self, "_starts", tuple(np.concatenate([[0], np.cumsum(self.extent_sizes)]).tolist()))
 
     def size(self, e: int) -> int:
         """Blocks of extent e."""
+        if self.classes:
+            return self.extent_sizes[e]
         return self.extent_blocks if e < self.prompt_extents else self.gen_extent_blocks
 
     def start(self, e: int) -> int:
         """First block id of extent e."""
+        if self.classes:
+            return self._starts[e]
         p = min(e, self.prompt_extents)
         return p * self.extent_blocks + (e - p) * self.gen_extent_blocks
 
@@ -93,18 +141,51 @@ class PoolLayout:
     def locate(self, ids):
         """(extent, slot) of block ids (numpy)."""
         ids = np.asarray(ids, np.int64)
+        if self.classes:
+            starts = np.asarray(self._starts, np.int64)
+            e = np.searchsorted(starts, ids, side="right") - 1
+            return e, ids - starts[e]
         cut = self.prompt_extents * self.extent_blocks
         e = np.where(ids < cut, ids // self.extent_blocks, self.prompt_extents + (ids - cut) // self.gen_extent_blocks)
         slot = np.where(ids < cut, ids % self.extent_blocks, (ids - cut) % self.gen_extent_blocks)
         return e, slot
 
     def has(self, kind: str, e: int) -> bool:
+        if self.classes:
+            return self.classes[self.extent_class[e]].kind == kind
         a, b = self.kv_extents if kind == "kv" else self.act_extents
         return a <= e < b
 
-    def extents_of(self, kind: str) -> range:
+    def extents_of(self, kind: str):
+        if self.classes:
+            return tuple(e for e in range(self.num_extents) if self.has(kind, e))
         a, b = self.kv_extents if kind == "kv" else self.act_extents
         return range(a, b)
+
+    def on_device(self, e: int) -> bool:
+        """Extent e lives in GPU memory whatever the pool's placement (a device-resident class)."""
+        return bool(self.classes) and self.classes[self.extent_class[e]].device
+
+    def block_class(self) -> np.ndarray:
+        """Class of every block id."""
+        if not self.classes:
+            return np.zeros(self.num_blocks, np.int64)
+        return np.repeat(np.asarray(self.extent_class, np.int64), self.extent_sizes)
+
+    def position_class(self, j: int) -> int:
+        """Class of a request's block j (its positions j*blk ...)."""
+        if not self.classes:
+            return 0
+        n = 64
+        while n <= j:
+            n *= 4
+        return int(_class_pattern(tuple(c.share for c in self.classes), n)[j])
+
+    def position_classes(self, n: int) -> np.ndarray:
+        """Classes of a request's blocks 0..n-1."""
+        if not self.classes:
+            return np.zeros(n, np.int64)
+        return _class_pattern(tuple(c.share for c in self.classes), max(1, int(n)))[:n]
 
 
 def extent_blocks_for(block_bytes: int, prompt_blocks: int, target_bytes: float) -> int:
@@ -123,47 +204,60 @@ def extent_blocks_for(block_bytes: int, prompt_blocks: int, target_bytes: float)
 
 
 class BlockAllocator:
-    """Free list and block tables of one pool (host numpy; never read from the device)."""
+    """Free lists and block tables of one pool (host numpy; never read from the device). A classed
+    layout (see PoolLayout) has one free list per block class, and a request's block j comes from the
+    class `layout.position_class(j)` names."""
 
-    def __init__(self, num_blocks: int, num_requests: int, block_tokens: int):
+    def __init__(self, num_blocks: int, num_requests: int, block_tokens: int, layout: PoolLayout | None = None):
         self.num_blocks = int(num_blocks)
         self.block_tokens = int(block_tokens)
-        self.free = list(range(self.num_blocks))  # a heap: lowest id first
+        self.layout = layout if layout is not None and layout.classes else None
+        self.cls = layout.block_class() if self.layout is not None else np.zeros(self.num_blocks, np.int64)
+        n_cls = len(self.layout.classes) if self.layout is not None else 1
+        self.heaps = [np.flatnonzero(self.cls == c).tolist() for c in range(n_cls)]  # heaps: lowest id first
         self.owner = np.full(self.num_blocks, -1, np.int64)
         self.first_pos = np.full(self.num_blocks, -1, np.int64)
         self.tables: list[list[int]] = [[] for _ in range(num_requests)]
 
     def copy(self) -> "BlockAllocator":
         new = BlockAllocator.__new__(BlockAllocator)
-        new.num_blocks, new.block_tokens = self.num_blocks, self.block_tokens
-        new.free, new.owner, new.first_pos = list(self.free), self.owner.copy(), self.first_pos.copy()
+        new.num_blocks, new.block_tokens, new.layout, new.cls = self.num_blocks, self.block_tokens, self.layout, self.cls
+        new.heaps, new.owner, new.first_pos = [list(h) for h in self.heaps], self.owner.copy(), self.first_pos.copy()
         new.tables = [list(t) for t in self.tables]
         return new
 
     @property
+    def free(self) -> list[int]:
+        return [b for h in self.heaps for b in h]
+
+    @property
     def num_free(self) -> int:
-        return len(self.free)
+        return sum(len(h) for h in self.heaps)
 
     def allocate(self, request: int) -> int:
-        """One block for the request's next block of positions; returns its id."""
-        if not self.free:
-            raise PoolExhausted(f"the block pool is full ({self.num_blocks} blocks of {self.block_tokens} tokens); "
-                                "the memory plan must reserve blocks for every generated token")
-        b = heapq.heappop(self.free)
+        """One block for the request's next block of positions (of the class that position belongs
+        to); returns its id."""
+        j = len(self.tables[request])
+        c = self.layout.position_class(j) if self.layout is not None else 0
+        if not self.heaps[c]:
+            what = f" of class {c} ({self.layout.classes[c]})" if self.layout is not None else ""
+            raise PoolExhausted(f"the block pool is full: no free block{what} among {self.num_blocks} blocks of "
+                                f"{self.block_tokens} tokens; the memory plan must reserve blocks for every generated token")
+        b = heapq.heappop(self.heaps[c])
         self.owner[b] = request
-        self.first_pos[b] = len(self.tables[request]) * self.block_tokens
+        self.first_pos[b] = j * self.block_tokens
         self.tables[request].append(b)
         return b
 
     def reserve_below(self, n: int) -> None:
         """Takes the free ids below n out of use (the prompt extents' spare slots), so generated blocks
         start at the first generated extent, aligned: each lockstep flush is then one contiguous run."""
-        keep = [b for b in self.free if b >= n]
-        for b in self.free:
-            if b < n:
-                self.owner[b] = -2
-        self.free = keep
-        heapq.heapify(self.free)
+        for c, h in enumerate(self.heaps):
+            for b in h:
+                if b < n:
+                    self.owner[b] = -2
+            self.heaps[c] = [b for b in h if b >= n]
+            heapq.heapify(self.heaps[c])
 
     def release(self, request: int) -> list[int]:
         """Frees every block of a finished request."""
@@ -171,7 +265,7 @@ class BlockAllocator:
         for b in ids:
             self.owner[b] = -1
             self.first_pos[b] = -1
-            heapq.heappush(self.free, b)
+            heapq.heappush(self.heaps[self.cls[b]], b)
         self.tables[request] = []
         return ids
 
@@ -190,8 +284,21 @@ class BlockAllocator:
 
     def used_extents(self, layout: "PoolLayout") -> int:
         """Extents [0, n) hold every used block (allocation is lowest id first)."""
-        used = np.flatnonzero(self.owner != -1)
+        used = np.flatnonzero(self.owner >= 0)
         return 0 if used.size == 0 else int(layout.locate(used.max())[0]) + 1
+
+    def extents_in_use(self, layout: "PoolLayout") -> np.ndarray:
+        """Per extent: whether any request has a block there."""
+        used = np.flatnonzero(self.owner >= 0)
+        out = np.zeros(layout.num_extents, bool)
+        out[np.unique(layout.locate(used)[0])] = True
+        return out
+
+    def blocks_in_use(self, layout: "PoolLayout") -> np.ndarray:
+        """Per extent: blocks owned by a request."""
+        used = np.flatnonzero(self.owner >= 0)
+        return np.bincount(layout.locate(used)[0], minlength=layout.num_extents) if used.size else np.zeros(
+            layout.num_extents, np.int64)
 
     def device_tables(self, layout: PoolLayout) -> "BlockTables":
         """Per-extent block tables for the attention programs (one upload per change, shared by all layers)."""

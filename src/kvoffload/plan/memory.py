@@ -122,21 +122,35 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     L = cfg.num_layers
     kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
     x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p  # noqa: E731
-    blocks = lambda lay, kind: sum(lay.size(e) for e in lay.extents_of(kind))  # noqa: E731
-    kv = sum(L * blocks(lay, "kv") * kv_blk(lay) for lay in layouts)
-    act = sum(L * blocks(lay, "act") * x_blk(lay) for lay in layouts)
-    pool = {"K/V blocks": kv, "activation blocks": act}
-    host = dict(pool) if host_pool else {}
+    # every extent of every layer, on the host (a host pool) or on the GPU (a device pool, or a
+    # device-resident block class)
+    pool_h = {"K/V blocks": 0, "activation blocks": 0}
+    pool_d = {"K/V blocks": 0, "activation blocks": 0}
+    per_layer_fetch, rec_ws = 0, 0
+    for lay in layouts:
+        fetch = 0
+        for e in range(lay.num_extents):
+            side = pool_h if host_pool and not lay.on_device(e) else pool_d
+            kv_e = lay.size(e) * kv_blk(lay) if lay.has("kv", e) else 0
+            x_e = lay.size(e) * x_blk(lay) if lay.has("act", e) else 0
+            side["K/V blocks"] += L * kv_e
+            side["activation blocks"] += L * x_e
+            if side is pool_h:
+                fetch += max(kv_e, x_e)
+            if x_e:  # K/V recomputed from one activation extent at a time
+                rec_ws = max(rec_ws, lay.size(e) * kv_blk(lay))
+        per_layer_fetch = max(per_layer_fetch, fetch)
+    host = dict(pool_h) if host_pool else {}
     host["weights"] = L * wb.per_layer if offload_weights else 0
     g = max(1, len(layouts))
-    per_layer_fetch = max(lay.num_blocks * max(kv_blk(lay), x_blk(lay)) for lay in layouts)
     lay0 = layouts[0]
     tail_tok = cfg.kv_bytes_per_token * p + (cfg.hidden_size * p if any(len(l.extents_of("act")) for l in layouts) else 0)
     b = -(-batch // g)
     gpu = {
         "weights": wb.other + (min(inflight, L) * wb.per_layer if offload_weights else L * wb.per_layer),
-        **({} if host_pool else pool),
+        **({f"{k} (GPU-resident)" if host_pool else k: v for k, v in pool_d.items()}),
         "transfer buffers": inflight * per_layer_fetch if host_pool else 0,
+        "recompute workspace": 2 * rec_ws,
         "GPU tails": L * batch * 2 * lay0.block_tokens * tail_tok,
         # prefill of one layer of one GPU batch: hidden states, q/k/v, MLP and one score chunk
         "workspace": b * t_pad * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p

@@ -1,0 +1,242 @@
+"""`hybrid`: HybridServe. Weights and context live in host memory; part of every request's context is
+stored as KV blocks (fetched) and part as ACT blocks (activations X, fetched and turned back into K/V
+on the GPU while the next transfers run), and some ACT blocks stay on the GPU when its memory allows
+(recomputed every step, never moved).
+
+* Host block allocation (plan/hybrid.py `algorithm1`, the paper's Algorithm 1): how many KV and ACT
+  blocks the host memory budget holds so that PCIe time (weights + blocks) and GPU time (recompute +
+  attention + MLP) balance; ``act_share`` forces the host ACT:KV split (0: KV-only, 1: ACT-only).
+* Per-request block classes: every request's blocks follow the global shares as its context grows,
+  prompt and generated tokens alike (`PoolLayout.position_class`), so the ratio holds per request.
+* Mini-batches (`pack_mini_batches`): requests are packed greedily into mini-batches that fit the GPU
+  transfer buffer (#KV_max, #ACT_max) without raising F_b = max(balance, 1/balance); the mini-batches
+  are the pipeline's GPU batches, run in the column (zig-zag) schedule so each layer's weights cross
+  PCIe once per step. They are formed at prefill from every request's blocks at the end of the
+  generation (the engine decodes a fixed batch in lockstep, so per-step packing would find the same
+  bins; each step's record reports every mini-batch's blocks and balance).
+* Attention: each extent of the mini-batch's pool in order -- ACT extents recomputed
+  (`recompute_extent`), KV extents as fetched, GPU-resident ones in place -- folded exactly into one
+  accumulator, so tokens equal `full`'s (logits to fp32 rounding: recomputed K/V come from a different
+  matmul shape than the prefill's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvoffload.offload.pipeline import GroupPlan, LayerHooks
+from kvoffload.plan.hybrid import (
+    BlockAllocation,
+    BlockRates,
+    algorithm1,
+    balance_batch,
+    balance_factor,
+    buffer_capacities,
+    hybrid_layout,
+    pack_mini_batches,
+    request_blocks,
+)
+from kvoffload.policies.base import register_policy
+from kvoffload.policies.layered import LayeredPolicy
+
+GB = 1e9
+# "balance": this batch's blocks split to minimise the predicted step (plan/hybrid.py balance_batch);
+# "algorithm1": the host ratio of the paper's Algorithm 1 for the host budget, applied to the batch
+ALLOCATIONS = ("balance", "algorithm1")
+
+
+@dataclasses.dataclass
+class HybridPlan:
+    """What the policy decided at prefill (reported by describe())."""
+
+    allocation: BlockAllocation  # Algorithm 1 for the host budget (capacity)
+    used: dict  # blocks of each class this batch holds at the end of the generation
+    classes: tuple
+    rows: list  # mini-batches
+    kv_max: float
+    act_max: float
+    host_budget_bytes: float
+    gpu_budget_bytes: float
+    max_requests: int  # requests of this batch's mean length the host budget holds at this allocation
+    rates: BlockRates
+
+    def to_json(self) -> dict:
+        return {"allocation": self.allocation.to_json(), "used_blocks": self.used,
+                "classes": [dataclasses.asdict(c) for c in self.classes], "mini_batches": self.rows,
+                "kv_max": self.kv_max, "act_max": self.act_max, "host_budget_gb": self.host_budget_bytes / GB,
+                "gpu_budget_gb": self.gpu_budget_bytes / GB, "max_requests": self.max_requests,
+                "block_rates": self.rates.to_json()}
+
+
+class HybridHooks(LayerHooks):
+    name = "hybrid"
+    kinds = ("kv", "act")
+
+    def __init__(self, act_share=None, gpu_blocks="auto", mini_batch_gb=2.0, host_budget_gb=None, allocation="balance"):
+        if act_share is not None and not 0.0 <= float(act_share) <= 1.0:
+            raise ValueError(f"act_share must be in [0, 1] (0: KV-only, 1: ACT-only) or None, got {act_share}")
+        if gpu_blocks != "auto" and int(gpu_blocks) < 0:
+            raise ValueError(f"gpu_blocks must be 'auto' or >= 0, got {gpu_blocks!r}")
+        if float(mini_batch_gb) <= 0:
+            raise ValueError(f"mini_batch_gb must be > 0, got {mini_batch_gb}")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        self.allocation = allocation
+        self.act_share = None if act_share is None else float(act_share)
+        self.gpu_blocks = gpu_blocks if gpu_blocks == "auto" else int(gpu_blocks)
+        self.mini_batch_gb = float(mini_batch_gb)
+        self.host_budget_gb = None if host_budget_gb is None else float(host_budget_gb)
+        self.plan: HybridPlan | None = None
+        self._info: dict = {}
+
+    # -- budgets -----------------------------------------------------------------------------
+    def _budgets(self, pipe, model, dtype):
+        from kvoffload.offload import memory as M
+        from kvoffload.plan.memory import weight_bytes
+
+        o = pipe.opts
+        wb = weight_bytes(model.config, dtype, model.params)
+        if self.host_budget_gb is not None:
+            host = self.host_budget_gb * GB
+        elif o.host_memory_limit_gb is not None:
+            host = o.host_memory_limit_gb * GB
+        else:
+            avail = M.available_host_bytes() or 0
+            cap = M.host_pool_cap_bytes(pipe.dev.platform) if pipe.host_kind == "pinned_host" else None
+            weights = model.config.num_layers * wb.per_layer if o.offload_weights and not M.on_host(model.params.layers) else 0
+            host = max(0.0, (min(avail, cap) if cap else avail) * 0.9 - weights)
+        gpu = o.gpu_memory_limit_gb * GB if o.gpu_memory_limit_gb is not None else (M.available_device_bytes() or 0) * 0.9
+        return host, gpu
+
+    # -- prefill: allocation, mini-batches, layouts -------------------------------------------
+    def group_rows(self, pipe, model, lengths, capacity):
+        self.plan = self._plan(pipe, model, model.params.layers[0].wk.dtype, lengths, capacity)
+        return self.plan.rows
+
+    def pool_layouts(self, pipe, model, dtype, rows, lengths, capacity):
+        if self.plan is None or self.plan.rows != list(rows):
+            self.plan = self._plan(pipe, model, dtype, lengths, capacity)
+        return self._layouts(pipe, model, dtype, self.plan.classes, rows, lengths, capacity)
+
+    def _layouts(self, pipe, model, dtype, classes, rows, lengths, capacity):
+        import jax.numpy as jnp
+
+        p = jnp.dtype(dtype).itemsize
+        return [hybrid_layout(model.config, p, lengths[a:z], capacity, classes, block_tokens=pipe.opts.block_tokens,
+                              extent_mb=pipe.opts.extent_mb) for a, z in rows]
+
+    def _plan(self, pipe, model, dtype, lengths, capacity) -> HybridPlan:
+        import jax.numpy as jnp
+
+        from kvoffload.plan.memory import pool_memory, weight_bytes
+
+        cfg, o = model.config, pipe.opts
+        blk, L = o.block_tokens, cfg.num_layers
+        lengths = np.asarray(lengths, np.int64)
+        flushes = max(0, int(capacity) - int(lengths.max())) // blk
+        n_blocks = lengths // blk + flushes  # each request's blocks at the end of the generation
+        rates = BlockRates.of(pipe.cost, pipe.shape(model), blk, offload_weights=o.offload_weights,
+                              batch=len(lengths))
+        host_bytes, gpu_bytes = self._budgets(pipe, model, dtype)
+        p = jnp.dtype(dtype).itemsize
+
+        total = int(n_blocks.sum())
+
+        def plan_for(gpu_blocks, gpu_kind):
+            alloc = algorithm1(rates, host_bytes, L, gpu_blocks, gpu_kind, act_share=self.act_share)
+            if self.allocation == "balance" or self.act_share is not None:
+                used = balance_batch(rates, total, L, host_bytes, gpu_blocks, gpu_kind, act_share=self.act_share)
+            else:  # Algorithm 1's host ratio for this batch, GPU-resident blocks first
+                g = min(gpu_blocks, total)
+                a = int(round((total - g) * alloc.act_share_host))
+                used = BlockAllocation(kv_host=total - g - a, act_host=a, gpu=g, gpu_kind=gpu_kind, reason=alloc.reason)
+            classes = used.classes()
+            per_req = request_blocks(classes, n_blocks)
+            col = {(c.kind, c.device): per_req[:, i] for i, c in enumerate(classes)}
+            zero = np.zeros(len(lengths), np.int64)
+            kv_h, act_h = col.get(("kv", False), zero), col.get(("act", False), zero)
+            act_all = act_h + col.get(("act", True), zero)
+            kv_max, act_max = buffer_capacities(rates, self.mini_batch_gb * GB, used.act_share_host)
+            rows = pack_mini_batches(kv_h, act_h, act_all, kv_max, act_max, rates)
+            return alloc, used, classes, rows, kv_max, act_max
+
+        gpu_kind = "act" if (self.act_share is None and rates.act_bytes < rates.kv_bytes) or (self.act_share or 0) > 0 else "kv"
+        g_blocks = 0 if self.gpu_blocks == "auto" else self.gpu_blocks
+        alloc, used, classes, rows, kv_max, act_max = plan_for(g_blocks, gpu_kind)
+        if self.gpu_blocks == "auto" and pipe.host_pool:
+            # what the GPU holds besides resident blocks (weights in flight, transfer buffers, tails,
+            # workspace) at this packing; the rest of the budget holds blocks (one request's rounding
+            # per mini-batch kept free)
+            lays = self._layouts(pipe, model, dtype, classes, rows, lengths, capacity)
+            mem = pool_memory(cfg, dtype, lays, len(lengths), int(lengths.max()), host_pool=True,
+                              offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
+                              inflight=max(o.sync_depth, 2))
+            other = mem.gpu_bytes
+            per_block = L * (rates.act_bytes if gpu_kind == "act" else rates.kv_bytes)
+            g_blocks = max(0, int((gpu_bytes - other) // per_block) - len(lengths) * len(classes))
+            if g_blocks:
+                alloc, used, classes, rows, kv_max, act_max = plan_for(g_blocks, gpu_kind)
+        per_req_bytes = float(np.mean(n_blocks)) * L * (
+            alloc.act_share_host * rates.act_bytes + (1 - alloc.act_share_host) * rates.kv_bytes)
+        # (max_requests: at Algorithm 1's allocation for the host budget)
+        max_req = int((host_bytes // per_req_bytes) if per_req_bytes else 0) + int(alloc.gpu // max(1, np.mean(n_blocks)))
+        return HybridPlan(allocation=alloc, used={"kv_host": used.kv_host, "act_host": used.act_host,
+                                                  "gpu": used.gpu, "gpu_kind": used.gpu_kind, "reason": used.reason,
+                                                  "predicted_layer_s": used.predicted_layer_s(rates)},
+                          classes=classes, rows=rows, kv_max=kv_max, act_max=act_max, host_budget_bytes=host_bytes,
+                          gpu_budget_bytes=gpu_bytes, max_requests=max_req, rates=rates)
+
+    # -- per step ----------------------------------------------------------------------------
+    def plan_group(self, pipe, model, gr):
+        lay = gr.layout
+        key = (gr.rows, lay, int(gr.alloc.num_free))
+        if key not in self._info:
+            in_use = gr.alloc.blocks_in_use(lay)
+            modes, counts = [], {"kv_host": 0, "act_host": 0, "act_gpu": 0, "kv_gpu": 0}
+            for e in range(lay.num_extents):
+                kind = "kv" if lay.has("kv", e) else "act"
+                if lay.on_device(e):
+                    modes.append("dev")
+                    counts[f"{kind}_gpu"] += int(in_use[e])
+                elif in_use[e]:
+                    modes.append("kv" if kind == "kv" else "x")
+                    counts[f"{kind}_host"] += int(in_use[e])
+                else:
+                    modes.append("skip")
+            rates = self.plan.rates if self.plan is not None else None
+            info = {"rows": list(gr.rows), **counts}
+            if rates is not None:
+                info["balance_F"] = balance_factor(rates, counts["kv_host"], counts["act_host"],
+                                                   counts["act_host"] + counts["act_gpu"])
+            self._info[key] = (tuple(modes), info)
+        modes, info = self._info[key]
+        return GroupPlan(used_extents=gr.used_extents, modes=modes, groups_info=info,
+                         note=self.plan.allocation.reason if self.plan is not None else "")
+
+
+@register_policy("hybrid")
+class HybridPolicy(LayeredPolicy):
+    host_pool = True
+    extra_options = ("act_share", "gpu_blocks", "mini_batch_gb", "host_budget_gb", "allocation")
+    # HybridServe offloads the weights too and switches mini-batches at layer granularity
+    defaults = {"offload_weights": True, "schedule": "column"}
+
+    def __init__(self, **options):
+        for k, v in self.defaults.items():
+            if options.get(k) is None:
+                options[k] = v
+        super().__init__(**options)
+
+    def make_hooks(self, act_share=None, gpu_blocks="auto", mini_batch_gb=None, host_budget_gb=None, allocation=None):
+        return HybridHooks(act_share=act_share, gpu_blocks="auto" if gpu_blocks is None else gpu_blocks,
+                           mini_batch_gb=2.0 if mini_batch_gb is None else mini_batch_gb,
+                           host_budget_gb=host_budget_gb, allocation=allocation or "balance")
+
+    def describe(self, state=None) -> dict:
+        d = super().describe(state)
+        plan = self.pipeline.hooks.plan
+        if plan is not None:
+            d["hybrid"] = plan.to_json()
+        return d

@@ -1,0 +1,272 @@
+"""HybridServe (`hybrid`): tokens and logits against `full` for every KV:ACT split, the block classes
+of the pool, Algorithm 1 and the balanced split against brute force, and the mini-batch packing."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.engine import generate, pad_prompts
+from kvoffload.models import tiny_random_model
+from kvoffload.offload.pool import BlockAllocator, BlockClass, PoolLayout, _class_pattern, allocate_prompts_aligned
+from kvoffload.plan.cost import Linear
+from kvoffload.plan.hybrid import (
+    BlockRates,
+    algorithm1,
+    balance_batch,
+    balance_factor,
+    hybrid_layout,
+    pack_mini_batches,
+    request_blocks,
+)
+from kvoffload.policies import make_policy
+
+PROMPTS = [list(range(1, 20)), list(range(5, 45)), [7, 8, 9]]  # ragged: 19, 40 and 3 tokens
+NEW = 10
+BLOCK = 4
+BASE = dict(block_tokens=BLOCK, extent_mb=3 * BLOCK * 2 * 16 * 4 / 2**20)
+
+
+_REF = {}
+
+
+def _ref(arch):
+    if arch not in _REF:
+        model = tiny_random_model(arch, seed=1)
+        toks, logits = generate(model, PROMPTS, NEW, policy="full", policy_options=BASE, return_logits=True)
+        _REF[arch] = (model, toks, logits)
+    return _REF[arch]
+
+
+# each split on one family (both families see ACT blocks recomputed with their own RoPE / biases)
+CASES = [
+    ("opt", dict(act_share=0.0, gpu_blocks=0)),  # KV-only
+    ("llama", dict(act_share=1.0, gpu_blocks=0)),  # ACT-only
+    ("opt", dict(act_share=0.4, gpu_blocks=6)),  # hybrid with GPU-resident ACT blocks
+    ("llama", dict(act_share=0.4, gpu_blocks=6)),
+    ("opt", dict(act_share=0.7, gpu_blocks=0, mini_batch_gb=1e-6)),  # one request per mini-batch (zig-zag over 3)
+    ("llama", dict(allocation="algorithm1")),
+    ("opt", dict()),  # the balanced split of the default cost model
+]
+
+
+@pytest.mark.parametrize("arch,opts", CASES, ids=[f"{a}-{i}" for i, (a, _) in enumerate(CASES)])
+def test_matches_full(arch, opts):
+    model, want, want_logits = _ref(arch)
+    got, logits = generate(model, PROMPTS, NEW, policy="hybrid", policy_options={**BASE, **opts}, return_logits=True)
+    assert got == want, (arch, opts)
+    np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
+
+
+def _run(model, steps=6, **opts):
+    pol = make_policy("hybrid", **{**BASE, **opts})
+    tokens, lengths = pad_prompts(PROMPTS)
+    logits, state = pol.prefill(model, tokens, lengths, 64)
+    for _ in range(steps):
+        logits, state = pol.decode_step(model, state, jnp.argmax(logits, -1).astype(jnp.int32))
+    return pol, state
+
+
+def test_blocks_follow_the_classes_and_gpu_blocks_stay_on_the_gpu():
+    model = tiny_random_model("opt", seed=2)
+    pol, state = _run(model, act_share=0.5, gpu_blocks=8)
+    d = pol.describe(state)["hybrid"]
+    assert d["used_blocks"]["gpu"] == 8 and d["used_blocks"]["act_host"] > 0 and d["used_blocks"]["kv_host"] > 0
+    for gr in state.groups:
+        lay = gr.layout
+        gr.alloc.check()
+        for r, table in enumerate(gr.alloc.tables):
+            ext, _ = lay.locate(table)
+            classes = [lay.extent_class[e] for e in ext]
+            assert classes == list(lay.position_classes(len(table))), r  # block j from the class of position j
+        for e in range(lay.num_extents):
+            arrs = [gr.pool_k[0][e], gr.pool_x[0][e]]
+            kind = next(a for a in arrs if a is not None).sharding.memory_kind
+            assert (kind == "device") == lay.on_device(e), (e, kind)
+            assert (gr.pool_x[0][e] is not None) == lay.has("act", e)
+    rec = state.records[-1]
+    # moved: K/V of host KV extents, X of host ACT extents; GPU-resident ACT extents recomputed, not moved
+    assert rec["bytes_x"] > 0 and rec["bytes_kv"] > 0 and rec["recompute_tokens"] > 0
+    assert {"rows", "kv_host", "act_host", "act_gpu", "balance_F"} <= set(rec["gpu_batches"][0])
+
+
+def test_kv_only_moves_no_activations_and_act_only_no_kv():
+    model = tiny_random_model("opt", seed=3)
+    _, kv_state = _run(model, act_share=0.0, gpu_blocks=0)
+    _, act_state = _run(model, act_share=1.0, gpu_blocks=0)
+    k, a = kv_state.records[-1], act_state.records[-1]
+    assert k["bytes_x"] == 0 and k["recompute_tokens"] == 0 and k["bytes_kv"] > 0
+    assert a["bytes_kv"] == 0 and a["bytes_x"] > 0 and a["recompute_tokens"] > 0
+    # the same tokens as ACT blocks: half the bytes for MHA (h = n_kv d)
+    assert a["bytes_x"] == pytest.approx(k["bytes_kv"] / 2, rel=0.35)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="act_share"):
+        make_policy("hybrid", act_share=1.5)
+    with pytest.raises(ValueError, match="allocation"):
+        make_policy("hybrid", allocation="magic")
+    with pytest.raises(ValueError, match="gpu_blocks"):
+        make_policy("hybrid", gpu_blocks=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# block classes
+# ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=4).filter(lambda s: sum(s) > 0), st.integers(1, 200))
+def test_every_prefix_follows_the_shares(weights, n):
+    shares = tuple(w / sum(weights) for w in weights)
+    pat = _class_pattern(shares, n)
+    for j in range(1, n + 1):
+        counts = np.bincount(pat[:j], minlength=len(shares))
+        assert np.all(np.abs(counts - np.asarray(shares) * j) < 1 + 1e-9), (j, counts)
+    for c, s in enumerate(shares):
+        if s == 0:
+            assert c not in pat
+
+
+def test_classed_allocator_and_layout():
+    cfg = tiny_random_model("opt", seed=0).config
+    classes = (BlockClass("act", device=True, share=0.25), BlockClass("act", share=0.25), BlockClass("kv", share=0.5))
+    lens = np.asarray([40, 19, 3])
+    lay = hybrid_layout(cfg, 4, lens, 64, classes, block_tokens=BLOCK, extent_mb=BASE["extent_mb"])
+    alloc = BlockAllocator(lay.num_blocks, len(lens), BLOCK, lay)
+    allocate_prompts_aligned(alloc, lay, lens)
+    flushes = (64 - 40) // BLOCK
+    for _ in range(flushes):
+        for r in range(len(lens)):
+            alloc.allocate(r)
+    alloc.check()
+    have = request_blocks(classes, lens // BLOCK + flushes)
+    for r, t in enumerate(alloc.tables):
+        cls = [lay.extent_class[e] for e in lay.locate(t)[0]]
+        np.testing.assert_array_equal(np.bincount(cls, minlength=3), have[r])
+    with pytest.raises(Exception, match="no free block"):
+        alloc.allocate(0)  # the layout holds exactly the planned blocks of each class
+    freed = alloc.release(1)
+    alloc.check()
+    assert all(b in alloc.free for b in freed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Algorithm 1 and the balanced split against brute force
+# ------------------------------------------------------------------------------------------------
+
+
+def _rates(draw_kv, draw_gen, draw_w, act_over_kv=0.5, att=0.0, dense=0.0, intercept=0.0):
+    kv_b = 1000.0
+    return BlockRates(block_tokens=16, load_kv=Linear(intercept, draw_kv * 1e-3),
+                      load_act=Linear(intercept, draw_kv * 1e-3 * act_over_kv), kv_gen=Linear(intercept, draw_gen * 1e-3),
+                      attention=Linear(0.0, att * 1e-3), load_w=draw_w * 1e-3, dense_s=dense * 1e-3, kv_bytes=kv_b,
+                      act_bytes=kv_b * act_over_kv)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.5, 2.0), st.floats(0.1, 3.0), st.floats(0.0, 50.0), st.floats(40, 150))
+def test_algorithm1_is_near_the_best_host_allocation(l_kv, gen, w, mem_blocks):
+    """MHA (an ACT block is half a KV block), the paper's setting: Algorithm 1's blocks give within
+    3% of the best predicted throughput (blocks per second) of every allocation the memory holds
+    (brute force; the rest is whole-block rounding)."""
+    r = _rates(l_kv, gen, w)
+    L, host = 2, mem_blocks * 2 * 1000.0
+    al = algorithm1(r, host, L)
+    assert al.act_host * L * r.act_bytes + al.kv_host * L * r.kv_bytes <= host + 1e-6
+    a = np.arange(int(host / (L * r.act_bytes)) + 1)[:, None]
+    k = np.arange(int(host / (L * r.kv_bytes)) + 1)[None, :]
+    fits = a * L * r.act_bytes + k * L * r.kv_bytes <= host
+    pcie = r.load_w + r.load_kv.slope * k + r.load_act.slope * a
+    gpu = r.kv_gen.slope * a
+    thr = np.where(fits & (a + k > 0), (a + k) / np.maximum(np.maximum(pcie, gpu), 1e-30), 0.0)
+    got = (al.act_host + al.kv_host) / r.layer_s(al.kv_host, al.act_host)
+    assert got >= 0.97 * thr.max()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.floats(0.5, 2.0), st.floats(0.1, 3.0), st.floats(0.0, 50.0), st.sampled_from([0.25, 0.5, 1.0, 2.0]),
+       st.floats(0.0, 0.1), st.floats(0.0, 10.0), st.floats(0.0, 1.0), st.integers(1, 40), st.integers(0, 15),
+       st.floats(0.3, 1.5), st.sampled_from(["act", "kv"]))
+def test_balanced_split_is_the_best_split(l_kv, gen, w, act_over_kv, att, dense, icpt, n, g_max, mem, kind):
+    """balance_batch equals brute force over every (GPU-resident, host ACT, host KV) split of n blocks
+    that fits the host memory, with intercepts, GQA-sized activations and either GPU-resident kind."""
+    r = _rates(l_kv, gen, w, act_over_kv, att, dense, icpt * 1e-3)
+    L, host = 2, mem * n * 2 * 1000.0
+    act = kind == "act"
+
+    def t(g, a):
+        return r.layer_s(n - g - a, a, g if act else 0, 0 if act else g)
+
+    fits = [(t(g, a), g, a) for g in range(min(g_max, n) + 1) for a in range(n - g + 1)
+            if a * L * r.act_bytes + (n - g - a) * L * r.kv_bytes <= host]
+    if not fits:
+        with pytest.raises(ValueError, match="do not fit"):
+            balance_batch(r, n, L, host, g_max, kind)
+        return
+    al = balance_batch(r, n, L, host, g_max, kind)
+    assert al.total == n and al.gpu <= g_max
+    assert t(al.gpu, al.act_host) <= min(fits)[0] * (1 + 1e-9)
+
+
+# ------------------------------------------------------------------------------------------------
+# mini-batches
+# ------------------------------------------------------------------------------------------------
+
+
+def _contiguous_min_bins(sizes_kv, sizes_act, kv_max, act_max):
+    """Brute force: the fewest contiguous bins whose sums fit (dynamic programming over prefixes)."""
+    n = len(sizes_kv)
+    best = [0] + [math.inf] * n
+    for j in range(1, n + 1):
+        for i in range(j):
+            if (sum(sizes_kv[i:j]) <= kv_max and sum(sizes_act[i:j]) <= act_max) or j - i == 1:
+                best[j] = min(best[j], best[i] + 1)
+    return best[n]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 6), st.integers(0, 6), st.integers(1, 40), st.integers(1, 40))
+def test_packing_of_equal_requests_is_minimal(n, kv, act, kv_max, act_max):
+    r = _rates(1.0, 1.0, 0.0)
+    bins = pack_mini_batches([kv] * n, [act] * n, [act] * n, kv_max, act_max, r)
+    assert bins[0][0] == 0 and bins[-1][1] == n and all(a[1] == b[0] for a, b in zip(bins, bins[1:]))
+    assert len(bins) == _contiguous_min_bins([kv] * n, [act] * n, kv_max, act_max)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(0, 4)), min_size=1, max_size=10),
+       st.integers(1, 30), st.integers(1, 30))
+def test_packing_follows_its_rule(reqs, kv_max, act_max):
+    """Every mini-batch fits (or is one request), and each boundary is where the next request would
+    not fit or would raise the mini-batch's F_b."""
+    r = _rates(1.0, 1.5, 0.0)
+    kv = [q[0] for q in reqs]
+    ah = [q[1] for q in reqs]
+    aa = [q[1] + q[2] for q in reqs]
+    bins = pack_mini_batches(kv, ah, aa, kv_max, act_max, r)
+    assert bins[0][0] == 0 and bins[-1][1] == len(reqs)
+    for i, (a, b) in enumerate(bins):
+        s = lambda v, lo=a, hi=b: sum(v[lo:hi])  # noqa: E731
+        assert (s(kv) <= kv_max and s(ah) <= act_max) or b - a == 1
+        if i + 1 < len(bins):
+            nk, na, nA = s(kv) + kv[b], s(ah) + ah[b], s(aa) + aa[b]
+            fits = nk <= kv_max and na <= act_max
+            assert not fits or balance_factor(r, nk, na, nA) > balance_factor(r, s(kv), s(ah), s(aa)) * 1.02
+
+
+def test_planner_counts_gpu_resident_blocks_on_the_gpu():
+    from kvoffload.plan import pool_memory
+
+    cfg = tiny_random_model("opt", seed=0).config
+    lens = np.asarray([64, 64])
+    on_gpu = (BlockClass("act", device=True, share=0.5), BlockClass("kv", share=0.5))
+    on_host = (BlockClass("act", share=0.5), BlockClass("kv", share=0.5))
+    plans = [pool_memory(cfg, jnp.float32, [hybrid_layout(cfg, 4, lens, 128, c, block_tokens=16, extent_mb=1.0)], 2, 64,
+                         host_pool=True, offload_weights=True) for c in (on_gpu, on_host)]
+    assert plans[0].gpu["activation blocks (GPU-resident)"] > 0 and plans[0].host["activation blocks"] == 0
+    assert plans[1].host["activation blocks"] == plans[0].gpu["activation blocks (GPU-resident)"]
+    assert plans[0].host["K/V blocks"] == plans[1].host["K/V blocks"] > 0
