@@ -241,16 +241,20 @@ def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
 def _pop_block(tail, blk, axis):
     """(the first blk tail slots of every request, the tail shifted left by blk)."""
     block = jax.lax.slice_in_dim(tail, 0, blk, axis=axis + 1)
-    rest = jax.lax.slice_in_dim(tail, blk, 2 * blk, axis=axis + 1)
-    return block, jnp.concatenate([rest, jnp.zeros_like(rest)], axis=axis + 1)
+    rest = jax.lax.slice_in_dim(tail, blk, tail.shape[axis + 1], axis=axis + 1)
+    return block, jnp.concatenate([rest, jnp.zeros_like(block)], axis=axis + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "axis"))
-def _tail_from_prompt(a, start, blk, axis):
+@functools.partial(jax.jit, static_argnames=("blk", "slots", "axis"))
+def _tail_from_prompt(a, start, blk, slots, axis):
     """Each request's slots [start, start + blk) of a prefill array (axis = the token axis of a row),
-    placed at the front of a 2 * blk tail."""
+    placed at the front of a tail of `slots` slots."""
     part = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, blk, axis))(a, start)
-    return jnp.concatenate([part, jnp.zeros_like(part)], axis=axis + 1)
+    if slots <= blk:
+        return jax.lax.slice_in_dim(part, 0, slots, axis=axis + 1)
+    pad = [(0, 0)] * part.ndim
+    pad[axis + 1] = (0, slots - blk)
+    return jnp.pad(part, pad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,6 +376,8 @@ class PipelineOptions:
     extent_mb: float = 64.0  # about this many MiB of K (or V) per extent array
     sync_depth: int = 3
     attention_impl: str = "auto"
+    # prefill runs a GPU batch in row chunks whose attention / MLP workspace stays under this
+    prefill_workspace_gb: float = 2.0
     # XLA's matmuls (cuBLAS) recompute 64-token blocks at 583 TFLOP/s on an H200, the fused Pallas
     # kernel at 412 (profile of 2026-11-26): "reference" is the faster path here
     recompute_impl: str = "reference"
@@ -461,24 +467,37 @@ class LayerPipeline:
         return self._host_layers[key]
 
     # -- prefill -----------------------------------------------------------------------------
-    def prefill(self, model, tokens, lengths, capacity):
+    def plan(self, model, lengths, t_pad: int, capacity: int):
+        """The GPU batches and their pool layouts for prompts of these lengths, the memory plan
+        (self.memory_plan), checked against host and GPU memory: raises MemoryPlanError before anything
+        is allocated. Returns (rows, layouts)."""
         from kvoffload.plan.memory import check_pool, pool_memory, weight_bytes
 
-        cfg = model.config
-        o = self.opts
-        b, t_pad = tokens.shape
+        cfg, o = model.config, self.opts
         dtype = model.params.layers[0].wk.dtype
-        lengths_np = np.asarray(lengths, np.int64)
-        rows = self.hooks.group_rows(self, model, lengths_np, capacity)
-        layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths_np, capacity)
+        lengths = np.asarray(lengths, np.int64)
+        b = len(lengths)
+        rows = self.hooks.group_rows(self, model, lengths, capacity)
+        layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths, capacity)
         self.memory_plan = pool_memory(cfg, dtype, layouts, b, t_pad, host_pool=self.host_pool,
                                        offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
-                                       inflight=max(o.sync_depth, 2))
+                                       inflight=max(o.sync_depth, 2),
+                                       tail_slots=tail_slots(lengths, capacity, o.block_tokens),
+                                       prefill_workspace_gb=o.prefill_workspace_gb)
         if o.offload_weights and M.on_host(model.params.layers):
             self.memory_plan.host["weights"] = 0  # already in host memory (counted by MemAvailable)
         if o.check_memory:
             check_pool(self.memory_plan, o.host_memory_limit_gb, o.gpu_memory_limit_gb, self.host_pool, self.dev,
                        what=f"{self.hooks.name} for batch {b} x {capacity} tokens")
+        return rows, layouts
+
+    def prefill(self, model, tokens, lengths, capacity):
+        cfg = model.config
+        o = self.opts
+        b, t_pad = tokens.shape
+        dtype = model.params.layers[0].wk.dtype
+        lengths_np = np.asarray(lengths, np.int64)
+        rows, layouts = self.plan(model, lengths_np, t_pad, capacity)
         fam_params = without_layers(model.params)
         layers = self.layers(model)
         lengths = jax.device_put(jnp.asarray(lengths_np, jnp.int32), self.dev)  # committed, like a step's outputs
@@ -496,17 +515,29 @@ class LayerPipeline:
                                srcs=[extent_sources(alloc, layout, e, t_blk // blk) for e in range(layout.num_extents)],
                                start=jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32)))
         keep_x = any(len(lay.extents_of("act")) for lay in layouts)  # activations stored somewhere
+        slots = tail_slots(lengths_np, capacity, blk)
+        chunk = prefill_chunk_rows(cfg, dtype, t_blk, o.prefill_workspace_gb)
         pending = []
         for i in range(cfg.num_layers):
             lp = M.to_device(layers[i], self.dev) if o.offload_weights else layers[i]
             for gr in groups:
                 a, z = gr["rows"]
-                gr["h"], k, v, x = _layer_prefill(cfg, lp, gr["h"], positions[a:z], lengths[a:z], keep_x)
+                outs = []
+                for c in range(a, z, chunk):  # row chunks bound the attention / MLP workspace
+                    e = min(z, c + chunk)
+                    outs.append(_layer_prefill(cfg, lp, gr["h"][c - a:e - a] if (a, z) != (c, e) else gr["h"],
+                                               positions[c:e], lengths[c:e], keep_x))
+                if len(outs) == 1:
+                    gr["h"], k, v, x = outs[0]
+                else:
+                    gr["h"], k, v = (jnp.concatenate([o_[j] for o_ in outs], 0) for j in range(3))
+                    x = jnp.concatenate([o_[3] for o_ in outs], 0) if keep_x else None
+                del outs
                 pk, pv, px = self._extents_from_prefill(gr["layout"], gr["srcs"], gr["alloc"], k, v, x, dtype)
                 gr["pk"].append(pk), gr["pv"].append(pv), gr["px"].append(px)
-                gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, 1))
-                gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, 1))
-                gr["tx"].append(_tail_from_prompt(x, gr["start"], blk, 0) if keep_x else None)
+                gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, slots, 1))
+                gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, slots, 1))
+                gr["tx"].append(_tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x else None)
                 pending.append(gr["tk"][-1])
                 if o.sync_depth and len(pending) > o.sync_depth:  # bound the device copies alive
                     jax.block_until_ready(pending.pop(0))
@@ -783,6 +814,24 @@ def modes_work(shape, layout: PoolLayout, batch: int, modes, in_use, recompute: 
             rec_tokens += size
     return LayerWork(batch=batch, bytes_kv=bytes_kv, bytes_x=bytes_x, transfers=transfers,
                      recompute_tokens=rec_tokens, attended_tokens=tokens)
+
+
+def tail_slots(lengths, capacity: int, blk: int) -> int:
+    """Slots of a GPU tail: the prompts' partial blocks plus the tokens generated between flushes
+    (a block's worth, or fewer when the generation is shorter), a power of two for the kernels."""
+    lengths = np.asarray(lengths, np.int64)
+    need = int((lengths % blk).max(initial=0)) + min(blk, max(1, int(capacity) - int(lengths.max(initial=0))))
+    return min(2 * blk, 1 << max(0, need - 1).bit_length())
+
+
+def prefill_workspace_per_row(cfg, dtype, t_pad: int) -> float:
+    """Bytes of one prompt row's layer prefill: hidden states, q/k/v, MLP and one score chunk."""
+    p = jnp.dtype(dtype).itemsize
+    return t_pad * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p + cfg.num_heads * min(t_pad, 512) * t_pad * 4
+
+
+def prefill_chunk_rows(cfg, dtype, t_pad: int, workspace_gb: float) -> int:
+    return max(1, int(workspace_gb * 1e9 // prefill_workspace_per_row(cfg, dtype, t_pad)))
 
 
 def _nbytes(a) -> int:

@@ -114,10 +114,17 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 
 
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
-                weights: WeightBytes | None = None, inflight: int = 3) -> MemoryPlan:
-    """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails, the transfer
-    buffers of `inflight` layers and the prefill's workspace."""
+                weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
+                prefill_workspace_gb: float = 2.0) -> MemoryPlan:
+    """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
+    request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
+    workspace."""
+    from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
+
     p = jnp.dtype(dtype).itemsize
+    tail_slots = 2 * layouts[0].block_tokens if tail_slots is None else int(tail_slots)
+    per_row = prefill_workspace_per_row(cfg, dtype, t_pad)
+    chunk = prefill_chunk_rows(cfg, dtype, t_pad, prefill_workspace_gb)
     wb = weights or weight_bytes(cfg, dtype)
     L = cfg.num_layers
     kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
@@ -143,7 +150,6 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     host = dict(pool_h) if host_pool else {}
     host["weights"] = L * wb.per_layer if offload_weights else 0
     g = max(1, len(layouts))
-    lay0 = layouts[0]
     tail_tok = cfg.kv_bytes_per_token * p + (cfg.hidden_size * p if any(len(l.extents_of("act")) for l in layouts) else 0)
     b = -(-batch // g)
     gpu = {
@@ -151,10 +157,11 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         **({f"{k} (GPU-resident)" if host_pool else k: v for k, v in pool_d.items()}),
         "transfer buffers": inflight * per_layer_fetch if host_pool else 0,
         "recompute workspace": 2 * rec_ws,
-        "GPU tails": L * batch * 2 * lay0.block_tokens * tail_tok,
-        # prefill of one layer of one GPU batch: hidden states, q/k/v, MLP and one score chunk
-        "workspace": b * t_pad * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p
-        + b * cfg.num_heads * min(t_pad, 512) * t_pad * 4 + b * cfg.vocab_size * 4 * 2,
+        "GPU tails": L * batch * tail_slots * tail_tok,
+        # prefill of one layer of one GPU batch: the batch's hidden states and K/V/X, and one row
+        # chunk's attention / MLP workspace; the logits
+        "workspace": b * t_pad * (2 * cfg.hidden_size * p + tail_tok) + min(b, chunk) * per_row
+        + b * cfg.vocab_size * 4 * 2,
     }
     kind, note = M.host_memory_kind()
     return MemoryPlan(host=host, gpu=gpu, host_kind=kind, notes=[note])

@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from kvoffload.offload.pipeline import GroupPlan, LayerHooks
+from kvoffload.offload.pipeline import GroupPlan, LayerHooks, tail_slots
 from kvoffload.plan.hybrid import (
     BlockAllocation,
     BlockRates,
@@ -170,9 +170,11 @@ class HybridHooks(LayerHooks):
             # workspace) at this packing; the rest of the budget holds blocks (one request's rounding
             # per mini-batch kept free)
             lays = self._layouts(pipe, model, dtype, classes, rows, lengths, capacity)
-            mem = pool_memory(cfg, dtype, lays, len(lengths), int(lengths.max()), host_pool=True,
+            t_pad = -(-int(lengths.max()) // blk) * blk
+            mem = pool_memory(cfg, dtype, lays, len(lengths), t_pad, host_pool=True,
                               offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
-                              inflight=max(o.sync_depth, 2))
+                              inflight=max(o.sync_depth, 2), tail_slots=tail_slots(lengths, capacity, blk),
+                              prefill_workspace_gb=o.prefill_workspace_gb)
             other = mem.gpu_bytes
             per_block = L * (rates.act_bytes if gpu_kind == "act" else rates.kv_bytes)
             g_blocks = max(0, int((gpu_bytes - other) // per_block) - len(lengths) * len(classes))
