@@ -73,6 +73,9 @@ Default configs ("GPU memory budget 24 GB, weights and KV offloaded to host", pr
   (use a kind with more host memory, e.g. nvidia-h100-x2, 256 GiB), so it is not a default.
   OPT-13B has no published FlexGen setting. OPT-6.7B: bench_suite.py `suite_6b7_1x1`, prompt 512:
       opt-6.7b:100,0,100,0,100,0:2x1:nooverlap      (all on the GPU)
+  A seconds-long smoke test of the whole path: --config opt-125m:100,0,100,0,100,0:2x1
+FlexGen's log keeps 3 decimals (the numbers above come from it); `generate_costs_s` keeps its raw
+per-token costs at full precision.
 
 Config string: MODEL:WG,WC,CG,CC,AG,AC:GBSxNGB[:FLAG...], FLAG one of cpu (--cpu-cache-compute),
 pin0 / pin1 (--pin-weight, FlexGen's default 1), compw (--compress-weight), compc
@@ -100,7 +103,7 @@ PEER_DIR = REPO_ROOT / "peers" / "FlexLLMGen"
 GIB = 1 << 30  # FlexGen's GB
 
 # OPT sizes flexllmgen/opt_config.py knows (opt-350m has a different architecture there).
-MODELS = ("opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "opt-30b", "opt-66b", "opt-175b")
+MODELS = ("opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "opt-30b", "opt-66b", "opt-175b")
 FLAGS = ("cpu", "pin0", "pin1", "compw", "compc", "nooverlap", "fewer_batch")
 DEFAULT_CONFIGS = (
     "opt-13b:68,32,0,100,0,100:32x5:cpu",
