@@ -9,7 +9,7 @@ import pytest
 
 from kvoffload import ops
 from kvoffload.compile_count import count_compilations
-from kvoffload.engine import generate, pad_prompts
+from kvoffload.engine import pad_prompts
 from kvoffload.models import tiny_random_model
 from kvoffload.offload.pipeline import PoolSources
 from kvoffload.offload.pool import BlockAllocator, PoolLayout
@@ -153,7 +153,8 @@ def test_cache_reuses_exactly_when_the_similarity_clears_the_threshold():
     pool_tokens = np.asarray([len(t) for t in alloc.tables]) * layout.block_tokens
     q0 = rng.normal(size=(B, H, d)).astype(np.float32)
     marker = np.full((B, n_kv, 8), 3, np.int32)  # a cached "selection" no vote would give
-    cache = SelectionCache(query=jnp.asarray(q0), indices=jnp.asarray(marker), num_valid=jnp.full((B, n_kv), 1, jnp.int32),
+    cache = SelectionCache(query=jnp.asarray(q0), indices=jnp.asarray(marker),
+                           num_valid=jnp.full((B, n_kv), 1, jnp.int32),
                            pool_tokens=jnp.asarray(pool_tokens, jnp.int32), hits=jnp.zeros((B, n_kv), jnp.int32),
                            steps=jnp.zeros((B,), jnp.int32), scored=jnp.zeros((), jnp.int32))
     src = SelectSources(pool=PoolSources(k=tuple(map(jnp.asarray, keys)), v=tuple(map(jnp.asarray, vals)),
@@ -186,6 +187,19 @@ def test_cache_reuses_exactly_when_the_similarity_clears_the_threshold():
     vote = _vote_f64(q1, keys, alloc, layout.block_tokens)[0, 1]
     np.testing.assert_array_equal(idx[0, 1], np.sort(np.argsort(-vote)[:8]))
     assert np.asarray(new.num_valid)[0, 1] == 8
+    # the attention runs over the selected rows only: one key (token 3: block 0, offset 3) where reused,
+    # the 8 voted tokens of the re-selected head (float64 softmax attention over those rows)
+    out = np.asarray(out)
+    for b in range(B):
+        for h in range(H):
+            if reuse[b, h // G]:
+                np.testing.assert_allclose(out[b, h], vals[0][0, h // G, 3], rtol=1e-6)
+    flat_k = np.concatenate(keys).transpose(1, 0, 2, 3).reshape(n_kv, -1, d).astype(np.float64)
+    flat_v = np.concatenate(vals).transpose(1, 0, 2, 3).reshape(n_kv, -1, d).astype(np.float64)
+    for h in (2, 3):  # request 0, KV head 1
+        s = flat_k[1, idx[0, 1]] @ q1[0, h] / np.sqrt(d)
+        p = np.exp(s - s.max())
+        np.testing.assert_allclose(out[0, h], p @ flat_v[1, idx[0, 1]] / p.sum(), rtol=1e-5, atol=1e-6)
     # everything similar: the scoring is skipped, every head hits
     (_, _), again = run(q0 * 3, cache)
     assert int(again.scored) == 0 and (np.asarray(again.hits) == 1).all()
