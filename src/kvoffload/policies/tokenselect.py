@@ -1,0 +1,363 @@
+"""`tokenselect`: TokenSelect (issue 12). At every decode step and layer, each KV head attends only the
+pool tokens its query heads vote for, chosen by a soft vote and reused while the query stays similar.
+
+Placement ``kv=gpu`` (the paper's): the block pool is in device memory, as for `full`; the speed comes
+from attending fewer tokens. (``kv=split`` -- keys on the GPU, values in the host pool -- is issue 12,
+item 2, not built yet.)
+
+Per layer, inside the layer's one jitted program (`TokenSelectAttend`), for each request and KV head:
+
+1. Soft vote over every pool token of the request (all extents, through the block tables): each query
+   head's softmax of scale*q.K over the request's pool tokens, summed over the heads of its GQA group.
+   The softmax is normalised across extents exactly (per-extent logits, one global max and sum).
+   The GPU tail is not in the normalisation: `attend` never sees it (the pipeline folds it after), and
+   it is always attended in full, so the vote only has to rank pool tokens; including it would only
+   scale each head's pool distribution by that head's pool share of the mass.
+2. Top-k by vote (``ops.select_topk``), with the first ``num_sink`` tokens forced in and, where the tail
+   holds fewer than ``num_recent`` tokens, the newest pool tokens forced in to make up ``num_recent``
+   (the tail, 1 to 2*block_tokens newest tokens, is the paper's local window for free).
+3. Attention over the selected rows only (gathered from the extents, then ``ops.sparse_attention``),
+   merged into the accumulator (``ops.merge_attention_into``); the pipeline then folds the tail.
+4. Selection cache (the layer's slots): the query and selection of the last selection per (request, KV
+   head), reused while min over the group's query heads of cos(q_t, q_cached) >= cache_threshold and the
+   pool has not grown. The pool grows by whole blocks at a flush (every block_tokens steps): a cached
+   selection stays valid (block ids never move) but misses the new block, so the cache stores the pool
+   token count it was made at and re-selects when it changes. The scoring runs under a ``lax.cond``
+   only when some (request, head) of the layer misses.
+
+Why gather rather than masked paged attention: masked paged attention reads every block of the
+request (K and V of the whole context: no saving at all); the gather reads the K selected rows of K
+and V per (request, head), writes them once and the attention reads them again: 3 * K rows against
+the context's S rows (K = 2048 of S = 128K: ~1/20 of the bytes). A kernel reading the rows straight
+from the extents would read K rows once (future work, with a paged scoring kernel: see the report).
+Scoring reads every K row of the pool once per layer (the vote needs every key) unless the cache hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvoffload import ops
+from kvoffload.errors import KVOffloadError
+from kvoffload.offload.pipeline import LayerHooks
+from kvoffload.pallas.sparse_attention import expand_indices
+from kvoffload.policies.base import register_policy
+from kvoffload.policies.layered import LayeredPolicy
+
+PLACEMENTS = ("gpu", "split")
+DEFAULT_BUDGET = 2048  # the paper's top-k (pzs19/TokenSelect config: top_k 2048)
+NEG_INF = float("-inf")
+
+
+class TokenSelectOptionError(KVOffloadError, ValueError):
+    """A tokenselect option out of range or not supported."""
+
+
+# ---------------------------------------------------------------------------------------------
+# state and sources
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionCache:
+    """One layer's slots: the selection per (request, KV head) and what it was made from.
+    Token indices are in the pool's block-id space: block id * block_tokens + offset in the block."""
+
+    query: jax.Array  # [B, H, d] f32: the query of the last selection (per query head)
+    indices: jax.Array  # [B, n_kv, K] int32: selected tokens, the first num_valid valid (ascending)
+    num_valid: jax.Array  # [B, n_kv] int32
+    pool_tokens: jax.Array  # [B] int32: the request's pool tokens when selected (-1: never)
+    hits: jax.Array  # [B, n_kv] int32: steps that reused the cached selection
+    steps: jax.Array  # [B] int32: steps run
+    scored: jax.Array  # [] int32: steps on which the scoring ran (some (request, head) missed)
+
+
+jax.tree_util.register_dataclass(SelectionCache, data_fields=[f.name for f in dataclasses.fields(SelectionCache)],
+                                 meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectSources:
+    """The layer program's sources: the pool (as every policy's) and each request's tail length
+    before this step's token (to count how many recent tokens the tail already covers)."""
+
+    pool: object  # PoolSources
+    tail_len: jax.Array  # [B] int32
+
+
+jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len"], meta_fields=[])
+
+
+# ---------------------------------------------------------------------------------------------
+# the pure pieces (inside the layer program)
+# ---------------------------------------------------------------------------------------------
+
+
+def owned_blocks(table, count, num_slots):
+    """[B, E] bool: which slots of an extent each request owns (its table's first count entries)."""
+    B, M = table.shape
+    j = jnp.arange(M, dtype=jnp.int32)[None]
+    slot = jnp.where(j < count[:, None], table, num_slots)  # past the end: dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, M))
+    return jnp.zeros((B, num_slots), bool).at[rows, slot].set(True, mode="drop")
+
+
+def soft_vote(q, keys, tables, scale=None):
+    """TokenSelect's soft vote over a request's pool tokens spread over extents.
+
+    q [B, H, d]; keys: per extent [E_e, n_kv, blk, d]; tables: BlockTables. Returns [B, n_kv, N] f32
+    over the pool's token space (N = sum_e E_e * blk, block-id order: block id * blk + offset):
+    per query head the softmax of scale*q.k over the request's own pool tokens (one normalisation
+    across every extent), summed over each KV head's query heads; -inf where the request owns no token.
+    Each extent is scored for every request (one read of the extent, B times the flops; a paged
+    kernel would read only each request's blocks)."""
+    B, H, d = q.shape
+    n_kv, blk = keys[0].shape[1], keys[0].shape[2]
+    G = H // n_kv
+    scale = d ** -0.5 if scale is None else scale
+    qg = q.reshape(B, n_kv, G, d)
+    logits, masks = [], []
+    for e, k in enumerate(keys):
+        E = k.shape[0]
+        s = jnp.einsum("bhgd,ehtd->bhget", qg.astype(k.dtype), k, preferred_element_type=jnp.float32,
+                       precision=jax.lax.Precision.HIGHEST).reshape(B, n_kv, G, E * blk) * scale
+        own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None, None]
+        logits.append(jnp.where(own, s, NEG_INF))
+        masks.append(own)
+    # pass 1: the global max per query head; pass 2: the global sum, then the normalised group sums
+    m = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in logits]), axis=0)[..., None]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = [jnp.exp(s - m) for s in logits]  # exp(-inf) = 0 outside the request
+    z = sum(jnp.sum(x, axis=-1, keepdims=True) for x in p)
+    z = jnp.where(z > 0, z, 1.0)
+    votes = [jnp.where(own[:, :, 0], jnp.sum(x / z, axis=2), NEG_INF) for x, own in zip(p, masks)]
+    return jnp.concatenate(votes, axis=-1)
+
+
+def token_positions(tables, blk):
+    """[N] int32: the position of every token of the pool's token space (0 for free blocks)."""
+    first = jnp.concatenate(tables.first_pos)
+    return (first[:, None] + jnp.arange(blk, dtype=jnp.int32)[None]).reshape(-1)
+
+
+def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink, num_recent, page_size):
+    """The selection from a vote: (indices [B, n_kv, K] ascending, num_valid [B, n_kv]).
+
+    scores [B, n_kv, N] (-inf: not the request's); positions [N]; pool_tokens, context [B] (the
+    context counts the tail and the new token); n_select [B]: tokens to select (<= K, a multiple of
+    page_size). Forced in: positions < num_sink, and positions >= context - num_recent (pool tokens
+    only where the tail is shorter than num_recent). With page_size > 1 the vote is summed over
+    pages (page_size tokens inside one block) and whole pages are selected."""
+    B, n_kv, N = scores.shape
+    forced = (positions < num_sink)[None] | (positions[None] >= (context - num_recent)[:, None])  # [B, N]
+    pri = jnp.where(forced[:, None] & (scores > NEG_INF), jnp.inf, scores)
+    if page_size > 1:
+        pri = jnp.sum(pri.reshape(B, n_kv, N // page_size, page_size), axis=-1)  # a forced token forces its page
+    idx, nv = ops.select_topk(pri, K // page_size, sort=False)  # best first, valid first
+    nv = jnp.minimum(nv, (n_select // page_size)[:, None])
+    # the kept entries in ascending order (locality of the gather); the rest 0, ignored via num_valid
+    big = jnp.int32(2 ** 30)
+    keep = jnp.arange(idx.shape[-1])[None, None] < nv[..., None]
+    key = jnp.sort(jnp.where(keep, idx, big), axis=-1)
+    idx = jnp.where(key < big, key, 0)
+    if page_size > 1:
+        pos, _ = expand_indices(idx, nv, page_size, N)
+        return pos, nv * page_size
+    return idx, nv
+
+
+def gather_rows(extents, indices, blk):
+    """[B, n_kv, K, d]: rows of the pool's token space (indices [B, n_kv, K]) from the extents
+    [E_e, n_kv, blk, d] (block-id order); one gather per extent, each row taken from its own."""
+    block, off = indices // blk, indices % blk
+    head = jnp.arange(indices.shape[1], dtype=jnp.int32)[None, :, None]
+    out, start = None, 0
+    for x in extents:
+        E = x.shape[0]
+        rows = x[jnp.clip(block - start, 0, E - 1), head, off]
+        out = rows if out is None else jnp.where(((block >= start) & (block < start + E))[..., None], rows, out)
+        start += E
+    return out
+
+
+def query_similarity(q, cached, n_kv):
+    """[B, n_kv]: min over each KV head's query heads of cos(q, cached) (0 where a norm is 0)."""
+    B, H, _ = q.shape
+    q = q.astype(jnp.float32)
+    dot = jnp.sum(q * cached, axis=-1)
+    norms = jnp.linalg.norm(q, axis=-1) * jnp.linalg.norm(cached, axis=-1)
+    cos = jnp.where(norms > 0, dot / jnp.where(norms > 0, norms, 1.0), 0.0)
+    return jnp.min(cos.reshape(B, n_kv, H // n_kv), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSelectAttend:
+    """The policy's `attend` (hashable: a static argument of the layer program). Budget: token_budget
+    tokens, or token_ratio of each request's context, per KV head, capped by the slots' K (static)."""
+
+    token_budget: int | None
+    token_ratio: float | None
+    num_sink: int
+    num_recent: int
+    cache_threshold: float
+    page_size: int
+
+    def __call__(self, cfg, lp, q, acc, src, tables, slots: SelectionCache, recompute_impl, attention_impl):
+        pool = src.pool
+        keys, values = pool.k, pool.v
+        B, H, d = q.shape
+        n_kv, blk = keys[0].shape[1], keys[0].shape[2]
+        K = slots.indices.shape[-1]
+        ps = self.page_size
+        pool_tokens = sum(tables.count) * blk
+        context = pool_tokens + src.tail_len + 1
+        if self.token_budget is not None:
+            want = jnp.full((B,), K, jnp.int32)
+        else:
+            want = jnp.ceil(self.token_ratio * context.astype(jnp.float32)).astype(jnp.int32)
+            want = jnp.maximum(want, self.num_sink + self.num_recent)
+        n_select = jnp.minimum(-(-want // ps) * ps, K)
+
+        reuse = (query_similarity(q, slots.query, n_kv) >= self.cache_threshold) & \
+                (slots.pool_tokens == pool_tokens)[:, None]
+
+        def select(_):
+            scores = soft_vote(q, keys, tables)
+            return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
+                                 self.num_sink, self.num_recent, ps)
+
+        fresh_idx, fresh_nv = jax.lax.cond(jnp.all(reuse), lambda _: (slots.indices, slots.num_valid), select, None)
+        indices = jnp.where(reuse[..., None], slots.indices, fresh_idx)
+        num_valid = jnp.where(reuse, slots.num_valid, fresh_nv)
+
+        k_sel = gather_rows(keys, indices, blk)
+        v_sel = gather_rows(values, indices, blk)
+        slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
+        part = ops.sparse_attention(q, k_sel, v_sel, slot_ids, num_valid=num_valid, impl=attention_impl)
+        acc = ops.merge_attention_into(acc, part)
+
+        keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
+        new = SelectionCache(query=jnp.where(keep_q, slots.query, q.astype(jnp.float32)), indices=indices,
+                             num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
+                             hits=slots.hits + reuse.astype(jnp.int32), steps=slots.steps + 1,
+                             scored=slots.scored + jnp.any(~reuse).astype(jnp.int32))
+        return acc, new
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks and policy
+# ---------------------------------------------------------------------------------------------
+
+
+def request_token_bound(layout, batch: int) -> int:
+    """The most pool tokens one request can own in this layout: every prompt block (one long prompt)
+    plus its share of the generated blocks (one per request per lockstep flush)."""
+    prompt = layout.start(layout.prompt_extents)
+    gen = layout.num_blocks - prompt
+    return layout.block_tokens * min(layout.num_blocks, prompt + -(-gen // max(1, batch)))
+
+
+class TokenSelectHooks(LayerHooks):
+    name = "tokenselect"
+    kinds = ("kv",)
+
+    def __init__(self, attend: TokenSelectAttend):
+        self.attend = attend
+
+    def static_budget(self, layout, batch: int) -> int:
+        """K: the selected tokens per (request, KV head), static for the run (the slots' shape)."""
+        a = self.attend
+        bound = request_token_bound(layout, batch)
+        if a.token_budget is not None:
+            k = a.token_budget
+        else:  # the ratio of the longest context this layout holds (its tail included)
+            k = max(math.ceil(a.token_ratio * (bound + 2 * layout.block_tokens)), a.num_sink + a.num_recent)
+        ps = a.page_size
+        return max(ps, min(-(-k // ps) * ps, bound))
+
+    def init_slots(self, pipe, model, layout, batch):
+        cfg = model.config
+        K = self.static_budget(layout, batch)
+        H, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        one = SelectionCache(query=jnp.zeros((batch, H, d), jnp.float32), indices=zeros((batch, n_kv, K)),
+                             num_valid=zeros((batch, n_kv)), pool_tokens=jnp.full((batch,), -1, jnp.int32),
+                             hits=zeros((batch, n_kv)), steps=zeros((batch,)), scored=zeros(()))
+        one = jax.device_put(one, pipe.dev)  # committed, like a step's outputs (no recompilation)
+        return tuple(one for _ in range(cfg.num_layers))
+
+    def sources(self, pipe, group, plan, layer, fetched):
+        return SelectSources(pool=super().sources(pipe, group, plan, layer, fetched), tail_len=group.tail_len)
+
+
+@register_policy("tokenselect")
+class TokenSelectPolicy(LayeredPolicy):
+    host_pool = False
+    extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size")
+
+    def __init__(self, **options):
+        if options.get("offload_weights"):
+            raise TokenSelectOptionError("policy 'tokenselect' with kv=gpu keeps weights and K/V on the device; "
+                                         "offload_weights is not supported")
+        super().__init__(**options)
+
+    def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
+                   kv="gpu", page_size=1):
+        if kv not in PLACEMENTS:
+            raise TokenSelectOptionError(f"kv must be one of {PLACEMENTS}, got {kv!r}")
+        if kv == "split":
+            raise TokenSelectOptionError("tokenselect kv=split (keys on the GPU, values in the host pool) is not "
+                                         "implemented yet (issue 12, item 2); use kv=gpu")
+        if token_budget is not None and token_ratio is not None:
+            raise TokenSelectOptionError("give token_budget (tokens) or token_ratio (of the context), not both")
+        if token_budget is None and token_ratio is None:
+            token_budget = DEFAULT_BUDGET
+        num_sink, num_recent, page_size = int(num_sink), int(num_recent), int(page_size)
+        if num_sink < 0 or num_recent < 0:
+            raise TokenSelectOptionError(f"num_sink and num_recent must be >= 0, got {num_sink}, {num_recent}")
+        blk = self.options.block_tokens
+        if page_size < 1 or blk % page_size:
+            raise TokenSelectOptionError(f"page_size must divide block_tokens ({blk}), got {page_size}")
+        if token_budget is not None:
+            token_budget = int(token_budget)
+            if token_budget < max(1, num_sink + num_recent):
+                raise TokenSelectOptionError(f"token_budget ({token_budget}) must be at least num_sink + num_recent "
+                                             f"({num_sink} + {num_recent}) and >= 1")
+        else:
+            token_ratio = float(token_ratio)
+            if not 0 < token_ratio <= 1:
+                raise TokenSelectOptionError(f"token_ratio must be in (0, 1], got {token_ratio}")
+        attend = TokenSelectAttend(token_budget=token_budget, token_ratio=token_ratio, num_sink=num_sink,
+                                   num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size)
+        return TokenSelectHooks(attend)
+
+    def describe(self, state=None) -> dict:
+        d = super().describe(state)
+        a = self.pipeline.hooks.attend
+        d["selection"] = {"token_budget": a.token_budget, "token_ratio": a.token_ratio, "num_sink": a.num_sink,
+                          "num_recent": a.num_recent, "cache_threshold": a.cache_threshold, "page_size": a.page_size,
+                          "kv": "gpu"}
+        if state is not None and state.groups and state.groups[0].slots:
+            d["selection"]["selected_per_head"] = int(state.groups[0].slots[0].indices.shape[-1])
+            d["selection"].update(hit_rates(state))
+        return d
+
+
+def hit_rates(state) -> dict:
+    """Selection-cache hit rates over every request of the run: per layer and KV head, per layer, overall;
+    and per layer the fraction of steps on which the scoring ran."""
+    hits = sum(np.stack([np.asarray(s.hits).sum(0) for s in gr.slots]) for gr in state.groups)  # [L, n_kv]
+    looks = sum(np.asarray([int(np.asarray(s.steps).sum()) for s in gr.slots]) for gr in state.groups)  # [L]
+    scored = sum(np.asarray([int(s.scored) for s in gr.slots]) for gr in state.groups)
+    steps = max(1, state.step) * len(state.groups)
+    looks = np.maximum(looks, 1)
+    per_head = hits / looks[:, None]
+    return {"hit_rate": float(hits.sum() / (looks.sum() * hits.shape[1])),
+            "hit_rate_per_layer": [round(float(x), 4) for x in per_head.mean(1)],
+            "hit_rate_per_layer_head": [[round(float(x), 4) for x in row] for row in per_head],
+            "scored_fraction_per_layer": [round(float(x) / steps, 4) for x in scored]}

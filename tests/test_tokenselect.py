@@ -1,0 +1,317 @@
+"""Policy `tokenselect` (issue 12, kv=gpu): against `full` at the whole-context budget, the cross-extent
+soft vote against a float64 NumPy reference, the selection cache's reuse rule, a small budget, and no
+recompilation as the context grows (CPU, tiny random models, fp32)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvoffload import ops
+from kvoffload.compile_count import count_compilations
+from kvoffload.engine import pad_prompts
+from kvoffload.models import tiny_random_model
+from kvoffload.offload.pipeline import PoolSources
+from kvoffload.offload.pool import BlockAllocator, PoolLayout
+from kvoffload.policies import make_policy
+from kvoffload.policies.tokenselect import (
+    SelectionCache,
+    SelectSources,
+    TokenSelectAttend,
+    TokenSelectOptionError,
+    soft_vote,
+)
+
+# ragged prompts 39, 70 and 3 tokens; 16-token blocks in extents of 3 blocks (the tiny models' K):
+# several extents per layer, and 20 new tokens cross a flush of the GPU tail into the pool
+PROMPTS = [list(range(1, 40)), list(range(5, 75)), [7, 8, 9]]
+NEW = 20
+BLOCK = 16
+BASE = dict(block_tokens=BLOCK, extent_mb=3 * BLOCK * 2 * 16 * 4 / 2**20)
+
+
+def _decode(model, policy, steps, prompts=PROMPTS, **opts):
+    """(policy, per-step logits [steps + 1, B, V], the final state) of a greedy decode."""
+    pol = make_policy(policy, **{**BASE, **opts})
+    tokens, lengths = pad_prompts(prompts)
+    logits, state = pol.prefill(model, tokens, lengths, 128)
+    out = [np.asarray(logits)]
+    for _ in range(steps):
+        logits, state = pol.decode_step(model, state, jnp.argmax(logits, -1).astype(jnp.int32))
+        out.append(np.asarray(logits))
+    return pol, np.stack(out), state
+
+
+@pytest.fixture(scope="module", params=["opt", "llama"])
+def ref(request):
+    model = tiny_random_model(request.param, seed=1)
+    _, logits, _ = _decode(model, "full", NEW)
+    return request.param, model, logits
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_whole_context_budget_equals_full(ref, page_size):
+    """Every pool token selected and never reused: full attention, summed in another order."""
+    arch, model, want = ref
+    pol, got, state = _decode(model, "tokenselect", NEW, token_budget=10**6, cache_threshold=1.5, page_size=page_size)
+    assert (got.argmax(-1) == want.argmax(-1)).all(), arch
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert state.groups[0].n_gen == NEW and state.groups[0].since_flush == NEW - BLOCK  # a flush happened
+    sel = pol.describe(state)["selection"]
+    assert sel["hit_rate"] == 0.0 and sel["scored_fraction_per_layer"] == [1.0] * model.config.num_layers
+
+
+# ------------------------------------------------------------------------------------------------
+# the soft vote across extents
+# ------------------------------------------------------------------------------------------------
+
+
+def _pool(rng, n_kv=2, d=8, blk=4, sizes=(3, 3, 5), owners=None):
+    """Random extents and block tables: block id i owned by owners[i] (-1 free), positions in id order."""
+    layout = PoolLayout(block_tokens=blk, extent_blocks=sizes[0], num_extents=len(sizes), prompt_extents=2,
+                        gen_extent_blocks=sizes[2])
+    B = max(owners) + 1
+    alloc = BlockAllocator(layout.num_blocks, B, blk)
+    alloc.free = [i for i in range(layout.num_blocks) if owners[i] < 0]
+    for i, r in enumerate(owners):
+        if r >= 0:
+            alloc.owner[i] = r
+            alloc.first_pos[i] = len(alloc.tables[r]) * blk
+            alloc.tables[r].append(i)
+    alloc.check()
+    keys = [rng.normal(size=(s, n_kv, blk, d)).astype(np.float32) for s in sizes]
+    vals = [rng.normal(size=(s, n_kv, blk, d)).astype(np.float32) for s in sizes]
+    return layout, alloc, alloc.device_tables(layout), keys, vals
+
+
+def _vote_f64(q, keys, alloc, blk):
+    """Per request: its blocks' keys in id order, per-head softmax in float64, summed per KV head."""
+    B, H, d = q.shape
+    flat = np.concatenate(keys).astype(np.float64)  # [num_blocks, n_kv, blk, d], block-id order
+    n_kv = flat.shape[1]
+    out = np.full((B, n_kv, flat.shape[0] * blk), -np.inf)
+    for b, ids in enumerate(alloc.tables):
+        if not ids:
+            continue
+        k = flat[ids].transpose(1, 0, 2, 3).reshape(n_kv, len(ids) * blk, d)
+        cols = (np.asarray(ids)[:, None] * blk + np.arange(blk)).reshape(-1)
+        for h in range(H):
+            s = k[h // (H // n_kv)] @ q[b, h].astype(np.float64) / np.sqrt(d)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            cur = out[b, h // (H // n_kv), cols]
+            out[b, h // (H // n_kv), cols] = np.where(np.isfinite(cur), cur, 0) + p
+    return out
+
+
+def test_soft_vote_matches_float64_across_extents():
+    rng = np.random.default_rng(0)
+    # 11 blocks in 3 extents; requests interleaved across all of them, one slot free, request 2 owns none
+    owners = [0, 1, 0, 1, 0, -1, 1, 0, 1, 0, 0]
+    layout, alloc, _, keys, _ = _pool(rng, owners=owners)
+    B, H, n_kv, d = 3, 6, 2, 8
+    alloc.tables.append([])  # request 2: no pool blocks
+    tables = alloc.device_tables(layout)
+    q = (3 * rng.normal(size=(B, H, d))).astype(np.float32)  # peaked softmaxes
+    got = np.asarray(jax.jit(soft_vote)(jnp.asarray(q), [jnp.asarray(k) for k in keys], tables))
+    want = _vote_f64(q, keys, alloc, layout.block_tokens)
+    assert np.array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=2e-5, atol=1e-6)
+    # each head's votes sum to 1 over the request's tokens in all extents: the group sums to G
+    np.testing.assert_allclose(np.where(np.isfinite(got), got, 0).sum(-1)[:2], H // n_kv, rtol=1e-5)
+    # one extent, one request owning it in order: the library's single-array soft vote
+    k0 = keys[0][[0, 2]].transpose(1, 0, 2, 3).reshape(1, n_kv, 2 * layout.block_tokens, d)  # request 0's blocks 0, 2
+    single = soft_vote(jnp.asarray(q[:1]), [jnp.asarray(keys[0])],
+                       type(tables)(table=(jnp.asarray([[0, 2, 0]], jnp.int32),), count=(jnp.asarray([2], jnp.int32),),
+                                    first_pos=(jnp.asarray([0, 0, 4], jnp.int32),)))
+    lib = ops.tokenselect_scores(jnp.asarray(q[:1]), jnp.asarray(k0), impl="reference")
+    np.testing.assert_allclose(np.asarray(single)[0][:, [0, 1, 2, 3, 8, 9, 10, 11]], np.asarray(lib)[0], rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# the selection cache
+# ------------------------------------------------------------------------------------------------
+
+
+def _with_cosine(q0, c, rng):
+    """A vector per row at cosine exactly c (up to rounding) from q0's rows, of another norm."""
+    u = q0 / np.linalg.norm(q0, axis=-1, keepdims=True)
+    w = rng.normal(size=q0.shape)
+    w -= (w * u).sum(-1, keepdims=True) * u
+    w /= np.linalg.norm(w, axis=-1, keepdims=True)
+    return (2.5 * (c * u + np.sqrt(1 - c * c) * w)).astype(np.float32)
+
+
+def test_cache_reuses_exactly_when_the_similarity_clears_the_threshold():
+    rng = np.random.default_rng(1)
+    owners = [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0]
+    layout, alloc, tables, keys, vals = _pool(rng, owners=owners)
+    B, H, n_kv, d, G = 2, 4, 2, 8, 2
+    thr = 0.9
+    attend = TokenSelectAttend(token_budget=8, token_ratio=None, num_sink=0, num_recent=0, cache_threshold=thr,
+                               page_size=1)
+    pool_tokens = np.asarray([len(t) for t in alloc.tables]) * layout.block_tokens
+    q0 = rng.normal(size=(B, H, d)).astype(np.float32)
+    marker = np.full((B, n_kv, 8), 3, np.int32)  # a cached "selection" no vote would give
+    cache = SelectionCache(query=jnp.asarray(q0), indices=jnp.asarray(marker),
+                           num_valid=jnp.full((B, n_kv), 1, jnp.int32),
+                           pool_tokens=jnp.asarray(pool_tokens, jnp.int32), hits=jnp.zeros((B, n_kv), jnp.int32),
+                           steps=jnp.zeros((B,), jnp.int32), scored=jnp.zeros((), jnp.int32))
+    src = SelectSources(pool=PoolSources(k=tuple(map(jnp.asarray, keys)), v=tuple(map(jnp.asarray, vals)),
+                                         x=(None,) * len(keys), recompute=jnp.int32(0)),
+                        tail_len=jnp.asarray([5, 2], jnp.int32))
+
+    def run(q, c):
+        acc = ops.empty_attention(jnp.asarray(q))
+        return jax.jit(attend, static_argnums=(0, 7, 8))(None, None, jnp.asarray(q), acc, src, tables, c,
+                                                          "reference", "reference")
+
+    # per query head: cosine just above / just below the threshold
+    cos = np.asarray([[thr + 1e-3, thr + 1e-3, thr - 1e-3, thr + 1e-3],  # kv head 0 reuses; 1: one head below
+                      [1.0, thr + 1e-3, thr + 1e-3, thr + 1e-3]])  # both reuse
+    q1 = np.stack([[_with_cosine(q0[b, h], cos[b, h], rng) for h in range(H)] for b in range(B)])
+    (out, lse), new = run(q1, cache)
+    reuse = np.asarray([[True, False], [True, True]])
+    idx = np.asarray(new.indices)
+    for b in range(B):
+        for h in range(n_kv):
+            assert (idx[b, h] == 3).all() == reuse[b, h], (b, h)
+    np.testing.assert_array_equal(np.asarray(new.hits), reuse.astype(int))
+    assert int(new.scored) == 1
+    # the cached query stays where reused, becomes q1 where re-selected (all heads of that group)
+    qn = np.asarray(new.query)
+    for b in range(B):
+        for h in range(H):
+            np.testing.assert_array_equal(qn[b, h], q0[b, h] if reuse[b, h // G] else q1[b, h])
+    # the re-selected head: the top 8 of the vote (no sinks / recent), ascending
+    vote = _vote_f64(q1, keys, alloc, layout.block_tokens)[0, 1]
+    np.testing.assert_array_equal(idx[0, 1], np.sort(np.argsort(-vote)[:8]))
+    assert np.asarray(new.num_valid)[0, 1] == 8
+    # the attention runs over the selected rows only: one key (token 3: block 0, offset 3) where reused,
+    # the 8 voted tokens of the re-selected head (float64 softmax attention over those rows)
+    out = np.asarray(out)
+    for b in range(B):
+        for h in range(H):
+            if reuse[b, h // G]:
+                np.testing.assert_allclose(out[b, h], vals[0][0, h // G, 3], rtol=1e-6)
+    flat_k = np.concatenate(keys).transpose(1, 0, 2, 3).reshape(n_kv, -1, d).astype(np.float64)
+    flat_v = np.concatenate(vals).transpose(1, 0, 2, 3).reshape(n_kv, -1, d).astype(np.float64)
+    for h in (2, 3):  # request 0, KV head 1
+        s = flat_k[1, idx[0, 1]] @ q1[0, h] / np.sqrt(d)
+        p = np.exp(s - s.max())
+        np.testing.assert_allclose(out[0, h], p @ flat_v[1, idx[0, 1]] / p.sum(), rtol=1e-5, atol=1e-6)
+    # everything similar: the scoring is skipped, every head hits
+    (_, _), again = run(q0 * 3, cache)
+    assert int(again.scored) == 0 and (np.asarray(again.hits) == 1).all()
+    # the pool grew (a flush): re-selected even at cosine 1
+    grown = SelectionCache(**{**cache.__dict__, "pool_tokens": cache.pool_tokens - layout.block_tokens})
+    (_, _), after = run(q0, grown)
+    assert int(after.scored) == 1 and (np.asarray(after.hits) == 0).all()
+    assert not (np.asarray(after.indices) == 3).all(axis=-1).any()
+
+
+def test_cache_reselects_after_each_flush_in_a_run():
+    """Threshold -1 reuses whenever the pool is unchanged: each request and head selects on the first
+    step and after each flush only."""
+    model = tiny_random_model("llama", seed=2)
+    steps = 2 * BLOCK + 3  # flushes after steps 16 and 32
+    pol, _, state = _decode(model, "tokenselect", steps, token_budget=24, num_recent=4, cache_threshold=-1.0)
+    for slot in state.groups[0].slots:
+        np.testing.assert_array_equal(np.asarray(slot.hits), steps - 3)
+        np.testing.assert_array_equal(np.asarray(slot.steps), steps)
+        assert int(slot.scored) == 3
+    sel = pol.describe(state)["selection"]
+    assert sel["hit_rate"] == pytest.approx((steps - 3) / steps)
+    assert len(sel["hit_rate_per_layer_head"]) == model.config.num_layers
+
+
+# ------------------------------------------------------------------------------------------------
+# a small budget, options, compilation
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opts", [dict(token_budget=8, num_recent=0, cache_threshold=1.5),
+                                  dict(token_budget=28, num_recent=24, cache_threshold=1.5),
+                                  dict(token_ratio=0.2, num_recent=0, page_size=4, cache_threshold=1.5)],
+                         ids=["count", "recent", "ratio-pages"])
+def test_small_budget_selects_sinks_and_differs_from_full(opts):
+    model = tiny_random_model("llama", seed=1)
+    _, want, _ = _decode(model, "full", 5)
+    pol, got, state = _decode(model, "tokenselect", 5, **opts)
+    assert np.isfinite(got).all()
+    assert np.abs(got[1:] - want[1:]).max() > 1e-2  # attending a few pool tokens changes the logits
+    np.testing.assert_array_equal(got[0], want[0])  # the prefill is the same
+    gr = state.groups[0]
+    blk = gr.layout.block_tokens
+    pos_of = {}
+    for r, ids in enumerate(gr.alloc.tables):
+        for j, b in enumerate(ids):
+            for t in range(blk):
+                pos_of[(r, b * blk + t)] = j * blk + t
+    for slot in gr.slots:
+        idx, nv = np.asarray(slot.indices), np.asarray(slot.num_valid)
+        for r, ids in enumerate(gr.alloc.tables):
+            n_pool = len(ids) * blk
+            ctx = n_pool + int(gr.tail_len[r])
+            budget = opts.get("token_budget") or -(-int(np.ceil(opts["token_ratio"] * ctx)) // 4) * 4
+            for h in range(idx.shape[1]):
+                sel = [pos_of[(r, int(i))] for i in idx[r, h, :nv[r, h]]]
+                assert nv[r, h] == min(budget, n_pool), (r, h)
+                assert len(set(sel)) == len(sel)
+                if n_pool:
+                    assert set(range(4)) <= set(sel)  # the sinks
+                # the recent window: pool tokens where the tail (ctx - n_pool tokens) is shorter than num_recent
+                assert set(range(max(0, ctx - opts["num_recent"]), n_pool)) <= set(sel)
+                if "page_size" in opts:
+                    assert all(p % 4 == 0 for p in sel[::4]) and sel == [p for s in sel[::4] for p in range(s, s + 4)]
+
+
+def test_options_are_checked():
+    with pytest.raises(TokenSelectOptionError, match="issue 12"):
+        make_policy("tokenselect", kv="split")
+    with pytest.raises(TokenSelectOptionError, match="not both"):
+        make_policy("tokenselect", token_budget=64, token_ratio=0.1)
+    with pytest.raises(TokenSelectOptionError, match="num_sink"):
+        make_policy("tokenselect", token_budget=8)  # < 4 sinks + 64 recent
+    with pytest.raises(TokenSelectOptionError, match="page_size"):
+        make_policy("tokenselect", block_tokens=16, page_size=3)
+    with pytest.raises(ValueError, match="unknown option"):
+        make_policy("tokenselect", token_buget=64)
+
+
+def test_decoding_compiles_nothing_new_as_the_context_grows():
+    """8-token blocks, 60 steps: flushes every 8 steps and new extents come into use, yet after the
+    first flush nothing compiles again (the budget K and every slot shape are fixed at prefill)."""
+    model = tiny_random_model("llama", seed=3)
+    pol = make_policy("tokenselect", block_tokens=8, extent_mb=4 * 8 * 2 * 16 * 4 / 2**20, token_budget=20,
+                      num_recent=8)
+    tokens, lengths = pad_prompts([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6]])
+    with count_compilations() as c:
+        logits, state = pol.prefill(model, tokens, lengths, 80)
+        for step in range(60):
+            if step == 12:
+                snap = c.count
+            logits, state = pol.decode_step(model, state, jnp.argmax(logits, -1).astype(jnp.int32))
+    assert state.groups[0].used_extents > 1
+    assert c.names[snap:] == [], c.names[snap:]
+    assert c.names.count("jit(layer_step)") <= 1
+
+
+@pytest.mark.gpu
+def test_gpu_step_time_against_full():
+    """Llama-3-8B shape, random weights, bf16, batch 1, 32K context: ms per decode step of `full` and of
+    `tokenselect` (budget 2048) with the selection cache never hitting (the scoring every step) and
+    always hitting (only the gathered attention). A measurement: it prints the numbers (the scoring
+    reads every K row; a hit reads only the 2048 selected rows of K and V per head)."""
+    from kvoffload.offload.bench import make_model, measure
+
+    model = make_model("llama-3-8b", jnp.bfloat16, offload_weights=False)
+    rows = []
+    for name, opts in [("full", {}), ("tokenselect", dict(cache_threshold=1.5)),
+                       ("tokenselect", dict(cache_threshold=-1.0))]:
+        r = measure(model, name, opts, batch=1, context=32768, warmup=3, steps=8)
+        assert np.isfinite(r["step_times_s"]).all()
+        rows.append((name, opts, r["step_s"] * 1e3))
+    print()
+    for name, opts, ms in rows:
+        print(f"{name:12s} {str(opts):28s} {ms:8.2f} ms/step")
