@@ -192,9 +192,10 @@ class PoolSources:
     v: tuple
     x: tuple
     recompute: Any  # int32 scalar
+    prompt_extents: int = 0  # extents [0, p) hold prompt blocks: in use from prefill on (static)
 
 
-jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"], meta_fields=[])
+jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"], meta_fields=["prompt_extents"])
 
 
 def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl, attention_impl):
@@ -203,7 +204,10 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
     for e in range(len(src.k)):
         if src.x[e] is None:
             k, v = src.k[e], src.v[e]
-        elif src.k[e] is None:  # activations only: recomputed when some request has blocks there
+        elif src.k[e] is None and e < src.prompt_extents:  # activations of the prompt: always in use
+            k, v = recompute_extent(cfg, lp, src.x[e], tables.first_pos[e], recompute_impl)
+        elif src.k[e] is None:  # activations only: recomputed once some request has blocks there (a
+            # conditional reads its predicate on the host mid-program, so only where usage changes)
             k, v = jax.lax.cond(jnp.any(tables.count[e] > 0),
                                 lambda x, f: recompute_extent(cfg, lp, x, f, recompute_impl),
                                 lambda x, f: _zero_kv(cfg, x), src.x[e], tables.first_pos[e])
@@ -326,7 +330,8 @@ class LayerHooks:
         are empty). Built from per-layout templates: this runs once per layer and step."""
         rec = pipe.scalar(plan.recompute_extents)
         if not pipe.host_pool:
-            return PoolSources(k=group.pool_k[layer], v=group.pool_v[layer], x=group.pool_x[layer], recompute=rec)
+            return PoolSources(k=group.pool_k[layer], v=group.pool_v[layer], x=group.pool_x[layer], recompute=rec,
+                               prompt_extents=group.layout.prompt_extents)
         early, late = fetched
         ks, vs, xs = (list(t) for t in pipe.stand_ins(group, layer))
         ie, il = iter(early), iter(late)
@@ -337,7 +342,8 @@ class LayerHooks:
                 xs[e] = next(ie)
             elif m == "kv":
                 ks[e], vs[e] = next(il), next(il)
-        return PoolSources(k=tuple(ks), v=tuple(vs), x=tuple(xs), recompute=rec)
+        return PoolSources(k=tuple(ks), v=tuple(vs), x=tuple(xs), recompute=rec,
+                           prompt_extents=group.layout.prompt_extents)
 
     def group_rows(self, pipe: "LayerPipeline", model, lengths, capacity: int) -> list:
         """The GPU batches: contiguous row ranges (start, stop) of the batch (default: gpu_batches
@@ -483,6 +489,7 @@ class LayerPipeline:
                                        offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
                                        inflight=max(o.sync_depth, 2),
                                        tail_slots=tail_slots(lengths, capacity, o.block_tokens),
+                                       tail_x=flush_possible(lengths, capacity, o.block_tokens),
                                        prefill_workspace_gb=o.prefill_workspace_gb)
         if o.offload_weights and M.on_host(model.params.layers):
             self.memory_plan.host["weights"] = 0  # already in host memory (counted by MemAvailable)
@@ -515,6 +522,7 @@ class LayerPipeline:
                                srcs=[extent_sources(alloc, layout, e, t_blk // blk) for e in range(layout.num_extents)],
                                start=jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32)))
         keep_x = any(len(lay.extents_of("act")) for lay in layouts)  # activations stored somewhere
+        tail_x = flush_possible(lengths_np, capacity, blk)  # tails keep X only to flush it into blocks
         slots = tail_slots(lengths_np, capacity, blk)
         chunk = prefill_chunk_rows(cfg, dtype, t_blk, o.prefill_workspace_gb)
         pending = []
@@ -537,7 +545,7 @@ class LayerPipeline:
                 gr["pk"].append(pk), gr["pv"].append(pv), gr["px"].append(px)
                 gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, slots, 1))
                 gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, slots, 1))
-                gr["tx"].append(_tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x else None)
+                gr["tx"].append(_tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x and tail_x else None)
                 pending.append(gr["tk"][-1])
                 if o.sync_depth and len(pending) > o.sync_depth:  # bound the device copies alive
                     jax.block_until_ready(pending.pop(0))
@@ -814,6 +822,11 @@ def modes_work(shape, layout: PoolLayout, batch: int, modes, in_use, recompute: 
             rec_tokens += size
     return LayerWork(batch=batch, bytes_kv=bytes_kv, bytes_x=bytes_x, transfers=transfers,
                      recompute_tokens=rec_tokens, attended_tokens=tokens)
+
+
+def flush_possible(lengths, capacity: int, blk: int) -> bool:
+    """Whether a generation up to `capacity` tokens ever flushes a tail block (one every blk steps)."""
+    return int(capacity) - int(np.max(lengths, initial=0)) >= blk
 
 
 def tail_slots(lengths, capacity: int, blk: int) -> int:

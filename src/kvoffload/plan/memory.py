@@ -115,7 +115,7 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
-                prefill_workspace_gb: float = 2.0) -> MemoryPlan:
+                tail_x: bool = True, prefill_workspace_gb: float = 2.0) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace."""
@@ -150,7 +150,9 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     host = dict(pool_h) if host_pool else {}
     host["weights"] = L * wb.per_layer if offload_weights else 0
     g = max(1, len(layouts))
-    tail_tok = cfg.kv_bytes_per_token * p + (cfg.hidden_size * p if any(len(l.extents_of("act")) for l in layouts) else 0)
+    has_x = any(len(l.extents_of("act")) for l in layouts)
+    x_tok = cfg.hidden_size * p if has_x else 0
+    tail_tok = cfg.kv_bytes_per_token * p + (x_tok if tail_x else 0)
     b = -(-batch // g)
     gpu = {
         "weights": wb.other + (min(inflight, L) * wb.per_layer if offload_weights else L * wb.per_layer),
@@ -160,7 +162,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         "GPU tails": L * batch * tail_slots * tail_tok,
         # prefill of one layer of one GPU batch: the batch's hidden states and K/V/X, and one row
         # chunk's attention / MLP workspace; the logits
-        "workspace": b * t_pad * (2 * cfg.hidden_size * p + tail_tok) + min(b, chunk) * per_row
+        "workspace": b * t_pad * (2 * cfg.hidden_size * p + cfg.kv_bytes_per_token * p + x_tok) + min(b, chunk) * per_row
         + b * cfg.vocab_size * 4 * 2,
     }
     kind, note = M.host_memory_kind()

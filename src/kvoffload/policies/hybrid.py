@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from kvoffload.offload.pipeline import GroupPlan, LayerHooks, tail_slots
+from kvoffload.offload.pipeline import GroupPlan, LayerHooks, flush_possible, tail_slots
 from kvoffload.plan.hybrid import (
     BlockAllocation,
     BlockRates,
@@ -174,6 +174,7 @@ class HybridHooks(LayerHooks):
             mem = pool_memory(cfg, dtype, lays, len(lengths), t_pad, host_pool=True,
                               offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
                               inflight=max(o.sync_depth, 2), tail_slots=tail_slots(lengths, capacity, blk),
+                              tail_x=flush_possible(lengths, capacity, blk),
                               prefill_workspace_gb=o.prefill_workspace_gb)
             other = mem.gpu_bytes
             per_block = L * (rates.act_bytes if gpu_kind == "act" else rates.kv_bytes)
