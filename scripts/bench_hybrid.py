@@ -30,7 +30,9 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "118")
+# XLA's pinned pool grows by doubling regions: cap it below the machine's memory, or one growth step
+# past the free memory gets the process killed
+os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--gpu-budget-gb", type=float, default=24.0)
-    ap.add_argument("--host-reserve-gb", type=float, default=10.0, help="host memory left free beside the pool")
+    ap.add_argument("--host-reserve-gb", type=float, default=5.0, help="host memory left free beside the pool")
+    ap.add_argument("--mini-batch-gb", type=float, default=0.5, help="hybrid's transfer buffer per mini-batch")
     ap.add_argument("--ratios", default="0,0.167,0.333,0.5,0.667,0.833,1", help="forced host ACT shares to sweep")
     ap.add_argument("--no-kvpr", action="store_true")
     ap.add_argument("--flexgen", action="store_true", help="run FlexGen first (needs peers/FlexLLMGen)")
@@ -174,16 +177,21 @@ def main(argv=None) -> int:
     ppath = os.path.join(args.out, f"profile_{args.model}.json")
     write_profile(prof, ppath)
     model = make_model(args.model, jnp.bfloat16, offload_weights=True)
-    host_gb = (M.available_host_bytes() or 0) / 1e9 - args.host_reserve_gb
+    from kvoffload.plan.memory import weight_bytes
+
+    w_gb = cfg.num_layers * weight_bytes(cfg, jnp.bfloat16, model.params).per_layer / 1e9
+    cap_gb = float(os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]) * 2**30 / 1e9
+    host_gb = min((M.available_host_bytes() or 0) / 1e9 - args.host_reserve_gb, cap_gb - w_gb - args.host_reserve_gb)
     res["host_budget_gb"] = host_gb
     log(f"{dev.device_kind}: model {args.model} in host memory; host budget {host_gb:.1f} GB, GPU budget "
         f"{args.gpu_budget_gb} GB")
     base = dict(block_tokens=args.block_tokens, profile=ppath, host_memory_limit_gb=host_gb,
                 gpu_memory_limit_gb=args.gpu_budget_gb, offload_weights=True, schedule="column")
-    configs = [("hybrid", "hybrid", {})]
+    mb = {"mini_batch_gb": args.mini_batch_gb}
+    configs = [("hybrid", "hybrid", dict(mb))]
     for r in [float(x) for x in args.ratios.split(",") if x.strip()]:
         name = "kv-only" if r == 0 else "act-only" if r == 1 else f"act-share {r:.3f}"
-        configs.append((name, "hybrid", {"act_share": r}))
+        configs.append((name, "hybrid", {"act_share": r, **mb}))
     if not args.no_kvpr:
         configs.append(("kvpr", "kvpr", {"kvpr_store": "split", "gpu_batches": 4}))
     for name, policy, opts in configs:

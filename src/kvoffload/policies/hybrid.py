@@ -74,7 +74,7 @@ class HybridHooks(LayerHooks):
     name = "hybrid"
     kinds = ("kv", "act")
 
-    def __init__(self, act_share=None, gpu_blocks="auto", mini_batch_gb=2.0, host_budget_gb=None, allocation="balance"):
+    def __init__(self, act_share=None, gpu_blocks="auto", mini_batch_gb=0.5, host_budget_gb=None, allocation="balance"):
         if act_share is not None and not 0.0 <= float(act_share) <= 1.0:
             raise ValueError(f"act_share must be in [0, 1] (0: KV-only, 1: ACT-only) or None, got {act_share}")
         if gpu_blocks != "auto" and int(gpu_blocks) < 0:
@@ -234,7 +234,7 @@ class HybridPolicy(LayeredPolicy):
 
     def make_hooks(self, act_share=None, gpu_blocks="auto", mini_batch_gb=None, host_budget_gb=None, allocation=None):
         return HybridHooks(act_share=act_share, gpu_blocks="auto" if gpu_blocks is None else gpu_blocks,
-                           mini_batch_gb=2.0 if mini_batch_gb is None else mini_batch_gb,
+                           mini_batch_gb=0.5 if mini_batch_gb is None else mini_batch_gb,
                            host_budget_gb=host_budget_gb, allocation=allocation or "balance")
 
     def describe(self, state=None) -> dict:
