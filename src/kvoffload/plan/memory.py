@@ -176,7 +176,7 @@ def check_memory(plan: MemoryPlan, *, host_available: float | None = None, gpu_a
     host memory as well (a CPU backend), so both sides must fit host memory together."""
     host_available = M.available_host_bytes() if host_available is None else host_available
     gpu_available = M.available_device_bytes() if gpu_available is None else gpu_available
-    need_h = plan.host_bytes + (plan.gpu_bytes if device_is_host and gpu_available is None else 0)
+    need_h = plan.host_bytes + (plan.gpu_bytes if device_is_host else 0)
     problems = []
     if host_cap is not None and plan.host_bytes > host_cap:
         problems.append(
