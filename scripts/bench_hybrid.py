@@ -97,25 +97,15 @@ def largest_batch(pol, model, prompt: int, gen: int, hi: int) -> tuple[int, str]
 
 
 def measure(pol, model, batch: int, prompt: int, gen: int, warmup: int, steps: int) -> dict:
-    import jax
     import jax.numpy as jnp
+
+    from kvoffload.offload.bench import timed_decode
 
     cfg = model.config
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(4, cfg.vocab_size - 1, (batch, prompt)), jnp.int32)
-    t0 = time.perf_counter()
-    logits, state = pol.prefill(model, tokens, np.full(batch, prompt), prompt + gen)
-    argmax = jax.jit(lambda x: jnp.argmax(x, -1).astype(jnp.int32))
-    nxt = argmax(logits)
-    np.asarray(nxt)
-    prefill_s = time.perf_counter() - t0
-    times = []
-    for _ in range(warmup + steps):
-        t = time.perf_counter()
-        logits, state = pol.decode_step(model, state, nxt)
-        nxt = argmax(logits)
-        np.asarray(nxt)
-        times.append(time.perf_counter() - t)
+    prefill_s, times, logits, state, _ = timed_decode(pol, model, tokens, np.full(batch, prompt), prompt + gen,
+                                                      warmup + steps)
     rec = dict(state.records[-1])
     step = float(np.median(times[warmup:]))
     out = {"batch": batch, "prefill_s": prefill_s, "step_times_s": times, "step_s": step, "tok_s": batch / step,

@@ -3,29 +3,21 @@
 
 The FlexGen peer lives git-ignored in peers/FlexLLMGen; tests that need it skip where it is absent."""
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
+from script_loader import script_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_flexgen.py"
 HAVE_PEER = (ROOT / "peers" / "FlexLLMGen" / "flexllmgen" / "flex_opt.py").exists()
 needs_peer = pytest.mark.skipif(not HAVE_PEER, reason="FlexGen peer not exported to peers/FlexLLMGen")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_flexgen", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while being built
-    try:
-        spec.loader.exec_module(mod)
+    with script_module("bench_flexgen") as mod:
         yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_config_round_trip_and_flags(bench):

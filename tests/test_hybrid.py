@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvoffload.engine import generate, pad_prompts
 from kvoffload.models import tiny_random_model
-from kvoffload.offload.pool import BlockAllocator, BlockClass, PoolLayout, _class_pattern, allocate_prompts_aligned
+from kvoffload.offload.pool import BlockAllocator, BlockClass, _class_pattern, allocate_prompts_aligned
 from kvoffload.plan.cost import Linear
 from kvoffload.plan.hybrid import (
     BlockRates,

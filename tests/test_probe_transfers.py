@@ -1,26 +1,17 @@
 """scripts/probe_transfers.py --smoke: every probe runs, reports numbers and moves data correctly."""
 
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import pytest
+from script_loader import script_module
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "probe_transfers.py"
 
 
 @pytest.fixture(scope="module")
 def probe_module():
-    spec = importlib.util.spec_from_file_location("probe_transfers", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while being built
-    try:
-        spec.loader.exec_module(mod)
+    with script_module("probe_transfers") as mod:
         yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.fixture(scope="module")

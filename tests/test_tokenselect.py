@@ -105,11 +105,6 @@ def _vote_f64(q, keys, alloc, blk):
 
 
 def test_soft_vote_matches_float64_across_extents():
-    with jax.default_matmul_precision("highest"):  # a GPU's default fp32 matmul is TF32: 1e-3, not 1e-6
-        _soft_vote_matches_float64_across_extents()
-
-
-def _soft_vote_matches_float64_across_extents():
     rng = np.random.default_rng(0)
     # 11 blocks in 3 extents; requests interleaved across all of them, one slot free, request 2 owns none
     owners = [0, 1, 0, 1, 0, -1, 1, 0, 1, 0, 0]

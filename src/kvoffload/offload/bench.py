@@ -116,11 +116,42 @@ def run_hf(shape: dict, batch: int, prompt: int, steps: int, caches=("offloaded"
 # ------------------------------------------------------------------------------------------------
 
 
+def _greedy(logits):
+    import jax
+    import jax.numpy as jnp
+
+    global _GREEDY
+    if _GREEDY is None:
+        _GREEDY = jax.jit(lambda x: jnp.argmax(x, -1).astype(jnp.int32))
+    return _GREEDY(logits)
+
+
+_GREEDY = None
+
+
+def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: float | None = None):
+    """Prefill, then n_steps greedy decode steps each ending when its tokens are on the host (as a
+    generation loop that reads every token). Returns (prefill seconds since t0, per-step seconds,
+    logits, state, the last tokens)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    logits, state = pol.prefill(model, tokens, lengths, capacity)
+    nxt = _greedy(logits)
+    np.asarray(nxt)
+    prefill_s = time.perf_counter() - t0
+    times = []
+    for _ in range(n_steps):
+        t = time.perf_counter()
+        logits, state = pol.decode_step(model, state, nxt)
+        nxt = _greedy(logits)
+        np.asarray(nxt)
+        times.append(time.perf_counter() - t)
+    return prefill_s, times, logits, state, nxt
+
+
 def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0, lengths=None, back_to_back=0):
     """Prefill at `context` (or ragged `lengths`), `warmup` decode steps, then `steps` timed steps, each
     ending when its greedy tokens are on the host (as a generation loop that reads every token), and
     with back_to_back > 0 also that many steps dispatched without a host read (one wait at the end)."""
-    import jax
     import jax.numpy as jnp
 
     from kvoffload.policies import make_policy
@@ -133,25 +164,14 @@ def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0, len
     t0 = time.perf_counter()
     # `full` takes the same pool options (same blocks and extents) but keeps everything on the device
     pol = make_policy(policy_name, **{k: v for k, v in opts.items() if policy_name != "full" or k != "offload_weights"})
-    logits, state = pol.prefill(model, tokens, lengths, capacity)
-    argmax = jax.jit(lambda x: jnp.argmax(x, -1).astype(jnp.int32))
-    nxt = argmax(logits)
-    np.asarray(nxt)
-    prefill_s = time.perf_counter() - t0
-    times = []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        logits, state = pol.decode_step(model, state, nxt)
-        nxt = argmax(logits)
-        np.asarray(nxt)
-        times.append(time.perf_counter() - t)
+    prefill_s, times, logits, state, nxt = timed_decode(pol, model, tokens, lengths, capacity, warmup + steps, t0)
     res = {"policy": policy_name, "context": context, "prefill_s": prefill_s, "step_times_s": times[warmup:],
            "step_s": float(np.median(times[warmup:])), "warmup_s": times[:warmup]}
     if back_to_back:
         t = time.perf_counter()
         for _ in range(back_to_back):
             logits, state = pol.decode_step(model, state, nxt)
-            nxt = argmax(logits)
+            nxt = _greedy(logits)
         np.asarray(nxt)
         res["back_to_back_step_s"] = (time.perf_counter() - t) / back_to_back
     res["plan"] = dict(state.records[-1]) if state.records else None

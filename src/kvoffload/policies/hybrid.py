@@ -128,8 +128,6 @@ class HybridHooks(LayerHooks):
                               extent_mb=pipe.opts.extent_mb) for a, z in rows]
 
     def _plan(self, pipe, model, dtype, lengths, capacity) -> HybridPlan:
-        import jax.numpy as jnp
-
         from kvoffload.plan.memory import pool_memory, weight_bytes
 
         cfg, o = model.config, pipe.opts
@@ -140,7 +138,6 @@ class HybridHooks(LayerHooks):
         rates = BlockRates.of(pipe.cost, pipe.shape(model), blk, offload_weights=o.offload_weights,
                               batch=len(lengths))
         host_bytes, gpu_bytes = self._budgets(pipe, model, dtype)
-        p = jnp.dtype(dtype).itemsize
 
         total = int(n_blocks.sum())
 
