@@ -18,6 +18,7 @@ from kvoffload.plan.clo import (
     layer_compute_s,
     load_clo_profile,
     persistent_heads,
+    plan_persistent_heads,
     prefetchable_heads,
     profile_query_similarity,
     reuse_difficulty,
@@ -211,3 +212,26 @@ def test_profile_json_round_trip(tmp_path):
         load_clo_profile(str(bad))
     with pytest.raises(CloPlanError, match="not found"):
         load_clo_profile(str(tmp_path / "missing.json"))
+
+
+def test_plan_persistent_heads_composes_the_formulas():
+    model = tiny_random_model("llama")  # 2 layers, 2 KV heads, head_dim 16
+    cfg = model.config
+    cost = CostModel(h2d=Linear(1e-5, 1 / 1.6e9), d2h=Linear(1e-5, 1 / 1.6e9), recompute=Linear(0, 1e-12),
+                     attention=Linear(0, 1e-12), dense=Linear(4e-6, 1e-15), hbm_bw=1e15)
+    shape = LayerShape(x_tok=128, kv_tok=128, recompute_flops_tok=1e3, dense_flops_tok=1e6, w_layer=1e3, w_kv=0)
+    scores = [[0.9, 0.2], [1.0, 0.1]]
+    s_hat = [[0.3, 0.6], [0.25, 0.5]]
+    mask, rep = plan_persistent_heads(cfg, cost, shape, s_hat, scores, batch=4, context=1000, k_tokens=100,
+                                      sink=4, recent=16, dtype_bytes=2, eta=0.8, p=3.0, epsilon=0.05)
+    # T_comp = dense 4e-6 + 1e-15 * 4 * 1e6 + attention 1e-12 * 4 * 120 * 128 = 4.004e-6 + 6.144e-8
+    t_comp = 4.004e-6 + 1e-12 * 4 * 120 * 128
+    assert rep["t_comp_s"] == pytest.approx(t_comp, rel=1e-12)
+    # mem_head = 2 * 4 * 100 * 16 * 2 = 25600 B; one fetch 25600 / 1.6e9 = 16 us > T_comp: N_p = 0
+    assert rep["mem_head_bytes"] == 25600 and rep["n_p"] == [0, 0]
+    # layer 1: tau(1.0) = .8, D = .8 - .25 + .05 = .6 > 0; tau(.1) = cos(.001 a + .999 pi) ~ -1, D < 0
+    np.testing.assert_allclose(rep["D"][1], [0.6, np.cos(1e-3 * math.acos(0.8) + 0.999 * math.pi) - 0.45], atol=1e-6)
+    np.testing.assert_array_equal(mask, [[1, 1], [1, 0]])
+    assert rep["total_bytes"] == 3 * 2 * 4 * 1000 * 16 * 2
+    with pytest.raises(CloPlanError):
+        plan_persistent_heads(cfg, cost, shape, [[0.3, 0.6]], scores, batch=4, context=1000, k_tokens=100)

@@ -173,6 +173,28 @@ def persistent_heads(D, n_p, gpu_budget_bytes: float | None, full_head_bytes) ->
     return mask, report
 
 
+def plan_persistent_heads(cfg: ModelConfig, cost: CostModel, shape: LayerShape, s_hat, scores, *, batch: int,
+                          context: int, k_tokens: int, sink: int = 4, recent: int = 64, dtype_bytes: int = 2,
+                          gpu_budget_bytes: float | None = None, eta: float = 0.8, p: float = 3.0,
+                          epsilon: float = 0.05) -> tuple[np.ndarray, dict]:
+    """The whole item: thresholds from `scores` (`kv_thresholds`), D from the profiled s_hat [L, n_kv],
+    T_comp of a layer attending k_tokens + sink + recent tokens per sequence (`layer_compute_s`),
+    N_p with mem_head = one head's top-k K/V for the batch and B_pcie = the cost model's H2D
+    bandwidth, then `persistent_heads` with each head's whole KV (context tokens) as its size.
+    Returns (mask, report); the report also carries tau, D, t_comp_s, mem_head_bytes."""
+    tau = kv_thresholds(scores, cfg.num_kv_heads, eta, p)
+    s_hat = np.asarray(s_hat, np.float64)
+    if s_hat.shape != (cfg.num_layers, cfg.num_kv_heads):
+        raise CloPlanError(f"s_hat must be [{cfg.num_layers}, {cfg.num_kv_heads}] for this model, got {s_hat.shape}")
+    D = reuse_difficulty(tau, s_hat, epsilon)
+    t_comp = layer_compute_s(cost, shape, batch, k_tokens + sink + recent)
+    mem_head = topk_head_bytes(cfg.head_dim, k_tokens, batch, dtype_bytes)
+    n_p = prefetchable_heads(np.full(cfg.num_layers, t_comp), cost.pcie_bw, mem_head)
+    mask, report = persistent_heads(D, n_p, gpu_budget_bytes, full_head_bytes(cfg.head_dim, context, batch, dtype_bytes))
+    report.update(tau=tau.tolist(), D=D.tolist(), t_comp_s=t_comp, mem_head_bytes=mem_head)
+    return mask, report
+
+
 # -- the profiling pre-run: s_hat on a real model --------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
