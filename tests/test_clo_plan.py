@@ -104,6 +104,8 @@ def test_persistent_heads_hand_worked():
     np.testing.assert_array_equal(mask, [[1, 1, 1, 1], [0, 0, 1, 0], [1, 1, 0, 0]])
     assert rep["n_kept"] == [4, 1, 2] and rep["bytes"] == [400.0, 100.0, 200.0] and rep["total_bytes"] == 700.0
     assert rep["dropped"] == []
+    with pytest.raises(CloPlanError):
+        persistent_heads(D, [1, 2], None, 100.0)
     # N_p >= N_d -> nothing persistent beyond layer 0; a tie (L2 heads 2, 3 at .125) goes to head 2
     mask, rep = persistent_heads(D, [0, 5, 1], None, 100.0)
     assert rep["n_persist"] == [4, 0, 3]

@@ -134,12 +134,14 @@ def persistent_heads(D, n_p, gpu_budget_bytes: float | None, full_head_bytes) ->
     if D.ndim != 2 or D.shape[0] < 1 or not np.all(np.isfinite(D)):
         raise CloPlanError(f"D must be a finite [layers, kv_heads] array, got shape {D.shape}")
     L, n_kv = D.shape
-    n_p = np.broadcast_to(np.asarray(n_p, np.int64), (L,))
-    if np.any(n_p < 0):
-        raise CloPlanError(f"N_p must be >= 0, got {n_p.tolist()}")
-    hb = np.broadcast_to(np.asarray(full_head_bytes, np.float64), D.shape)
-    if np.any(hb <= 0):
-        raise CloPlanError("full_head_bytes must be > 0")
+    n_p = np.asarray(n_p, np.int64)
+    if n_p.shape not in ((), (L,)) or np.any(n_p < 0):
+        raise CloPlanError(f"N_p must be >= 0, a scalar or one per layer ({L}), got {n_p.tolist()}")
+    n_p = np.broadcast_to(n_p, (L,))
+    hb = np.asarray(full_head_bytes, np.float64)
+    if hb.shape not in ((), D.shape) or np.any(hb <= 0):
+        raise CloPlanError(f"full_head_bytes must be > 0, a scalar or [layers, kv_heads], got shape {hb.shape}")
+    hb = np.broadcast_to(hb, D.shape)
     if gpu_budget_bytes is not None and gpu_budget_bytes < 0:
         raise CloPlanError(f"gpu_budget_bytes must be >= 0, got {gpu_budget_bytes}")
 
