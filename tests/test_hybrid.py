@@ -270,3 +270,28 @@ def test_planner_counts_gpu_resident_blocks_on_the_gpu():
     assert plans[0].gpu["activation blocks (GPU-resident)"] > 0 and plans[0].host["activation blocks"] == 0
     assert plans[1].host["activation blocks"] == plans[0].gpu["activation blocks (GPU-resident)"]
     assert plans[0].host["K/V blocks"] == plans[1].host["K/V blocks"] > 0
+
+
+def test_gpu_resident_blocks_fill_the_gpu_budget_and_no_more():
+    """gpu_blocks=auto: the blocks the requests' class patterns really put on the GPU stay within what
+    the GPU budget leaves, and a budget below the rest of the plan is refused before allocating."""
+    from kvoffload.plan import MemoryPlanError
+
+    model = tiny_random_model("opt", seed=4)
+    tokens, lengths = pad_prompts([list(range(1, 40)), list(range(5, 45)), list(range(3, 43))])
+    lengths = np.asarray(lengths)
+    opts = dict(BASE, act_share=1.0)
+    none = make_policy("hybrid", **opts, gpu_blocks=0, gpu_memory_limit_gb=1.0)
+    none.pipeline.plan(model, lengths, tokens.shape[1], 64)
+    rest = none.pipeline.memory_plan.gpu_bytes
+    per_block = model.config.num_layers * BLOCK * model.config.hidden_size * 4
+    for room in (3, 10):
+        pol = make_policy("hybrid", **opts, gpu_memory_limit_gb=(rest + room * per_block + 1) / 1e9)
+        pol.pipeline.plan(model, lengths, tokens.shape[1], 64)
+        plan = pol.pipeline.hooks.plan
+        on_gpu = [i for i, c in enumerate(plan.classes) if c.device]
+        real = int(request_blocks(plan.classes, lengths // BLOCK + (64 - lengths.max()) // BLOCK)[:, on_gpu].sum())
+        assert 0 < real <= room, (room, real)
+        assert pol.pipeline.memory_plan.gpu_bytes <= rest + room * per_block + 1
+    with pytest.raises(MemoryPlanError, match="GPU"):
+        make_policy("hybrid", **opts, gpu_memory_limit_gb=rest / 2 / 1e9).pipeline.plan(model, lengths, tokens.shape[1], 64)

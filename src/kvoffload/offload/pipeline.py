@@ -345,9 +345,9 @@ class LayerHooks:
         return PoolSources(k=tuple(ks), v=tuple(vs), x=tuple(xs), recompute=rec,
                            prompt_extents=group.layout.prompt_extents)
 
-    def group_rows(self, pipe: "LayerPipeline", model, lengths, capacity: int) -> list:
+    def group_rows(self, pipe: "LayerPipeline", model, lengths, capacity: int, t_pad: int | None = None) -> list:
         """The GPU batches: contiguous row ranges (start, stop) of the batch (default: gpu_batches
-        ranges of equal size)."""
+        ranges of equal size). t_pad: the prompts' padded length (what prefill's workspace holds)."""
         b = len(lengths)
         g = min(pipe.opts.gpu_batches, b)
         bounds = np.linspace(0, b, g + 1).astype(int)
@@ -483,7 +483,7 @@ class LayerPipeline:
         dtype = model.params.layers[0].wk.dtype
         lengths = np.asarray(lengths, np.int64)
         b = len(lengths)
-        rows = self.hooks.group_rows(self, model, lengths, capacity)
+        rows = self.hooks.group_rows(self, model, lengths, capacity, t_pad=t_pad)
         layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths, capacity)
         self.memory_plan = pool_memory(cfg, dtype, layouts, b, t_pad, host_pool=self.host_pool,
                                        offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),

@@ -111,8 +111,8 @@ class HybridHooks(LayerHooks):
         return host, gpu
 
     # -- prefill: allocation, mini-batches, layouts -------------------------------------------
-    def group_rows(self, pipe, model, lengths, capacity):
-        self.plan = self._plan(pipe, model, model.params.layers[0].wk.dtype, lengths, capacity)
+    def group_rows(self, pipe, model, lengths, capacity, t_pad=None):
+        self.plan = self._plan(pipe, model, model.params.layers[0].wk.dtype, lengths, capacity, t_pad)
         return self.plan.rows
 
     def pool_layouts(self, pipe, model, dtype, rows, lengths, capacity):
@@ -127,7 +127,7 @@ class HybridHooks(LayerHooks):
         return [hybrid_layout(model.config, p, lengths[a:z], capacity, classes, block_tokens=pipe.opts.block_tokens,
                               extent_mb=pipe.opts.extent_mb) for a, z in rows]
 
-    def _plan(self, pipe, model, dtype, lengths, capacity) -> HybridPlan:
+    def _plan(self, pipe, model, dtype, lengths, capacity, t_pad=None) -> HybridPlan:
         from kvoffload.plan.memory import pool_memory, weight_bytes
 
         cfg, o = model.config, pipe.opts
@@ -164,10 +164,9 @@ class HybridHooks(LayerHooks):
         alloc, used, classes, rows, kv_max, act_max = plan_for(g_blocks, gpu_kind)
         if self.gpu_blocks == "auto" and pipe.host_pool:
             # what the GPU holds besides resident blocks (weights in flight, transfer buffers, tails,
-            # workspace) at this packing; the rest of the budget holds blocks (one request's rounding
-            # per mini-batch kept free)
+            # workspace) at this packing; the rest of the budget holds blocks
             lays = self._layouts(pipe, model, dtype, classes, rows, lengths, capacity)
-            t_pad = -(-int(lengths.max()) // blk) * blk
+            t_pad = t_pad or -(-int(lengths.max()) // blk) * blk
             mem = pool_memory(cfg, dtype, lays, len(lengths), t_pad, host_pool=True,
                               offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
                               inflight=max(o.sync_depth, 2), tail_slots=tail_slots(lengths, capacity, blk),
@@ -175,9 +174,21 @@ class HybridHooks(LayerHooks):
                               prefill_workspace_gb=o.prefill_workspace_gb)
             other = mem.gpu_bytes
             per_block = L * (rates.act_bytes if gpu_kind == "act" else rates.kv_bytes)
-            g_blocks = max(0, int((gpu_bytes - other) // per_block) - len(lengths) * len(classes))
-            if g_blocks:
+            g_cap = max(0, int((gpu_bytes - other) // per_block))
+            g_blocks = g_cap
+            for _ in range(4):  # the requests' class patterns round the share: hold the real count to the cap
+                if not g_blocks:
+                    break
                 alloc, used, classes, rows, kv_max, act_max = plan_for(g_blocks, gpu_kind)
+                on_gpu = [i for i, c in enumerate(classes) if c.device]
+                real = int(request_blocks(classes, n_blocks)[:, on_gpu].sum()) if on_gpu else 0
+                if real <= g_cap:
+                    break
+                g_blocks = max(0, g_blocks - (real - g_cap))
+            else:
+                g_blocks = 0
+            if not g_blocks:
+                alloc, used, classes, rows, kv_max, act_max = plan_for(0, gpu_kind)
         per_req_bytes = float(np.mean(n_blocks)) * L * (
             alloc.act_share_host * rates.act_bytes + (1 - alloc.act_share_host) * rates.kv_bytes)
         # (max_requests: at Algorithm 1's allocation for the host budget)
