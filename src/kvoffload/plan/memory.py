@@ -115,11 +115,14 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
-                tail_x: bool = True, prefill_workspace_gb: float = 2.0) -> MemoryPlan:
+                tail_x: bool = True, prefill_workspace_gb: float = 2.0, host_dtype: str = "native",
+                int4_group_size: int = 64) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
-    workspace."""
+    workspace. host_dtype: how host K/V blocks are stored ("int4": codes + scales, dequantized on the
+    GPU one extent at a time; GPU-resident blocks and activations stay in the model's dtype)."""
     from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
+    from kvoffload.plan.cost import stored_kv_bytes_per_token
 
     p = jnp.dtype(dtype).itemsize
     tail_slots = 2 * layouts[0].block_tokens if tail_slots is None else int(tail_slots)
@@ -128,17 +131,21 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     wb = weights or weight_bytes(cfg, dtype)
     L = cfg.num_layers
     kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
+    kv_host_tok = stored_kv_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size)
+    kv_host_blk = lambda lay: int(lay.block_tokens * kv_host_tok)  # noqa: E731  (as the host pool stores them)
     x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p  # noqa: E731
     # every extent of every layer, on the host (a host pool) or on the GPU (a device pool, or a
     # device-resident block class)
     pool_h = {"K/V blocks": 0, "activation blocks": 0}
     pool_d = {"K/V blocks": 0, "activation blocks": 0}
-    per_layer_fetch, rec_ws = 0, 0
+    per_layer_fetch, rec_ws, deq_ws = 0, 0, 0
     for lay in layouts:
         fetch = 0
         for e in range(lay.num_extents):
             side = pool_h if host_pool and not lay.on_device(e) else pool_d
-            kv_e = lay.size(e) * kv_blk(lay) if lay.has("kv", e) else 0
+            kv_e = lay.size(e) * (kv_host_blk(lay) if side is pool_h else kv_blk(lay)) if lay.has("kv", e) else 0
+            if side is pool_h and kv_e and kv_host_tok != cfg.kv_bytes_per_token * p:
+                deq_ws = max(deq_ws, lay.size(e) * kv_blk(lay))  # one fetched extent's K/V, dequantized
             x_e = lay.size(e) * x_blk(lay) if lay.has("act", e) else 0
             side["K/V blocks"] += L * kv_e
             side["activation blocks"] += L * x_e
@@ -159,6 +166,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         **({f"{k} (GPU-resident)" if host_pool else k: v for k, v in pool_d.items()}),
         "transfer buffers": inflight * per_layer_fetch if host_pool else 0,
         "recompute workspace": 2 * rec_ws,
+        "dequantize workspace": deq_ws,
         "GPU tails": L * batch * tail_slots * tail_tok,
         # prefill of one layer of one GPU batch: the batch's hidden states and K/V/X, and one row
         # chunk's attention / MLP workspace; the logits
