@@ -26,6 +26,12 @@ tables, folded into an fp32 accumulator with ``ops.merge_attention_into``), then
 runs the same programs over the same pool in device memory, so an offloading policy that moves the
 same blocks gives `full`'s logits bit for bit.
 
+int4 host storage (``host_dtype="int4"``, offload and kvpr): every K and V extent of a host pool is a
+``QuantizedInt4`` (uint8 codes, float32 step and min per group), quantized on the GPU on its way to the
+host (prefill's extents, each flushed block: its three arrays written in place), fetched as it is in
+the same eager ``device_put`` list and dequantized to the compute dtype inside the layer program
+(`native_kv`) before the paged attention; activations and the GPU tails stay in the model's dtype.
+
 State: `DecodeState` is a pytree (pool arrays, tails, tables) with host bookkeeping (the allocator,
 counters, the step records) as static fields; a step takes it and returns a new one.
 """
