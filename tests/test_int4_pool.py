@@ -13,7 +13,7 @@ import pytest
 
 from kvoffload import ops
 from kvoffload.compile_count import count_compilations
-from kvoffload.engine import generate, pad_prompts
+from kvoffload.engine import pad_prompts
 from kvoffload.models import tiny_random_model
 from kvoffload.offload import memory as M
 from kvoffload.plan.cost import LayerShape, stored_kv_bytes_per_token
@@ -57,10 +57,12 @@ CASES = [
     ("offload", dict()),
     ("kvpr", dict(split_point=16)),  # mid prompt: extents below recomputed from (native) X, int4 K/V above
     ("kvpr", dict()),  # the scheduler's choice (int4 K/V are smaller than an activation: no recompute)
+    ("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3, offload_weights=True)),
 ]
 
 
-@pytest.mark.parametrize("policy,opts", CASES, ids=["offload", "kvpr-split16", "kvpr-scheduler"])
+@pytest.mark.parametrize("policy,opts", CASES,
+                         ids=["offload", "kvpr-split16", "kvpr-scheduler", "kvpr-store-split-column"])
 def test_int4_logits_stay_near_native(model, native, policy, opts):
     """Teacher-forced with the native run's greedy tokens (so every step sees the same context).
 
@@ -156,7 +158,8 @@ def test_int4_moves_a_quarter_plus_scales_and_plans_it():
     assert mq.gpu["transfer buffers"] < mn.gpu["transfer buffers"]
     assert mq.gpu["dequantize workspace"] > 0 == mn.gpu["dequantize workspace"]
     shape = pq.pipeline.shape(bf16)
-    assert shape.kv_host_tok == pytest.approx(ratio * shape.kv_tok) and pn.pipeline.shape(bf16).kv_host_tok == shape.kv_tok
+    assert shape.kv_host_tok == pytest.approx(ratio * shape.kv_tok)
+    assert pn.pipeline.shape(bf16).kv_host_tok == shape.kv_tok
     # the predicted transfer of a step shrinks with the bytes
     assert sq.records[-1]["predicted_transfer_s"] < sn.records[-1]["predicted_transfer_s"]
 
@@ -172,14 +175,16 @@ def test_cost_model_decides_on_the_stored_bytes():
 
 def test_flush_writes_the_quantized_tail_block(model):
     """The flush path: the oldest blk tail tokens of every request, quantized (quantize_int4, exactly),
-    land in the request's new block of the host extent, in its three arrays in host memory; its
+    land in the request's new block of the host extent, its three arrays written in place (donated) in
+    host memory; its
     dequantized values lie within step/2 of the tail's (a NumPy check of the int4 round trip); the
     other blocks are untouched."""
     _, _, pol, state = _run(model, "offload", steps=BLOCK - 1, int4_group_size=16, **INT4)
     gr = state.groups[0]
     lay = gr.layout
-    tail = np.asarray(gr.tail_k[1])[:, :, :BLOCK]  # [B, n_kv, blk, d], before the flush donates the tail
-    before = [jax.tree.map(np.asarray, e) for e in gr.pool_k[1]]
+    tail = np.array(gr.tail_k[1])[:, :, :BLOCK]  # [B, n_kv, blk, d], a copy: the flush donates the tail
+    before = [jax.tree.map(np.array, e) for e in gr.pool_k[1]]  # copies (a view would block the donation)
+    old_exts = gr.pool_k[1]
     new = pol.pipeline.flush(gr)[0]
     ids = [new.alloc.tables[r][-1] for r in range(gr.size)]
     exts, slots = lay.locate(ids)
@@ -196,6 +201,8 @@ def test_flush_writes_the_quantized_tail_block(model):
         c = np.concatenate([codes & 15, codes >> 4], -1).astype(np.float32)
         step, mn = np.repeat(np.asarray(ext.step[s]), 16, -1), np.repeat(np.asarray(ext.mn[s]), 16, -1)
         assert np.all(np.abs(c * step + mn - tail[r]) <= step / 2 + 1e-6)
+    for e in set(exts.tolist()):  # written in place: the donated write consumed each of the three arrays
+        assert all(a.is_deleted() for a in jax.tree.leaves(old_exts[e]))
     written = set(zip(exts.tolist(), slots.tolist()))
     for e, old in enumerate(before):
         for s in range(lay.size(e)):

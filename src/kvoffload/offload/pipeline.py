@@ -814,8 +814,8 @@ class LayerPipeline:
             lp = model.params.layers[0]
             wb = weight_bytes(model.config, lp.wk.dtype, model.params)
             self._shape_key = key
-            self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer, wb.kv_per_layer,
-                                            host_dtype="int4" if self.int4 else "native",
+            self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
+                                            wb.kv_per_layer, host_dtype="int4" if self.int4 else "native",
                                             int4_group_size=self.opts.int4_group_size)
         return self._shape_val
 

@@ -12,8 +12,8 @@ extent is one array -- K and V ``[E, n_kv, blk, d]``, activations X ``[E, blk, H
 memory (offloading policies) or device memory (`full`). Block id b lives in extent b // E at slot
 b % E. A host pool may store K and V in int4 (``host_dtype="int4"``): each such extent is then a
 ``QuantizedInt4`` of three arrays (codes, step, min) with the same leading [E, n_kv, blk] axes, written
-and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole array overlaps the jitted compute
-dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
+and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole
+array overlaps the jitted compute dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
 fetches must move few, large arrays; an extent of tens of MiB moves at the PCIe floor. Every extent
 of a run has one shape, so no program compiles again as a generation grows. Allocation is lowest id
 first and the prompt is laid out position-major (block j of every request before block j + 1), so the

@@ -32,7 +32,8 @@ def no_recompute_reason(shape: LayerShape) -> str | None:
     if shape.x_tok >= shape.kv_host_tok:  # the bytes a fetch moves: K/V as the host pool stores them
         why = "GQA" if shape.kv_host_tok == shape.kv_tok else "K/V stored in int4"
         return (f"no recompute: an activation ({shape.x_tok:.0f} B/token) is at least as large as its K/V "
-                f"({shape.kv_host_tok:.0f} B/token, {why}), so recomputing can only add PCIe bytes; no activations stored")
+                f"({shape.kv_host_tok:.0f} B/token, {why}), so recomputing can only add PCIe bytes; "
+                "no activations stored")
     return None
 
 
