@@ -373,7 +373,8 @@ class LayerHooks:
         from kvoffload.plan.memory import plan_pool
 
         plan = plan_pool(model.config, dtype, [lengths[a:z] for a, z in rows], capacity,
-                         block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb)
+                         block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb,
+                         host_dtype="int4" if pipe.int4 else "native")
         return [self.split_store(pipe, model, lay, lengths[a:z]) for lay, (a, z) in zip(plan.layouts, rows)]
 
     def split_store(self, pipe: "LayerPipeline", model, layout: PoolLayout, lengths) -> PoolLayout:

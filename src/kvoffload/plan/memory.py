@@ -82,19 +82,25 @@ class PoolPlan:
 
 
 def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_tokens: int = 64,
-              extent_mb: float = 64.0) -> PoolPlan:
+              extent_mb: float = 64.0, host_dtype: str = "native") -> PoolPlan:
     """The pool of each GPU batch: its prompts' full blocks plus one block per request for every
     block_tokens generated tokens (the prompt's partial block and the newest tokens stay in the GPU
     tail), in extents of about extent_mb MiB of K, the prompt split evenly over whole extents.
     The layout is a function of the shapes and lengths only, so `full` and the offloading policies
-    get the same extents (and so the same attention programs over the same blocks)."""
+    get the same extents (and so the same attention programs over the same blocks). With host_dtype
+    "int4" an extent array holds about extent_mb MiB of K as stored (codes; its scales are separate
+    arrays), so int4 extents hold 4x the blocks of bf16 ones: few arrays to move, each of tens of MiB."""
     from kvoffload.offload.pool import PoolLayout, extent_blocks_for
+    from kvoffload.plan.cost import HOST_DTYPES
 
     p = jnp.dtype(dtype).itemsize
     blk = int(block_tokens)
     longest = max(int(np.max(l)) for l in group_lengths)
     flushes = max(0, int(capacity) - longest) // blk
-    k_block = blk * cfg.num_kv_heads * cfg.head_dim * p
+    if host_dtype not in HOST_DTYPES:
+        raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {host_dtype!r}")
+    # bytes of one block's K array: the model's dtype, or int4's codes (d/2 bytes per head and token)
+    k_block = blk * cfg.num_kv_heads * (cfg.head_dim * p if host_dtype == "native" else cfg.head_dim // 2)
     layouts, prompt_blocks = [], []
     for lens in group_lengths:
         lens = np.asarray(lens, np.int64)
