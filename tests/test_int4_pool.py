@@ -74,15 +74,16 @@ def test_int4_logits_stay_near_native(model, native, policy, opts):
 
     The bound at group 64: int4 stores each value within step/2 = (group max - group min) / 30 of it, so
     K and V carry a relative error of up to 1/30 of each group's range (about 2% RMS for these random
-    weights); through attention, two layers and the head this measured an RMS logit error of 6-8% of
-    the logits' standard deviation (max 2.1 of logits up to 6.2). Bound: RMS error <= 15% of the
-    standard deviation; teacher-forced greedy tokens agree at >= 80% of the steps (measured 93%)."""
+    weights); through attention, two layers and the head this measured an RMS logit error of 9-12% of
+    the logits' standard deviation (max 2.1 of logits up to 6.2; 8-12% over seeds 1, 3, 7). Bound: RMS
+    error <= 20% of the standard deviation; teacher-forced greedy tokens agree at >= 80% of the steps
+    (measured 93% in every case)."""
     want, greedy, _ = native
     exact, _, _, _ = _run(model, policy, feed=greedy, **INT4, int4_group_size=2, **opts)
     np.testing.assert_allclose(exact, want, atol=1e-4, rtol=0)
     got, got_greedy, _, state = _run(model, policy, feed=greedy, **INT4, **opts)
     rms = np.sqrt(np.mean((got - want) ** 2)) / want.std()
-    assert 0 < rms <= 0.15, rms
+    assert 0 < rms <= 0.2, rms
     agree = float(np.mean(got_greedy == greedy))
     assert agree >= 0.8, agree
     rec = state.records[-1]
@@ -104,14 +105,14 @@ def test_int4_long_run_greedy_mostly_agrees(model):
     """48 steps in 8-token blocks (6 flushes, most of the context generated and quantized at flushes),
     teacher-forced with the native greedy tokens: the int4 run's greedy token equals the native one at
     94% of the steps (offload; 85-95% over seeds 1, 3, 7 and kvpr; RMS logit error 8-11% of the logits'
-    std). Free-running, a random tiny model's continuations part at the first differing token (its
+    std, bound 20% as above). Free-running, a random tiny model's continuations part at the first differing token (its
     median top-1 / top-2 logit gap is 0.9 against an error of ~0.2), so agreement is measured forced."""
     opts = dict(block_tokens=8, extent_mb=6 * 8 * 64 * 4 / 2**20)
     want, greedy, _, _ = _run(model, "offload", steps=48, **opts)
     got, got_greedy, _, state = _run(model, "offload", steps=48, feed=greedy, block_tokens=8, host_dtype="int4",
                                      extent_mb=6 * 8 * 32 / 2**20)  # 6 blocks per extent, as native
     assert sum(1 for r in state.records if r["bytes_d2h"]) == 6
-    assert np.sqrt(np.mean((got - want) ** 2)) / want.std() <= 0.15
+    assert np.sqrt(np.mean((got - want) ** 2)) / want.std() <= 0.2
     agree = float(np.mean(got_greedy == greedy))
     assert 0.8 <= agree < 1.0, agree  # not equal: int4 changes some near-ties
 
