@@ -26,6 +26,12 @@ tables, folded into an fp32 accumulator with ``ops.merge_attention_into``), then
 runs the same programs over the same pool in device memory, so an offloading policy that moves the
 same blocks gives `full`'s logits bit for bit.
 
+int4 host storage (``host_dtype="int4"``, offload and kvpr): every K and V extent of a host pool is a
+``QuantizedInt4`` (uint8 codes, float32 step and min per group), quantized on the GPU on its way to the
+host (prefill's extents, each flushed block: its three arrays written in place), fetched as it is in
+the same eager ``device_put`` list and dequantized to the compute dtype inside the layer program
+(`native_kv`) before the paged attention; activations and the GPU tails stay in the model's dtype.
+
 State: `DecodeState` is a pytree (pool arrays, tails, tables) with host bookkeeping (the allocator,
 counters, the step records) as static fields; a step takes it and returns a new one.
 """
@@ -52,7 +58,9 @@ from kvoffload.offload.pool import (
     extent_sources,
     gather_act_extent,
     gather_kv_extent,
+    quantize_blocks,
     write_blocks,
+    write_kv_blocks,
 )
 
 KV_FIELDS = ("wk", "bk", "wv", "bv")
@@ -198,12 +206,18 @@ class PoolSources:
 jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"], meta_fields=["prompt_extents"])
 
 
+def native_kv(a, dtype):
+    """A K or V extent in the compute dtype: an int4 one (QuantizedInt4, a host pool's storage) is
+    dequantized here on the GPU, inside the layer program; a native one is returned as it is."""
+    return ops.dequantize_int4(a, dtype) if isinstance(a, ops.QuantizedInt4) else a
+
+
 def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl, attention_impl):
     """Folds every extent of the pool into acc, in order (the default hooks' attention). Returns
     (acc, slots): a policy's attention may update its per-layer slots; this one keeps none."""
     for e in range(len(src.k)):
         if src.x[e] is None:
-            k, v = src.k[e], src.v[e]
+            k, v = native_kv(src.k[e], q.dtype), native_kv(src.v[e], q.dtype)
         elif src.k[e] is None and e < src.prompt_extents:  # activations of the prompt: always in use
             k, v = recompute_extent(cfg, lp, src.x[e], tables.first_pos[e], recompute_impl)
         elif src.k[e] is None:  # activations only: recomputed once some request has blocks there (a
@@ -214,7 +228,8 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
         else:  # both stored: this step's split decides (one branch runs)
             k, v = jax.lax.cond(e < src.recompute,
                                 lambda x, kk, vv, f: recompute_extent(cfg, lp, x, f, recompute_impl),
-                                lambda x, kk, vv, f: (kk, vv), src.x[e], src.k[e], src.v[e], tables.first_pos[e])
+                                lambda x, kk, vv, f: (native_kv(kk, q.dtype), native_kv(vv, q.dtype)),
+                                src.x[e], src.k[e], src.v[e], tables.first_pos[e])
         part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl)
         acc = ops.merge_attention_into(acc, part)
     return acc, slots
@@ -358,7 +373,8 @@ class LayerHooks:
         from kvoffload.plan.memory import plan_pool
 
         plan = plan_pool(model.config, dtype, [lengths[a:z] for a, z in rows], capacity,
-                         block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb)
+                         block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb,
+                         host_dtype="int4" if pipe.int4 else "native")
         return [self.split_store(pipe, model, lay, lengths[a:z]) for lay, (a, z) in zip(plan.layouts, rows)]
 
     def split_store(self, pipe: "LayerPipeline", model, layout: PoolLayout, lengths) -> PoolLayout:
@@ -392,10 +408,23 @@ class PipelineOptions:
     check_memory: bool = True
     host_memory_limit_gb: float | None = None
     gpu_memory_limit_gb: float | None = None
+    # how a host pool stores K/V blocks: "native" (the model's dtype) or "int4" (group quantization:
+    # packed codes plus a float32 step and min per int4_group_size elements of a head's d, ~1/4 of bf16's
+    # bytes): quantized when a block is written to the host, moved as it is, dequantized on the GPU.
+    # Activation blocks and the GPU tails stay in the model's dtype.
+    host_dtype: str = "native"
+    int4_group_size: int = 64
 
     def __post_init__(self):
+        from kvoffload.plan.cost import HOST_DTYPES
+
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.host_dtype not in HOST_DTYPES:
+            raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {self.host_dtype!r}")
+        self.int4_group_size = int(self.int4_group_size)
+        if self.int4_group_size < 1:
+            raise ValueError(f"int4_group_size must be >= 1, got {self.int4_group_size}")
         self.gpu_batches = int(self.gpu_batches)
         self.block_tokens = int(self.block_tokens)
         self.sync_depth = int(self.sync_depth)
@@ -421,6 +450,7 @@ class LayerPipeline:
         self.hooks = hooks
         self.opts = opts
         self.host_pool = host_pool
+        self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V extents are QuantizedInt4
         self.dev = M.default_device()
         self.host_kind, self.host_note = M.host_memory_kind(self.dev)
         self._cost = None
@@ -437,13 +467,14 @@ class LayerPipeline:
         that shape, every layer and step: what a layer program gets for extents with no blocks in use."""
         key = group.layout  # every layer's extents have the same shapes
         if key not in self._templates:
-            def like(a):
-                if a is None:
-                    return None
+            def zeros(a):
                 k = (a.shape, str(a.dtype))
                 if k not in self._stand_ins:
                     self._stand_ins[k] = jnp.zeros(a.shape, a.dtype, device=self.dev)
                 return self._stand_ins[k]
+
+            def like(a):  # an int4 extent's stand-in is all-zero codes and scales: it dequantizes to zeros
+                return None if a is None else jax.tree.map(zeros, a)
 
             self._templates[key] = tuple(tuple(like(a) for a in p[layer]) for p in (group.pool_k, group.pool_v, group.pool_x))
         return self._templates[key]
@@ -483,6 +514,10 @@ class LayerPipeline:
         dtype = model.params.layers[0].wk.dtype
         lengths = np.asarray(lengths, np.int64)
         b = len(lengths)
+        if self.int4 and (cfg.head_dim % o.int4_group_size or cfg.head_dim % 2):
+            raise ValueError(f"host_dtype='int4' quantizes each head's {cfg.head_dim} K/V values in groups of "
+                             f"int4_group_size={o.int4_group_size}, which must divide it (and it must be even); "
+                             f"choose a divisor of {cfg.head_dim}")
         rows = self.hooks.group_rows(self, model, lengths, capacity, t_pad=t_pad)
         layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths, capacity)
         self.memory_plan = pool_memory(cfg, dtype, layouts, b, t_pad, host_pool=self.host_pool,
@@ -490,7 +525,8 @@ class LayerPipeline:
                                        inflight=max(o.sync_depth, 2),
                                        tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                                        tail_x=flush_possible(lengths, capacity, o.block_tokens),
-                                       prefill_workspace_gb=o.prefill_workspace_gb)
+                                       prefill_workspace_gb=o.prefill_workspace_gb,
+                                       host_dtype=o.host_dtype, int4_group_size=o.int4_group_size)
         if o.offload_weights and M.on_host(model.params.layers):
             self.memory_plan.host["weights"] = 0  # already in host memory (counted by MemAvailable)
         if o.check_memory:
@@ -574,13 +610,16 @@ class LayerPipeline:
         for e in range(layout.num_extents):
             src, valid = srcs[e]
             E = layout.size(e)
+            # a host K/V extent as the pool stores it: quantized here, on its way to the host, for int4
+            stored = ((lambda a: quantize_blocks(a, self.opts.int4_group_size))
+                      if self.int4 and not layout.on_device(e) else (lambda a: a))
             if layout.has("kv", e):
                 if e < used:
-                    pk.append(gather_kv_extent(k, src, valid, blk))
-                    pv.append(gather_kv_extent(v, src, valid, blk))
+                    pk.append(stored(gather_kv_extent(k, src, valid, blk)))
+                    pv.append(stored(gather_kv_extent(v, src, valid, blk)))
                 else:
-                    pk.append(jnp.zeros((E, n_kv, blk, d), dtype))
-                    pv.append(jnp.zeros((E, n_kv, blk, d), dtype))
+                    pk.append(stored(jnp.zeros((E, n_kv, blk, d), dtype)))
+                    pv.append(stored(jnp.zeros((E, n_kv, blk, d), dtype)))
             else:
                 pk.append(None), pv.append(None)
             if layout.has("act", e):
@@ -644,9 +683,9 @@ class LayerPipeline:
             if o.offload_weights and not isinstance(weights[i][1], tuple):
                 weights[i][1] = (M.to_device(weights[i][1], self.dev),)
             late_d = jax.device_put(late, M.device_sharding(self.dev)) if late else []
-            moved["bytes_x"] += sum(_nbytes(a) for a in early)
-            moved["bytes_kv"] += sum(_nbytes(a) for a in late)
-            moved["arrays"] += len(early) + len(late)
+            moved["bytes_x"] += _tree_bytes(early)
+            moved["bytes_kv"] += _tree_bytes(late)  # as stored: int4 codes and scales
+            moved["arrays"] += len(jax.tree.leaves((early, late)))
             fetched[n] = (early_d, late_d)
 
         # a device pool moves nothing: no transfer buffers to bound, the host never waits in the step
@@ -706,12 +745,16 @@ class LayerPipeline:
             bx = None
             if tx[i] is not None:
                 bx, tx[i] = _pop_block(tx[i], blk, 0)
+            # int4 host extents: the blocks quantized once per layer, on the GPU, before they move
+            qk, qv = ((quantize_blocks(bk, self.opts.int4_group_size), quantize_blocks(bv, self.opts.int4_group_size))
+                      if self.int4 else (bk, bv))
             for e in touched:
                 share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
                 if layout.has("kv", e):
-                    pk[i][e] = write_blocks(pk[i][e], bk, slots[e])
-                    pv[i][e] = write_blocks(pv[i][e], bv, slots[e])
-                    nbytes += int(2 * _nbytes(bk) * share)
+                    wk, wv = (bk, bv) if layout.on_device(e) else (qk, qv)
+                    pk[i][e] = write_kv_blocks(pk[i][e], wk, slots[e])
+                    pv[i][e] = write_kv_blocks(pv[i][e], wv, slots[e])
+                    nbytes += int((_tree_bytes(wk) + _tree_bytes(wv)) * share)
                 if layout.has("act", e) and bx is not None:
                     px[i][e] = write_blocks(px[i][e], bx, slots[e])
                     nbytes += int(_nbytes(bx) * share)
@@ -772,7 +815,9 @@ class LayerPipeline:
             lp = model.params.layers[0]
             wb = weight_bytes(model.config, lp.wk.dtype, model.params)
             self._shape_key = key
-            self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer, wb.kv_per_layer)
+            self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
+                                            wb.kv_per_layer, host_dtype="int4" if self.int4 else "native",
+                                            int4_group_size=self.opts.int4_group_size)
         return self._shape_val
 
     def write_trace(self, path, records):
@@ -812,7 +857,7 @@ def modes_work(shape, layout: PoolLayout, batch: int, modes, in_use, recompute: 
     for e, m in enumerate(modes):
         size = layout.size(e) * blk
         if m == "kv":
-            bytes_kv += size * shape.kv_tok
+            bytes_kv += size * shape.kv_host_tok  # as the host pool stores it (int4: codes + scales)
             transfers += 2
         elif m == "x":
             bytes_x += size * shape.x_tok

@@ -10,8 +10,10 @@ never stores or moves padding.
 Physical level. Per layer and kind, blocks are grouped into extents of ``extent_blocks`` blocks; an
 extent is one array -- K and V ``[E, n_kv, blk, d]``, activations X ``[E, blk, H]`` -- in pinned host
 memory (offloading policies) or device memory (`full`). Block id b lives in extent b // E at slot
-b % E. Why extents: only an eager ``device_put`` of a whole array overlaps the jitted compute
-dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
+b % E. A host pool may store K and V in int4 (``host_dtype="int4"``): each such extent is then a
+``QuantizedInt4`` of three arrays (codes, step, min) with the same leading [E, n_kv, blk] axes, written
+and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole
+array overlaps the jitted compute dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
 fetches must move few, large arrays; an extent of tens of MiB moves at the PCIe floor. Every extent
 of a run has one shape, so no program compiles again as a generation grows. Allocation is lowest id
 first and the prompt is laid out position-major (block j of every request before block j + 1), so the
@@ -37,6 +39,7 @@ import numpy as np
 
 from kvoffload.errors import KVOffloadError
 from kvoffload.models.common import pytree_dataclass
+from kvoffload.ops import QuantizedInt4, quantize_int4
 
 KINDS = ("kv", "act")
 
@@ -371,6 +374,25 @@ def gather_act_extent(x, src, valid, blk):
     b, t, h = x.shape
     blocks = x.reshape(b * (t // blk), blk, h)
     return jnp.where(valid[:, None, None], blocks[src], jnp.zeros((), x.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def quantize_blocks(a, group_size: int) -> QuantizedInt4:
+    """K or V blocks / an extent [..., d] as an int4 host pool stores them (ops.quantize_int4: packed
+    uint8 codes [..., d/2], float32 step and min [..., d/group_size])."""
+    return quantize_int4(a, group_size)
+
+
+def write_kv_blocks(ext, blocks, slots):
+    """write_blocks for a K or V extent as the pool stores it: an int4 extent (QuantizedInt4) gets the
+    blocks quantized with its group size (unless they already are) and each of its three arrays written
+    in place with write_blocks."""
+    if not isinstance(ext, QuantizedInt4):
+        return write_blocks(ext, blocks, slots)
+    if not isinstance(blocks, QuantizedInt4):
+        blocks = quantize_blocks(blocks, ext.group_size)
+    return QuantizedInt4(write_blocks(ext.codes, blocks.codes, slots), write_blocks(ext.step, blocks.step, slots),
+                         write_blocks(ext.mn, blocks.mn, slots), ext.group_size)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -112,22 +112,47 @@ def recompute_flops_per_token(cfg: ModelConfig) -> float:
     return 2.0 * cfg.hidden_size * 2 * cfg.num_kv_heads * cfg.head_dim
 
 
+HOST_DTYPES = ("native", "int4")
+
+
+def stored_kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, host_dtype: str = "native",
+                              group_size: int = 64) -> float:
+    """Bytes of one token's K and V of one layer as a pool stores them: the model's dtype ("native"), or
+    int4 group quantization (pallas/quant.py): d/2 bytes of packed codes plus a float32 step and min per
+    group of group_size, per head."""
+    if host_dtype == "native":
+        return float(cfg.kv_bytes_per_token * dtype_bytes)
+    if host_dtype == "int4":
+        d = cfg.head_dim
+        return float(2 * cfg.num_kv_heads * (d // 2 + 2 * 4 * (d // group_size)))
+    raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {host_dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
     """What one layer of one decode step moves and computes (bytes per token etc.)."""
 
     x_tok: float  # bytes of one stored activation (h * p)
-    kv_tok: float  # bytes of one token's K and V (2 * n_kv * d * p)
+    kv_tok: float  # bytes of one token's K and V in the compute dtype (2 * n_kv * d * p): what attention reads
     recompute_flops_tok: float
     dense_flops_tok: float
     w_layer: float  # bytes of the layer's weights
     w_kv: float  # of which W_K, W_V
+    # bytes of one token's K and V as the host pool stores them (what a fetch moves; int4: codes + scales);
+    # None: kv_tok
+    kv_host_tok: float | None = None
+
+    def __post_init__(self):
+        if self.kv_host_tok is None:
+            object.__setattr__(self, "kv_host_tok", self.kv_tok)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype_bytes: int, w_layer: float = 0.0, w_kv: float = 0.0) -> "LayerShape":
+    def of(cls, cfg: ModelConfig, dtype_bytes: int, w_layer: float = 0.0, w_kv: float = 0.0,
+           host_dtype: str = "native", int4_group_size: int = 64) -> "LayerShape":
         return cls(x_tok=cfg.hidden_size * dtype_bytes, kv_tok=cfg.kv_bytes_per_token * dtype_bytes,
                    recompute_flops_tok=recompute_flops_per_token(cfg), dense_flops_tok=dense_flops_per_token(cfg),
-                   w_layer=w_layer, w_kv=w_kv)
+                   w_layer=w_layer, w_kv=w_kv,
+                   kv_host_tok=stored_kv_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +195,7 @@ def layer_terms(cost: CostModel, shape: LayerShape, batch: int, s: int, l: int, 
     """Times of one layer of one decode step for gpu_batches batches of `batch` sequences with `s`
     host slots each, of which the first l are recomputed from X (l = 0: plain offload); the
     transfers of a layer are queued back to back (one latency)."""
-    work = LayerWork(batch=batch, bytes_kv=batch * (s - l) * shape.kv_tok, bytes_x=batch * l * shape.x_tok,
+    work = LayerWork(batch=batch, bytes_kv=batch * (s - l) * shape.kv_host_tok, bytes_x=batch * l * shape.x_tok,
                      transfers=0, recompute_tokens=batch * l, attended_tokens=batch * (s + tail))
     t = predict_layers(cost, shape, [work] * gpu_batches, offload_weights=offload_weights)
     t["layer_s"] = t.pop("step_s")

@@ -82,19 +82,25 @@ class PoolPlan:
 
 
 def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_tokens: int = 64,
-              extent_mb: float = 64.0) -> PoolPlan:
+              extent_mb: float = 64.0, host_dtype: str = "native") -> PoolPlan:
     """The pool of each GPU batch: its prompts' full blocks plus one block per request for every
     block_tokens generated tokens (the prompt's partial block and the newest tokens stay in the GPU
     tail), in extents of about extent_mb MiB of K, the prompt split evenly over whole extents.
     The layout is a function of the shapes and lengths only, so `full` and the offloading policies
-    get the same extents (and so the same attention programs over the same blocks)."""
+    get the same extents (and so the same attention programs over the same blocks). With host_dtype
+    "int4" an extent array holds about extent_mb MiB of K as stored (codes; its scales are separate
+    arrays), so int4 extents hold 4x the blocks of bf16 ones: few arrays to move, each of tens of MiB."""
     from kvoffload.offload.pool import PoolLayout, extent_blocks_for
+    from kvoffload.plan.cost import HOST_DTYPES
 
     p = jnp.dtype(dtype).itemsize
     blk = int(block_tokens)
     longest = max(int(np.max(l)) for l in group_lengths)
     flushes = max(0, int(capacity) - longest) // blk
-    k_block = blk * cfg.num_kv_heads * cfg.head_dim * p
+    if host_dtype not in HOST_DTYPES:
+        raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {host_dtype!r}")
+    # bytes of one block's K array: the model's dtype, or int4's codes (d/2 bytes per head and token)
+    k_block = blk * cfg.num_kv_heads * (cfg.head_dim * p if host_dtype == "native" else cfg.head_dim // 2)
     layouts, prompt_blocks = [], []
     for lens in group_lengths:
         lens = np.asarray(lens, np.int64)
@@ -115,11 +121,14 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
-                tail_x: bool = True, prefill_workspace_gb: float = 2.0) -> MemoryPlan:
+                tail_x: bool = True, prefill_workspace_gb: float = 2.0, host_dtype: str = "native",
+                int4_group_size: int = 64) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
-    workspace."""
+    workspace. host_dtype: how host K/V blocks are stored ("int4": codes + scales, dequantized on the
+    GPU one extent at a time; GPU-resident blocks and activations stay in the model's dtype)."""
     from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
+    from kvoffload.plan.cost import stored_kv_bytes_per_token
 
     p = jnp.dtype(dtype).itemsize
     tail_slots = 2 * layouts[0].block_tokens if tail_slots is None else int(tail_slots)
@@ -128,17 +137,21 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     wb = weights or weight_bytes(cfg, dtype)
     L = cfg.num_layers
     kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
+    kv_host_tok = stored_kv_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size)
+    kv_host_blk = lambda lay: int(lay.block_tokens * kv_host_tok)  # noqa: E731  (as the host pool stores them)
     x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p  # noqa: E731
     # every extent of every layer, on the host (a host pool) or on the GPU (a device pool, or a
     # device-resident block class)
     pool_h = {"K/V blocks": 0, "activation blocks": 0}
     pool_d = {"K/V blocks": 0, "activation blocks": 0}
-    per_layer_fetch, rec_ws = 0, 0
+    per_layer_fetch, rec_ws, deq_ws = 0, 0, 0
     for lay in layouts:
         fetch = 0
         for e in range(lay.num_extents):
             side = pool_h if host_pool and not lay.on_device(e) else pool_d
-            kv_e = lay.size(e) * kv_blk(lay) if lay.has("kv", e) else 0
+            kv_e = lay.size(e) * (kv_host_blk(lay) if side is pool_h else kv_blk(lay)) if lay.has("kv", e) else 0
+            if side is pool_h and kv_e and kv_host_tok != cfg.kv_bytes_per_token * p:
+                deq_ws = max(deq_ws, lay.size(e) * kv_blk(lay))  # one fetched extent's K/V, dequantized
             x_e = lay.size(e) * x_blk(lay) if lay.has("act", e) else 0
             side["K/V blocks"] += L * kv_e
             side["activation blocks"] += L * x_e
@@ -159,6 +172,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         **({f"{k} (GPU-resident)" if host_pool else k: v for k, v in pool_d.items()}),
         "transfer buffers": inflight * per_layer_fetch if host_pool else 0,
         "recompute workspace": 2 * rec_ws,
+        "dequantize workspace": deq_ws,
         "GPU tails": L * batch * tail_slots * tail_tok,
         # prefill of one layer of one GPU batch: the batch's hidden states and K/V/X, and one row
         # chunk's attention / MLP workspace; the logits

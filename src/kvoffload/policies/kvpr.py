@@ -104,6 +104,7 @@ class KVPRHooks(LayerHooks):
 @register_policy("kvpr")
 class KVPRPolicy(LayeredPolicy):
     host_pool = True
+    host_dtypes = ("native", "int4")
     extra_options = ("split_point", "kvpr_store")
 
     def make_hooks(self, split_point=None, kvpr_store="both"):

@@ -12,6 +12,7 @@ from kvoffload.policies.base import Policy
 class LayeredPolicy(Policy):
     host_pool = True  # the pool in pinned host memory (False: device memory)
     extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
+    host_dtypes: tuple = ("native",)  # the host_dtype values its hooks support (int4: offload, kvpr)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -26,6 +27,12 @@ class LayeredPolicy(Policy):
         pipe_opts = {k: v for k, v in options.items() if k in known and v is not None}  # None: the default
         hook_opts = {k: v for k, v in options.items() if k in self.extra_options}
         self.options = PipelineOptions(**pipe_opts)
+        if self.options.host_dtype not in self.host_dtypes:
+            raise ValueError(
+                f"policy {self.name!r} keeps its block pool in device memory; host_dtype applies to host pools "
+                "(use 'offload' or 'kvpr')" if not self.host_pool else
+                f"policy {self.name!r} does not support host_dtype={self.options.host_dtype!r} yet (it supports "
+                f"{list(self.host_dtypes)}; int4 host storage runs in 'offload' and 'kvpr')")
         self.pipeline = LayerPipeline(self.make_hooks(**hook_opts), self.options, host_pool=self.host_pool)
 
     def make_hooks(self, **hook_options) -> LayerHooks:
@@ -48,6 +55,7 @@ class LayeredPolicy(Policy):
         d = {"policy": self.name, "schedule": o.schedule, "offload_weights": o.offload_weights,
              "gpu_batches": o.gpu_batches, "block_tokens": o.block_tokens,
              "pool": "pinned host" if self.host_pool else "device", "host_memory": self.pipeline.host_note,
+             "host_dtype": o.host_dtype if self.host_pool else "native",
              "cost_model": self.pipeline.cost.source}
         if self.pipeline.memory_plan is not None:
             d["memory_plan"] = self.pipeline.memory_plan.describe()

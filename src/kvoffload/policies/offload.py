@@ -11,6 +11,7 @@ from kvoffload.policies.layered import LayeredPolicy
 @register_policy("offload")
 class OffloadPolicy(LayeredPolicy):
     host_pool = True
+    host_dtypes = ("native", "int4")
     extra_options = ("split_point",)
 
     def make_hooks(self, split_point=None):
