@@ -345,3 +345,34 @@ def test_policy_slots_are_carried_and_updated():
     assert got == want  # the counting attention attends exactly as the default
     seen = np.asarray(gr.slots[0]["blocks"])
     np.testing.assert_array_equal(seen, [len(t) for t in gr.alloc.tables])  # no flush on the last step
+
+
+def test_resident_layers_stay_on_the_gpu_and_move_no_weights():
+    """offload_weights with resident_layers=1: layer 0's weights never move (the step records one
+    layer's weight bytes fewer), the planner holds it on the GPU, and the logits are the streamed run's."""
+    model = tiny_random_model("opt", seed=8)
+    opts = dict(offload_weights=True, schedule="column", gpu_batches=3)
+    pol_all, st_all = _run(model, "offload", steps=3, **opts)
+    pol_one, st_one = _run(model, "offload", steps=3, resident_layers=1, **opts)
+    per_layer = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model.params.layers[0]))
+    assert st_all.records[-1]["bytes_w"] - st_one.records[-1]["bytes_w"] == per_layer
+    plan_all, plan_one = pol_all.pipeline.memory_plan, pol_one.pipeline.memory_plan
+    assert plan_all.host["weights"] - plan_one.host["weights"] == per_layer  # (2 layers: the GPU holds both anyway)
+    assert st_one.records[-1]["predicted_transfer_s"] < st_all.records[-1]["predicted_transfer_s"]
+    tokens, lengths = pad_prompts(PROMPTS)
+    a = generate(model, PROMPTS, 4, policy="offload", policy_options={**BASE, **opts}, return_logits=True)[1]
+    b = generate(model, PROMPTS, 4, policy="offload", policy_options={**BASE, **opts, "resident_layers": 1},
+                 return_logits=True)[1]
+    assert np.array_equal(a, b)
+    assert M.memory_kind_of(pol_one.pipeline.layers(model)[0].wq) == "device"
+    assert M.memory_kind_of(pol_one.pipeline.layers(model)[1].wq) != "device"
+
+
+def test_planner_moves_resident_layers_to_the_gpu_side():
+    cfg = model_shape("opt-6.7b")
+    plan = plan_pool(cfg, jnp.bfloat16, [np.full(8, 512)], 576)
+    streamed, kept = (pool_memory(cfg, jnp.bfloat16, plan.layouts, 8, 512, host_pool=True, offload_weights=True,
+                                  resident_layers=r) for r in (0, 4))
+    per_layer = (streamed.host["weights"]) / cfg.num_layers
+    assert kept.gpu["weights"] - streamed.gpu["weights"] == pytest.approx(4 * per_layer)
+    assert streamed.host["weights"] - kept.host["weights"] == pytest.approx(4 * per_layer)

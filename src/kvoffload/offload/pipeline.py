@@ -393,6 +393,8 @@ class LayerHooks:
 class PipelineOptions:
     schedule: str = "row"
     offload_weights: bool = False
+    # with offload_weights: the first N layers' weights stay in GPU memory (never moved; the rest stream)
+    resident_layers: int = 0
     gpu_batches: int = 1
     block_tokens: int = 64
     extent_mb: float = 64.0  # about this many MiB of K (or V) per extent array
@@ -426,6 +428,9 @@ class PipelineOptions:
         if self.int4_group_size < 1:
             raise ValueError(f"int4_group_size must be >= 1, got {self.int4_group_size}")
         self.gpu_batches = int(self.gpu_batches)
+        self.resident_layers = int(self.resident_layers)
+        if self.resident_layers < 0:
+            raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
         self.block_tokens = int(self.block_tokens)
         self.sync_depth = int(self.sync_depth)
         self.extent_mb = float(self.extent_mb)
@@ -494,13 +499,21 @@ class LayerPipeline:
         return self._cost
 
     # -- weights -----------------------------------------------------------------------------
+    def resident(self, model) -> int:
+        """Layers whose weights stay on the GPU although the others stream (resident_layers)."""
+        return min(self.opts.resident_layers, model.config.num_layers) if self.opts.offload_weights else 0
+
     def layers(self, model):
+        """Per layer: its weights where the run keeps them (host memory for streamed layers)."""
         layers = model.params.layers
-        if not self.opts.offload_weights or M.on_host(layers):
+        if not self.opts.offload_weights:
             return layers
-        key = id(model.params)
+        r = self.resident(model)
+        key = (id(model.params), r)
         if key not in self._host_layers:
-            self._host_layers = {key: M.to_host(layers, self.dev)}
+            streamed = layers[r:] if M.on_host(layers[r:]) else M.to_host(layers[r:], self.dev)
+            kept = M.to_device(layers[:r], self.dev) if r else ()
+            self._host_layers = {key: tuple(kept) + tuple(streamed)}
         return self._host_layers[key]
 
     # -- prefill -----------------------------------------------------------------------------
@@ -522,7 +535,7 @@ class LayerPipeline:
         layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths, capacity)
         self.memory_plan = pool_memory(cfg, dtype, layouts, b, t_pad, host_pool=self.host_pool,
                                        offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
-                                       inflight=max(o.sync_depth, 2),
+                                       inflight=max(o.sync_depth, 2), resident_layers=self.resident(model),
                                        tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                                        tail_x=flush_possible(lengths, capacity, o.block_tokens),
                                        prefill_workspace_gb=o.prefill_workspace_gb,
@@ -669,6 +682,7 @@ class LayerPipeline:
         weights: dict = {}
         fetched: dict = {}
         done_h: list = []
+        resident = self.resident(model)
         moved = {"bytes_x": 0, "bytes_kv": 0, "bytes_w": 0, "arrays": 0}
         issued = 0
 
@@ -676,8 +690,11 @@ class LayerPipeline:
             i, g = items[n]
             if o.offload_weights and i not in weights:
                 kv, rest = split_layer(layers[i])
-                weights[i] = [M.to_device(kv, self.dev), rest]  # W_K / W_V first
-                moved["bytes_w"] += _tree_bytes(layers[i])
+                if i < resident:  # in GPU memory already
+                    weights[i] = [kv, (rest,)]
+                else:
+                    weights[i] = [M.to_device(kv, self.dev), rest]  # W_K / W_V first
+                    moved["bytes_w"] += _tree_bytes(layers[i])
             early, late = self.hooks.fetch(self, groups[g], plans[g], i)
             early_d = jax.device_put(early, M.device_sharding(self.dev)) if early else []
             if o.offload_weights and not isinstance(weights[i][1], tuple):
@@ -784,8 +801,12 @@ class LayerPipeline:
         gr0, p0 = state.groups[0], plans[0]
         blk = gr0.layout.block_tokens
         works = [self.layer_work(model, gr, p) for gr, p in zip(state.groups, plans)]
+        L, r = model.config.num_layers, self.resident(model)
         pred = predict_layers(self.cost, self.shape(model), works, offload_weights=self.opts.offload_weights,
-                              layers=model.config.num_layers)
+                              layers=L - r)
+        if r:  # resident layers move no weights
+            kept = predict_layers(self.cost, self.shape(model), works, offload_weights=False, layers=r)
+            pred = {k: (v + kept[k] if isinstance(v, float) else v) for k, v in pred.items()}
         rec = {"step": state.step, "context": int(max(gr0.alloc.tables[r].__len__() * blk + gr0.tail_base[r]
                                                          for r in range(gr0.size)) + gr0.n_gen),
                "used_extents": p0.used_extents, "recompute_extents": p0.recompute_extents,

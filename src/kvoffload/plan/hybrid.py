@@ -40,7 +40,9 @@ class BlockRates:
 
     @classmethod
     def of(cls, cost: CostModel, shape: LayerShape, block_tokens: int, *, offload_weights: bool,
-           batch: int = 1) -> "BlockRates":
+           batch: int = 1, weight_share: float = 1.0) -> "BlockRates":
+        """weight_share: the fraction of layers whose weights stream (resident layers move none); the
+        per-layer weight time is its average over the layers."""
         blk = int(block_tokens)
         kv_b, act_b = blk * shape.kv_tok, blk * shape.x_tok
         per_block = lambda line, x: Linear(line.intercept, line.slope * x)  # noqa: E731
@@ -48,7 +50,7 @@ class BlockRates:
         return cls(block_tokens=blk, load_kv=per_block(cost.h2d, kv_b), load_act=per_block(cost.h2d, act_b),
                    kv_gen=per_block(cost.recompute, blk * shape.recompute_flops_tok),
                    attention=per_block(cost.attention, blk * shape.kv_tok),
-                   load_w=cost.h2d(shape.w_layer) if offload_weights else 0.0, dense_s=dense,
+                   load_w=cost.h2d(shape.w_layer) * weight_share if offload_weights else 0.0, dense_s=dense,
                    kv_bytes=kv_b, act_bytes=act_b)
 
     def to_json(self) -> dict:

@@ -121,7 +121,7 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
-                tail_x: bool = True, prefill_workspace_gb: float = 2.0, host_dtype: str = "native",
+                tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
                 int4_group_size: int = 64) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
@@ -161,14 +161,15 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
                 rec_ws = max(rec_ws, lay.size(e) * kv_blk(lay))
         per_layer_fetch = max(per_layer_fetch, fetch)
     host = dict(pool_h) if host_pool else {}
-    host["weights"] = L * wb.per_layer if offload_weights else 0
+    r = min(int(resident_layers), L) if offload_weights else 0
+    host["weights"] = (L - r) * wb.per_layer if offload_weights else 0
     g = max(1, len(layouts))
     has_x = any(len(l.extents_of("act")) for l in layouts)
     x_tok = cfg.hidden_size * p if has_x else 0
     tail_tok = cfg.kv_bytes_per_token * p + (x_tok if tail_x else 0)
     b = -(-batch // g)
     gpu = {
-        "weights": wb.other + (min(inflight, L) * wb.per_layer if offload_weights else L * wb.per_layer),
+        "weights": wb.other + ((min(inflight, L - r) + r) * wb.per_layer if offload_weights else L * wb.per_layer),
         **({f"{k} (GPU-resident)" if host_pool else k: v for k, v in pool_d.items()}),
         "transfer buffers": inflight * per_layer_fetch if host_pool else 0,
         "recompute workspace": 2 * rec_ws,

@@ -136,7 +136,7 @@ class HybridHooks(LayerHooks):
         flushes = max(0, int(capacity) - int(lengths.max())) // blk
         n_blocks = lengths // blk + flushes  # each request's blocks at the end of the generation
         rates = BlockRates.of(pipe.cost, pipe.shape(model), blk, offload_weights=o.offload_weights,
-                              batch=len(lengths))
+                              batch=len(lengths), weight_share=1 - pipe.resident(model) / L)
         host_bytes, gpu_bytes = self._budgets(pipe, model, dtype)
 
         total = int(n_blocks.sum())
@@ -170,6 +170,7 @@ class HybridHooks(LayerHooks):
             mem = pool_memory(cfg, dtype, lays, len(lengths), t_pad, host_pool=True,
                               offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
                               inflight=max(o.sync_depth, 2), tail_slots=tail_slots(lengths, capacity, blk),
+                              resident_layers=pipe.resident(model),
                               tail_x=flush_possible(lengths, capacity, blk),
                               prefill_workspace_gb=o.prefill_workspace_gb)
             other = mem.gpu_bytes
