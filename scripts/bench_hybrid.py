@@ -135,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=2048)
     ap.add_argument("--block-tokens", type=int, default=64)
+    ap.add_argument("--resident-layers", type=int, default=0, help="layers whose weights stay on the GPU")
     ap.add_argument("--time-limit-s", type=float, default=540, help="skip what is left after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -176,7 +177,8 @@ def main(argv=None) -> int:
     log(f"{dev.device_kind}: model {args.model} in host memory; host budget {host_gb:.1f} GB, GPU budget "
         f"{args.gpu_budget_gb} GB")
     base = dict(block_tokens=args.block_tokens, profile=ppath, host_memory_limit_gb=host_gb,
-                gpu_memory_limit_gb=args.gpu_budget_gb, offload_weights=True, schedule="column")
+                gpu_memory_limit_gb=args.gpu_budget_gb, offload_weights=True, schedule="column",
+                resident_layers=args.resident_layers)
     mb = {"mini_batch_gb": args.mini_batch_gb}
     configs = [("hybrid", "hybrid", dict(mb))]
     for r in [float(x) for x in args.ratios.split(",") if x.strip()]:
