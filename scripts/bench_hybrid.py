@@ -96,7 +96,28 @@ def largest_batch(pol, model, prompt: int, gen: int, hi: int) -> tuple[int, str]
     return lo, "budget"
 
 
-def measure(pol, model, batch: int, prompt: int, gen: int, warmup: int, steps: int) -> dict:
+def traced_step(pol, model, state, nxt, out_dir: str, name: str) -> str | None:
+    """One more decode step under jax.profiler.trace; the .xplane.pb is copied to out_dir (a device
+    call brings back files at most two folders down)."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    tmp = tempfile.mkdtemp()
+    with jax.profiler.trace(tmp):
+        logits, state = pol.decode_step(model, state, nxt)
+        jax.block_until_ready(logits)
+    found = sorted(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True))
+    if not found:
+        return None
+    dest = os.path.join(out_dir, f"trace_{name.replace(' ', '_')}.xplane.pb")
+    shutil.copy(found[-1], dest)
+    return dest
+
+
+def measure(pol, model, batch: int, prompt: int, gen: int, warmup: int, steps: int, trace_to=None) -> dict:
     import jax.numpy as jnp
 
     from kvoffload.offload.bench import timed_decode
@@ -104,14 +125,15 @@ def measure(pol, model, batch: int, prompt: int, gen: int, warmup: int, steps: i
     cfg = model.config
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(4, cfg.vocab_size - 1, (batch, prompt)), jnp.int32)
-    prefill_s, times, logits, state, _ = timed_decode(pol, model, tokens, np.full(batch, prompt), prompt + gen,
-                                                      warmup + steps)
+    prefill_s, times, logits, state, nxt = timed_decode(pol, model, tokens, np.full(batch, prompt), prompt + gen,
+                                                        warmup + steps)
+    trace = traced_step(pol, model, state, nxt, *trace_to) if trace_to else None
     rec = dict(state.records[-1])
     step = float(np.median(times[warmup:]))
     out = {"batch": batch, "prefill_s": prefill_s, "step_times_s": times, "step_s": step, "tok_s": batch / step,
            "predicted_step_s": rec.get("predicted_s"), "predicted_tok_s": batch / rec["predicted_s"] if rec.get("predicted_s") else None,
            "record": rec, "memory_plan": pol.pipeline.memory_plan.describe() if pol.pipeline.memory_plan else None,
-           "describe": pol.describe(None)}
+           "describe": pol.describe(None), "profiler_trace": trace}
     out["bytes_h2d_per_step"] = rec.get("bytes_h2d")
     del state, logits
     gc.collect()
@@ -136,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=2048)
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--resident-layers", type=int, default=0, help="layers whose weights stay on the GPU")
+    ap.add_argument("--trace", default="", help="comma list of configuration names (e.g. act-only) whose "
+                    "one extra step is captured with jax.profiler into $OUT/trace_<name>.xplane.pb")
     ap.add_argument("--time-limit-s", type=float, default=540, help="skip what is left after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -198,8 +222,9 @@ def main(argv=None) -> int:
             if b == 0:
                 raise RuntimeError("no batch fits the budgets")
             log(f"{name}: batch {b} ({why})")
+            trace_to = (args.out, name) if name in args.trace.split(",") else None
             row = {"name": name, "policy": policy, "options": opts, **measure(pol, model, b, args.prompt, args.gen,
-                                                                              args.warmup, args.steps)}
+                                                                              args.warmup, args.steps, trace_to)}
             log(f"{name}: batch {b}: {row['step_s'] * 1e3:.0f} ms/step, {row['tok_s']:.1f} tok/s "
                 f"(predicted {row['predicted_tok_s'] or 0:.1f}), prefill {row['prefill_s']:.1f} s")
         except Exception as e:  # noqa: BLE001  (keep the other numbers)
