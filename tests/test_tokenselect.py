@@ -359,10 +359,24 @@ def test_gpu_step_time_against_full():
     model = make_model("llama-3-8b", jnp.bfloat16, offload_weights=False)
     rows = []
     for name, opts in [("full", {}), ("tokenselect", dict(cache_threshold=1.5)),
-                       ("tokenselect", dict(cache_threshold=-1.0))]:
+                       ("tokenselect", dict(cache_threshold=-1.0)),
+                       ("tokenselect", dict(cache_threshold=-1.0, kv="split"))]:
         r = measure(model, name, opts, batch=1, context=32768, warmup=3, steps=8)
         assert np.isfinite(r["step_times_s"]).all()
         rows.append((name, opts, r["step_s"] * 1e3))
     print()
     for name, opts, ms in rows:
         print(f"{name:12s} {str(opts):28s} {ms:8.2f} ms/step")
+
+
+@pytest.mark.gpu
+def test_gpu_split_compiles_and_matches_gpu_placement():
+    """On the GPU: the layer program gathers the selected V rows from pinned_host extents (a gather whose
+    operand is in host memory). Whether XLA compiles that, and whether it moves only the rows, is what
+    this checks first: it must give kv=gpu's logits with V extents really in pinned_host memory."""
+    model = tiny_random_model("llama", seed=1)
+    opts = dict(token_budget=28, num_recent=24, cache_threshold=0.5)
+    _, want, _ = _decode(model, "tokenselect", NEW, **opts)
+    _, got, state = _decode(model, "tokenselect", NEW, kv="split", **opts)
+    assert {M.memory_kind_of(a) for layer in state.groups[0].pool_v for a in layer} == {"pinned_host"}
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
