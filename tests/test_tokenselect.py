@@ -1,5 +1,6 @@
-"""Policy `tokenselect` (issue 12, kv=gpu): against `full` at the whole-context budget, the cross-extent
-soft vote against a float64 NumPy reference, the selection cache's reuse rule, a small budget, and no
+"""Policy `tokenselect` (issue 12, kv=gpu and kv=split): against `full` at the whole-context budget,
+the cross-extent soft vote against a float64 NumPy reference, the selection cache's reuse rule, a small
+budget, kv=split's placement (K on the device, V in host memory, nothing fetched), and no
 recompilation as the context grows (CPU, tiny random models, fp32)."""
 
 import jax
@@ -11,6 +12,7 @@ from kvoffload import ops
 from kvoffload.compile_count import count_compilations
 from kvoffload.engine import pad_prompts
 from kvoffload.models import tiny_random_model
+from kvoffload.offload import memory as M
 from kvoffload.offload.pipeline import PoolSources
 from kvoffload.offload.pool import BlockAllocator, PoolLayout
 from kvoffload.policies import make_policy
@@ -19,6 +21,7 @@ from kvoffload.policies.tokenselect import (
     SelectSources,
     TokenSelectAttend,
     TokenSelectOptionError,
+    gather_rows,
     soft_vote,
 )
 
@@ -59,6 +62,54 @@ def test_whole_context_budget_equals_full(ref, page_size):
     assert state.groups[0].n_gen == NEW and state.groups[0].since_flush == NEW - BLOCK  # a flush happened
     sel = pol.describe(state)["selection"]
     assert sel["hit_rate"] == 0.0 and sel["scored_fraction_per_layer"] == [1.0] * model.config.num_layers
+
+
+def test_split_keys_on_device_values_on_host_equals_full(ref):
+    """kv=split at the whole-context budget: `full`'s tokens, K extents in device memory and V extents in
+    pinned host memory (also the blocks a flush wrote), no byte fetched, half of kv=gpu's GPU K/V bytes."""
+    arch, model, want = ref
+    pol, got, state = _decode(model, "tokenselect", NEW, token_budget=10**6, cache_threshold=1.5, kv="split")
+    assert (got.argmax(-1) == want.argmax(-1)).all(), arch
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    gr = state.groups[0]
+    assert gr.since_flush == NEW - BLOCK and gr.used_extents > 1  # a flush happened, several extents
+    host = M.host_memory_kind()[0]
+    assert {M.memory_kind_of(a) for layer in gr.pool_k for a in layer} == {"device"}
+    assert {M.memory_kind_of(a) for layer in gr.pool_v for a in layer} == {host}
+    assert all(r["bytes_kv"] == 0 and r["bytes_h2d"] == 0 and r["arrays"] == 0 for r in state.records)
+    d = pol.describe(state)
+    assert d["pool"] == "pinned host" and d["selection"]["kv"] == "split"
+    split_plan = pol.pipeline.memory_plan
+    gpu_pol, _, _ = _decode(model, "tokenselect", 0, token_budget=10**6)
+    gpu_plan = gpu_pol.pipeline.memory_plan
+    kv_bytes = gpu_plan.gpu["K/V blocks"]
+    assert kv_bytes > 0 and gpu_plan.host.get("K/V blocks", 0) == 0
+    assert split_plan.gpu["K/V blocks (GPU-resident)"] == kv_bytes // 2  # K
+    assert split_plan.host["K/V blocks"] == kv_bytes - kv_bytes // 2  # V
+    assert split_plan.gpu["transfer buffers"] == 0  # nothing fetched
+
+
+def test_split_small_budget_reads_the_selected_values_from_the_host():
+    """A small budget: kv=split selects and attends exactly as kv=gpu (the same program, V read from host
+    memory); the gather of host rows takes only the selected rows."""
+    model = tiny_random_model("llama", seed=1)
+    opts = dict(token_budget=28, num_recent=24, cache_threshold=0.5)
+    _, want, gstate = _decode(model, "tokenselect", NEW, **opts)
+    _, got, sstate = _decode(model, "tokenselect", NEW, kv="split", **opts)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(gstate.groups[0].slots, sstate.groups[0].slots):
+        np.testing.assert_array_equal(np.asarray(a.indices), np.asarray(b.indices))
+        np.testing.assert_array_equal(np.asarray(a.hits), np.asarray(b.hits))
+    rng = np.random.default_rng(3)
+    ext = [rng.normal(size=(s, 2, 4, 8)).astype(np.float32) for s in (3, 5)]
+    idx = jnp.asarray(rng.integers(0, 32, size=(2, 2, 6)), jnp.int32)
+    on_dev = jax.jit(gather_rows, static_argnums=2)([jnp.asarray(e) for e in ext], idx, 4)
+    on_host = jax.jit(gather_rows, static_argnums=2)([M.to_host(jnp.asarray(e)) for e in ext], idx, 4)
+    assert M.memory_kind_of(on_host) == "device"
+    np.testing.assert_array_equal(np.asarray(on_host), np.asarray(on_dev))
+    flat = np.concatenate(ext)  # [blocks, n_kv, blk, d]
+    i = np.asarray(idx)
+    np.testing.assert_array_equal(np.asarray(on_host), flat[i // 4, np.arange(2)[None, :, None], i % 4])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,8 +318,8 @@ def test_small_budget_selects_sinks_and_differs_from_full(opts):
 
 
 def test_options_are_checked():
-    with pytest.raises(TokenSelectOptionError, match="issue 12"):
-        make_policy("tokenselect", kv="split")
+    with pytest.raises(TokenSelectOptionError, match="kv must be"):
+        make_policy("tokenselect", kv="cpu")
     with pytest.raises(TokenSelectOptionError, match="not both"):
         make_policy("tokenselect", token_budget=64, token_ratio=0.1)
     with pytest.raises(TokenSelectOptionError, match="num_sink"):
@@ -308,10 +359,24 @@ def test_gpu_step_time_against_full():
     model = make_model("llama-3-8b", jnp.bfloat16, offload_weights=False)
     rows = []
     for name, opts in [("full", {}), ("tokenselect", dict(cache_threshold=1.5)),
-                       ("tokenselect", dict(cache_threshold=-1.0))]:
+                       ("tokenselect", dict(cache_threshold=-1.0)),
+                       ("tokenselect", dict(cache_threshold=-1.0, kv="split"))]:
         r = measure(model, name, opts, batch=1, context=32768, warmup=3, steps=8)
         assert np.isfinite(r["step_times_s"]).all()
         rows.append((name, opts, r["step_s"] * 1e3))
     print()
     for name, opts, ms in rows:
         print(f"{name:12s} {str(opts):28s} {ms:8.2f} ms/step")
+
+
+@pytest.mark.gpu
+def test_gpu_split_compiles_and_matches_gpu_placement():
+    """On the GPU: the layer program gathers the selected V rows from pinned_host extents (a gather whose
+    operand is in host memory). Whether XLA compiles that, and whether it moves only the rows, is what
+    this checks first: it must give kv=gpu's logits with V extents really in pinned_host memory."""
+    model = tiny_random_model("llama", seed=1)
+    opts = dict(token_budget=28, num_recent=24, cache_threshold=0.5)
+    _, want, _ = _decode(model, "tokenselect", NEW, **opts)
+    _, got, state = _decode(model, "tokenselect", NEW, kv="split", **opts)
+    assert {M.memory_kind_of(a) for layer in state.groups[0].pool_v for a in layer} == {"pinned_host"}
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

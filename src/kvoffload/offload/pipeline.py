@@ -333,6 +333,11 @@ class LayerHooks:
 
     attend = staticmethod(attend_pool)  # the pure function the layer program folds the sources with
 
+    def keys_on_device(self, pipe: "LayerPipeline") -> bool:
+        """Whether a host pool keeps its K extents in device memory, V alone on the host (tokenselect
+        kv=split: keys scored on the GPU, the selected values read in place by the layer program)."""
+        return False
+
     def init_slots(self, pipe: "LayerPipeline", model, layout: PoolLayout, batch: int) -> tuple:
         """The policy's own state, one pytree per layer (per-request / per-head: selections, cached
         queries, GPU cache buffers), carried in the group's state from step to step; `attend` gets its
@@ -539,7 +544,8 @@ class LayerPipeline:
                                        tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                                        tail_x=flush_possible(lengths, capacity, o.block_tokens),
                                        prefill_workspace_gb=o.prefill_workspace_gb,
-                                       host_dtype=o.host_dtype, int4_group_size=o.int4_group_size)
+                                       host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
+                                       k_on_device=self.hooks.keys_on_device(self))
         if o.offload_weights and M.on_host(model.params.layers):
             self.memory_plan.host["weights"] = 0  # already in host memory (counted by MemAvailable)
         if o.check_memory:
@@ -642,10 +648,11 @@ class LayerPipeline:
         # committed, like the written extents a flush returns (else each first write recompiles); host
         # extents in one asynchronous device->host put of the layer's extents
         on_host = [self.host_pool and not layout.on_device(e) for e in range(layout.num_extents)]
-        pick = lambda want: [(a if h == want else None) for a, h in zip(pk + pv + px, on_host * 3)]  # noqa: E731
+        on_host = ([False] * len(on_host) if self.hooks.keys_on_device(self) else on_host) + on_host * 2  # K, V, X
+        pick = lambda want: [(a if h == want else None) for a, h in zip(pk + pv + px, on_host)]  # noqa: E731
         host = M.to_host(pick(True), self.dev) if any(on_host) else pick(True)
         dev = jax.device_put(pick(False), M.device_sharding(self.dev))
-        both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host * 3)]
+        both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host)]
         n = layout.num_extents
         return tuple(both[:n]), tuple(both[n:2 * n]), tuple(both[2 * n:])
 

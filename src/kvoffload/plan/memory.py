@@ -122,11 +122,13 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
-                int4_group_size: int = 64) -> MemoryPlan:
+                int4_group_size: int = 64, k_on_device: bool = False) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V blocks are stored ("int4": codes + scales, dequantized on the
-    GPU one extent at a time; GPU-resident blocks and activations stay in the model's dtype)."""
+    GPU one extent at a time; GPU-resident blocks and activations stay in the model's dtype).
+    k_on_device: a host pool's K extents live on the GPU and its V extents on the host, read in place by
+    the layer program (tokenselect kv=split): nothing is fetched, so no transfer buffers."""
     from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
     from kvoffload.plan.cost import stored_kv_bytes_per_token
 
@@ -153,6 +155,10 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
             if side is pool_h and kv_e and kv_host_tok != cfg.kv_bytes_per_token * p:
                 deq_ws = max(deq_ws, lay.size(e) * kv_blk(lay))  # one fetched extent's K/V, dequantized
             x_e = lay.size(e) * x_blk(lay) if lay.has("act", e) else 0
+            if side is pool_h and k_on_device:  # K (half of kv_e) on the GPU, V on the host, nothing fetched
+                pool_d["K/V blocks"] += L * kv_e // 2
+                pool_h["K/V blocks"] += L * (kv_e - kv_e // 2)
+                kv_e = 0
             side["K/V blocks"] += L * kv_e
             side["activation blocks"] += L * x_e
             if side is pool_h:

@@ -2,8 +2,13 @@
 pool tokens its query heads vote for, chosen by a soft vote and reused while the query stays similar.
 
 Placement ``kv=gpu`` (the paper's): the block pool is in device memory, as for `full`; the speed comes
-from attending fewer tokens. (``kv=split`` -- keys on the GPU, values in the host pool -- is issue 12,
-item 2, not built yet.)
+from attending fewer tokens. Placement ``kv=split``: a host pool whose K extents are created in device
+memory (`LayerHooks.keys_on_device`) and V extents in pinned host memory; nothing is fetched (every
+extent's mode is "dev": the pool's own arrays go to the layer program as they are), the vote reads K on
+the GPU and the gather reads only the selected V rows from the host arrays inside the layer program
+(`gather_rows`: indices moved to host memory space, the gather there, the rows moved to the device).
+Half of `kv=gpu`'s GPU KV bytes. The rows move inside the program, so the step records count no
+bytes_kv for them (they move nothing the pipeline issues).
 
 Per layer, inside the layer's one jitted program (`TokenSelectAttend`), for each request and KV head:
 
@@ -44,7 +49,7 @@ import numpy as np
 
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
-from kvoffload.offload.pipeline import LayerHooks
+from kvoffload.offload.pipeline import LayerHooks, PoolSources
 from kvoffload.pallas.sparse_attention import expand_indices
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
@@ -172,14 +177,20 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
 
 
 def gather_rows(extents, indices, blk):
-    """[B, n_kv, K, d]: rows of the pool's token space (indices [B, n_kv, K]) from the extents
-    [E_e, n_kv, blk, d] (block-id order); one gather per extent, each row taken from its own."""
+    """[B, n_kv, K, d] in device memory: rows of the pool's token space (indices [B, n_kv, K]) from the
+    extents [E_e, n_kv, blk, d] (block-id order); one gather per extent, each row taken from its own.
+    An extent in host memory (kv=split's V) is gathered where it is (JAX requires the indices in the
+    operand's memory space) and only the gathered rows are moved to the device."""
     block, off = indices // blk, indices % blk
     head = jnp.arange(indices.shape[1], dtype=jnp.int32)[None, :, None]
     out, start = None, 0
     for x in extents:
         E = x.shape[0]
-        rows = x[jnp.clip(block - start, 0, E - 1), head, off]
+        at = (jnp.clip(block - start, 0, E - 1), jnp.broadcast_to(head, block.shape), off)
+        if jax.typeof(x).memory_space == jax.memory.Space.Host:
+            rows = jax.device_put(x[jax.device_put(at, jax.memory.Space.Host)], jax.memory.Space.Device)
+        else:
+            rows = x[at]
         out = rows if out is None else jnp.where(((block >= start) & (block < start + E))[..., None], rows, out)
         start += E
     return out
@@ -266,8 +277,20 @@ class TokenSelectHooks(LayerHooks):
     name = "tokenselect"
     kinds = ("kv",)
 
-    def __init__(self, attend: TokenSelectAttend):
+    def __init__(self, attend: TokenSelectAttend, split: bool = False):
         self.attend = attend
+        self.split = split  # kv=split: K extents on the device, V extents in the host pool
+
+    def keys_on_device(self, pipe) -> bool:
+        return self.split
+
+    def plan_group(self, pipe, model, group):
+        plan = super().plan_group(pipe, model, group)
+        if not self.split:
+            return plan
+        # every extent as the pool holds it ("dev": the pool's own array, nothing fetched): K in device
+        # memory, V in host memory read in place; the cost model then counts no transfer either
+        return dataclasses.replace(plan, modes=("dev",) * group.layout.num_extents)
 
     def static_budget(self, layout, batch: int) -> int:
         """K: the selected tokens per (request, KV head), static for the run (the slots' shape)."""
@@ -292,7 +315,12 @@ class TokenSelectHooks(LayerHooks):
         return tuple(one for _ in range(cfg.num_layers))
 
     def sources(self, pipe, group, plan, layer, fetched):
-        return SelectSources(pool=super().sources(pipe, group, plan, layer, fetched), tail_len=group.tail_len)
+        if self.split:  # the pool's arrays as they are, as for a device pool (no zero stand-ins: nothing fetched)
+            pool = PoolSources(k=group.pool_k[layer], v=group.pool_v[layer], x=group.pool_x[layer],
+                               recompute=pipe.scalar(0), prompt_extents=group.layout.prompt_extents)
+        else:
+            pool = super().sources(pipe, group, plan, layer, fetched)
+        return SelectSources(pool=pool, tail_len=group.tail_len)
 
 
 @register_policy("tokenselect")
@@ -302,17 +330,16 @@ class TokenSelectPolicy(LayeredPolicy):
 
     def __init__(self, **options):
         if options.get("offload_weights"):
-            raise TokenSelectOptionError("policy 'tokenselect' with kv=gpu keeps weights and K/V on the device; "
+            raise TokenSelectOptionError("policy 'tokenselect' keeps the weights on the device; "
                                          "offload_weights is not supported")
+        # kv=split: a host pool (V extents in pinned host memory, K extents on the device, see the hooks)
+        self.host_pool = options.get("kv", "gpu") == "split"
         super().__init__(**options)
 
     def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
                    kv="gpu", page_size=1):
         if kv not in PLACEMENTS:
             raise TokenSelectOptionError(f"kv must be one of {PLACEMENTS}, got {kv!r}")
-        if kv == "split":
-            raise TokenSelectOptionError("tokenselect kv=split (keys on the GPU, values in the host pool) is not "
-                                         "implemented yet (issue 12, item 2); use kv=gpu")
         if token_budget is not None and token_ratio is not None:
             raise TokenSelectOptionError("give token_budget (tokens) or token_ratio (of the context), not both")
         if token_budget is None and token_ratio is None:
@@ -334,14 +361,14 @@ class TokenSelectPolicy(LayeredPolicy):
                 raise TokenSelectOptionError(f"token_ratio must be in (0, 1], got {token_ratio}")
         attend = TokenSelectAttend(token_budget=token_budget, token_ratio=token_ratio, num_sink=num_sink,
                                    num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size)
-        return TokenSelectHooks(attend)
+        return TokenSelectHooks(attend, split=kv == "split")
 
     def describe(self, state=None) -> dict:
         d = super().describe(state)
         a = self.pipeline.hooks.attend
         d["selection"] = {"token_budget": a.token_budget, "token_ratio": a.token_ratio, "num_sink": a.num_sink,
                           "num_recent": a.num_recent, "cache_threshold": a.cache_threshold, "page_size": a.page_size,
-                          "kv": "gpu"}
+                          "kv": "split" if self.pipeline.hooks.split else "gpu"}
         if state is not None and state.groups and state.groups[0].slots:
             d["selection"]["selected_per_head"] = int(state.groups[0].slots[0].indices.shape[-1])
             d["selection"].update(hit_rates(state))
