@@ -1,5 +1,5 @@
-"""int4 host storage (``host_dtype="int4"``) of the K/V blocks of a host pool, in `offload` and `kvpr`
-(CPU, tiny models): accuracy against the native run, what is stored where, the bytes moved and
+"""int4 host storage (``host_dtype="int4"``) of the K/V and activation blocks of a host pool, in
+`offload`, `kvpr` and `hybrid` (CPU, tiny models): accuracy against the native run, what is stored where, the bytes moved and
 planned, and the flush path's quantization.
 
 The model: tiny OPT with one head of d = 64, so the default group of 64 (the real models' setting)
@@ -57,8 +57,8 @@ def native(model):
 
 CASES = [
     ("offload", dict()),
-    ("kvpr", dict(split_point=16)),  # mid prompt: extents below recomputed from (native) X, int4 K/V above
-    ("kvpr", dict()),  # the scheduler's choice (int4 K/V are smaller than an activation: no recompute)
+    ("kvpr", dict(split_point=16)),  # mid prompt: extents below recomputed from int4 X, int4 K/V above
+    ("kvpr", dict()),  # the scheduler's choice (MHA: int4 X is half of int4 K/V, so it recomputes)
     ("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3, offload_weights=True)),
 ]
 
@@ -90,7 +90,7 @@ def test_int4_logits_stay_near_native(model, native, policy, opts):
     if opts.get("split_point"):
         assert 0 < rec["recompute_extents"] < rec["used_extents"] and rec["bytes_x"] > 0
     if policy == "kvpr" and not opts:
-        assert rec["recompute_extents"] == 0 and "int4" in rec["split_reason"]
+        assert rec["recompute_extents"] > 0 and rec["bytes_x"] > 0 and "recompute" in rec["split_reason"]
 
 
 def test_int4_error_shrinks_with_the_group(model, native):
@@ -131,8 +131,14 @@ def test_int4_extents_are_codes_in_host_memory(model):
             assert ext.step.dtype == ext.mn.dtype == jnp.float32 and ext.step.shape == (E, n_kv, BLOCK, d // 16)
             for a in (ext.codes, ext.step, ext.mn):
                 assert M.memory_kind_of(a) == "pinned_host"
-    for e in lay.extents_of("act"):  # activations stay in the model's dtype
-        assert gr.pool_x[0][e].dtype == jnp.float32 and M.memory_kind_of(gr.pool_x[0][e]) == "pinned_host"
+    for e in lay.extents_of("act"):  # activations: int4 too, grouped along H
+        ext = gr.pool_x[0][e]
+        assert isinstance(ext, ops.QuantizedInt4) and ext.group_size == 16
+        h = cfg.hidden_size
+        assert ext.codes.dtype == jnp.uint8 and ext.codes.shape == (lay.size(e), BLOCK, h // 2)
+        assert ext.step.dtype == ext.mn.dtype == jnp.float32 and ext.step.shape == (lay.size(e), BLOCK, h // 16)
+        for a in (ext.codes, ext.step, ext.mn):
+            assert M.memory_kind_of(a) == "pinned_host"
     assert gr.tail_k[0].dtype == jnp.float32 and M.memory_kind_of(gr.tail_k[0]) == "device"
     assert pol.describe()["host_dtype"] == "int4"
 
@@ -152,32 +158,46 @@ def test_int4_moves_a_quarter_plus_scales_and_plans_it():
     (_, _, pn, sn), (_, _, pq, sq) = runs["native"], runs["int4"]
     for rn, rq in zip(sn.records, sq.records):
         assert rq["bytes_kv"] == pytest.approx(ratio * rn["bytes_kv"], rel=1e-9) and rn["bytes_kv"] > 0
-        assert rq["bytes_x"] == rn["bytes_x"] > 0  # activations stay native
-        # codes, step and min: three arrays where native moves one, for K and V of each fetched extent
-        fetched_kv = (rq["used_extents"] - rq["recompute_extents"]) * cfg.num_layers
-        assert rq["arrays"] - rn["arrays"] == 4 * fetched_kv > 0
+        # H = 64, group 64: an activation is 32 B of codes + 8 B of scales per 128 B of bf16, as K/V
+        assert rq["bytes_x"] == pytest.approx(0.3125 * rn["bytes_x"], rel=1e-9) and rn["bytes_x"] > 0
+        # codes, step and min: three arrays where native moves one, for K and V (and X) of each extent
+        fetched = (rq["used_extents"] - rq["recompute_extents"]) * 2 * cfg.num_layers + rq["recompute_extents"] * cfg.num_layers
+        assert rq["arrays"] - rn["arrays"] == 2 * fetched > 0
     flushed = [r for r in sq.records if r["bytes_d2h"]]
     assert flushed and flushed[0]["bytes_d2h"] < [r for r in sn.records if r["bytes_d2h"]][0]["bytes_d2h"]
     mn, mq = pn.pipeline.memory_plan, pq.pipeline.memory_plan
     assert mq.host["K/V blocks"] == pytest.approx(ratio * mn.host["K/V blocks"], rel=1e-9)
-    assert mq.host["activation blocks"] == mn.host["activation blocks"] > 0
+    assert mq.host["activation blocks"] == pytest.approx(0.3125 * mn.host["activation blocks"], rel=1e-9)
+    assert mn.host["activation blocks"] > 0
     assert mq.host_bytes < mn.host_bytes
     assert mq.gpu["transfer buffers"] < mn.gpu["transfer buffers"]
     assert mq.gpu["dequantize workspace"] > 0 == mn.gpu["dequantize workspace"]
     shape = pq.pipeline.shape(bf16)
     assert shape.kv_host_tok == pytest.approx(ratio * shape.kv_tok)
-    assert pn.pipeline.shape(bf16).kv_host_tok == shape.kv_tok
+    assert shape.x_host_tok == pytest.approx(0.3125 * shape.x_tok)
+    assert pn.pipeline.shape(bf16).kv_host_tok == shape.kv_tok and pn.pipeline.shape(bf16).x_host_tok == shape.x_tok
     # the predicted transfer of a step shrinks with the bytes
     assert sq.records[-1]["predicted_transfer_s"] < sn.records[-1]["predicted_transfer_s"]
 
 
-def test_cost_model_decides_on_the_stored_bytes():
-    """MHA OPT: an activation is half its native K/V, so kvpr recomputes; int4 K/V are smaller than the
-    activation (80 vs 256 B/token here), so the scheduler stores no activations and says why."""
-    cfg = tiny_random_model("opt", seed=1, num_attention_heads=1).config
+def test_cost_model_decides_on_the_stored_bytes(model):
+    """MHA OPT: an activation is half its K/V natively and in int4 alike (40 vs 80 B/token here), so
+    kvpr's scheduler recomputes under int4 and says why; GQA Llama (h = 2 n_kv d): an int4 activation is
+    as large as its int4 K/V, so it recomputes nothing and says why."""
+    cfg = model.config
     assert no_recompute_reason(LayerShape.of(cfg, 4)) is None
-    reason = no_recompute_reason(LayerShape.of(cfg, 4, host_dtype="int4", int4_group_size=64))
-    assert reason and "int4" in reason and "80 B/token" in reason
+    assert no_recompute_reason(LayerShape.of(cfg, 4, host_dtype="int4", int4_group_size=64)) is None
+    _, _, _, state = _run(model, "kvpr", steps=BLOCK + 1, **INT4)
+    rec = state.records[-1]
+    assert 0 < rec["recompute_extents"] and rec["bytes_x"] > 0 and rec["split_reason"].startswith("recompute")
+    gqa = tiny_random_model("llama", seed=1)
+    gcfg = gqa.config
+    assert gcfg.hidden_size == 2 * gcfg.num_kv_heads * gcfg.head_dim  # GQA: X as large as its K/V
+    reason = no_recompute_reason(LayerShape.of(gcfg, 4, host_dtype="int4", int4_group_size=16))
+    assert reason and "int4" in reason and "GQA" in reason
+    _, _, _, gstate = _run(gqa, "kvpr", steps=BLOCK + 1, host_dtype="int4", int4_group_size=16)
+    assert all(r["recompute_extents"] == 0 and r["bytes_x"] == 0 for r in gstate.records)
+    assert "int4" in gstate.records[-1]["split_reason"]
 
 
 def test_flush_writes_the_quantized_tail_block(model):
@@ -236,8 +256,6 @@ def test_int4_options_are_validated(model):
         make_policy("offload", host_dtype="int8")
     with pytest.raises(ValueError, match="device memory"):
         make_policy("full", host_dtype="int4")
-    with pytest.raises(ValueError, match="does not support host_dtype"):
-        make_policy("hybrid", host_dtype="int4")
     pol = make_policy("kvpr", **BASE, host_dtype="int4", int4_group_size=48)
     tokens, lengths = pad_prompts(PROMPTS)
     with pytest.raises(ValueError, match="int4_group_size=48"):
@@ -264,3 +282,34 @@ def test_gpu_int4_offload_step_time():
     # int4 extents hold 4x the blocks (sized by their codes): the partly filled extents differ a little
     assert q["plan"]["bytes_kv"] == pytest.approx(0.3125 * base["plan"]["bytes_kv"], rel=0.05)
     assert q["step_s"] < 0.7 * base["step_s"], (q["step_s"], base["step_s"])
+
+
+def test_hybrid_int4_runs_near_native_and_plans_more_blocks(model):
+    """hybrid with int4 host blocks (KV and ACT, half each) and 2 GPU-resident ACT blocks, across two
+    flushes: the logits stay within the bound above of the native run; host blocks are QuantizedInt4 in
+    pinned host memory, GPU-resident ones native on the device (they never cross PCIe); the plan counts
+    the stored bytes: int4 blocks cost fewer host bytes each, so a host budget holds more of them."""
+    opts = dict(act_share=0.5, gpu_blocks=2, host_budget_gb=1e-3)
+    want, greedy, pn, _ = _run(model, "hybrid", **opts)
+    exact = _run(model, "hybrid", feed=greedy, **INT4, int4_group_size=2, **opts)[0]
+    np.testing.assert_allclose(exact, want, atol=1e-4, rtol=0)  # the plumbing, as above
+    got, _, pq, state = _run(model, "hybrid", feed=greedy, **INT4, **opts)
+    rms = np.sqrt(np.mean((got - want) ** 2)) / want.std()
+    assert 0 < rms <= 0.2, rms
+    assert sum(1 for r in state.records if r["bytes_d2h"]) == 2 and state.records[-1]["bytes_x"] > 0
+    kinds = set()
+    for gr in state.groups:
+        lay = gr.layout
+        for e in range(lay.num_extents):
+            ext = gr.pool_k[0][e] if lay.has("kv", e) else gr.pool_x[0][e]
+            if lay.on_device(e):
+                assert not isinstance(ext, ops.QuantizedInt4) and M.memory_kind_of(ext) == "device"
+            else:
+                assert isinstance(ext, ops.QuantizedInt4) and M.memory_kind_of(ext.codes) == "pinned_host"
+            kinds.add((lay.on_device(e), "kv" if lay.has("kv", e) else "act"))
+    assert {(True, "act"), (False, "act"), (False, "kv")} <= kinds
+    rn, rq = pn.pipeline.hooks.plan.rates, pq.pipeline.hooks.plan.rates
+    assert rq.kv_bytes == pytest.approx(80 / 512 * rn.kv_bytes) and rq.act_bytes == pytest.approx(40 / 256 * rn.act_bytes)
+    assert rq.act_gpu_bytes == rn.act_gpu_bytes == rn.act_bytes  # GPU-resident blocks: native
+    an, aq = pn.pipeline.hooks.plan.allocation, pq.pipeline.hooks.plan.allocation
+    assert aq.kv_host + aq.act_host > 3 * (an.kv_host + an.act_host) > 0  # same host budget

@@ -26,11 +26,13 @@ tables, folded into an fp32 accumulator with ``ops.merge_attention_into``), then
 runs the same programs over the same pool in device memory, so an offloading policy that moves the
 same blocks gives `full`'s logits bit for bit.
 
-int4 host storage (``host_dtype="int4"``, offload and kvpr): every K and V extent of a host pool is a
-``QuantizedInt4`` (uint8 codes, float32 step and min per group), quantized on the GPU on its way to the
-host (prefill's extents, each flushed block: its three arrays written in place), fetched as it is in
-the same eager ``device_put`` list and dequantized to the compute dtype inside the layer program
-(`native_kv`) before the paged attention; activations and the GPU tails stay in the model's dtype.
+int4 host storage (``host_dtype="int4"``, offload, kvpr, hybrid): every K, V and X extent of a host
+pool is a ``QuantizedInt4`` (uint8 codes, float32 step and min per group; along d for K/V, along H for
+X), quantized on the GPU on its way to the host (prefill's extents, each flushed block: its three
+arrays written in place), fetched as it is in the same eager ``device_put`` list and dequantized to the
+compute dtype inside the layer program (`native_extent`) before the paged attention or
+`recompute_extent`. GPU-resident extents (hybrid's device classes) and the GPU tails stay in the
+model's dtype: they never cross PCIe, so quantizing them would cost accuracy and save no transfer.
 
 State: `DecodeState` is a pytree (pool arrays, tails, tables) with host bookkeeping (the allocator,
 counters, the step records) as static fields; a step takes it and returns a new one.
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Any
 
@@ -59,8 +62,7 @@ from kvoffload.offload.pool import (
     gather_act_extent,
     gather_kv_extent,
     quantize_blocks,
-    write_blocks,
-    write_kv_blocks,
+    write_stored_blocks,
 )
 
 KV_FIELDS = ("wk", "bk", "wv", "bv")
@@ -184,9 +186,10 @@ def recompute_extent(cfg, lp, x_ext, first_pos, impl="reference"):
     return family(cfg).recompute_kv(cfg, lp, x_ext, positions, impl=impl)
 
 
-def _zero_kv(cfg, x_ext):
+def _zero_kv(cfg, dtype, x_ext):
+    x_ext = x_ext.codes if isinstance(x_ext, ops.QuantizedInt4) else x_ext  # [E, blk, ...] either way
     shape = (x_ext.shape[0], cfg.num_kv_heads, x_ext.shape[1], cfg.head_dim)
-    return jnp.zeros(shape, x_ext.dtype), jnp.zeros(shape, x_ext.dtype)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +209,8 @@ class PoolSources:
 jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"], meta_fields=["prompt_extents"])
 
 
-def native_kv(a, dtype):
-    """A K or V extent in the compute dtype: an int4 one (QuantizedInt4, a host pool's storage) is
+def native_extent(a, dtype):
+    """A K, V or X extent in the compute dtype: an int4 one (QuantizedInt4, a host pool's storage) is
     dequantized here on the GPU, inside the layer program; a native one is returned as it is."""
     return ops.dequantize_int4(a, dtype) if isinstance(a, ops.QuantizedInt4) else a
 
@@ -217,18 +220,19 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
     (acc, slots): a policy's attention may update its per-layer slots; this one keeps none."""
     for e in range(len(src.k)):
         if src.x[e] is None:
-            k, v = native_kv(src.k[e], q.dtype), native_kv(src.v[e], q.dtype)
+            k, v = native_extent(src.k[e], q.dtype), native_extent(src.v[e], q.dtype)
         elif src.k[e] is None and e < src.prompt_extents:  # activations of the prompt: always in use
-            k, v = recompute_extent(cfg, lp, src.x[e], tables.first_pos[e], recompute_impl)
+            k, v = recompute_extent(cfg, lp, native_extent(src.x[e], q.dtype), tables.first_pos[e], recompute_impl)
         elif src.k[e] is None:  # activations only: recomputed once some request has blocks there (a
             # conditional reads its predicate on the host mid-program, so only where usage changes)
             k, v = jax.lax.cond(jnp.any(tables.count[e] > 0),
-                                lambda x, f: recompute_extent(cfg, lp, x, f, recompute_impl),
-                                lambda x, f: _zero_kv(cfg, x), src.x[e], tables.first_pos[e])
+                                lambda x, f: recompute_extent(cfg, lp, native_extent(x, q.dtype), f, recompute_impl),
+                                lambda x, f: _zero_kv(cfg, q.dtype, x), src.x[e], tables.first_pos[e])
         else:  # both stored: this step's split decides (one branch runs)
             k, v = jax.lax.cond(e < src.recompute,
-                                lambda x, kk, vv, f: recompute_extent(cfg, lp, x, f, recompute_impl),
-                                lambda x, kk, vv, f: (native_kv(kk, q.dtype), native_kv(vv, q.dtype)),
+                                lambda x, kk, vv, f: recompute_extent(cfg, lp, native_extent(x, q.dtype), f,
+                                                                      recompute_impl),
+                                lambda x, kk, vv, f: (native_extent(kk, q.dtype), native_extent(vv, q.dtype)),
                                 src.x[e], src.k[e], src.v[e], tables.first_pos[e])
         part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl)
         acc = ops.merge_attention_into(acc, part)
@@ -415,10 +419,10 @@ class PipelineOptions:
     check_memory: bool = True
     host_memory_limit_gb: float | None = None
     gpu_memory_limit_gb: float | None = None
-    # how a host pool stores K/V blocks: "native" (the model's dtype) or "int4" (group quantization:
-    # packed codes plus a float32 step and min per int4_group_size elements of a head's d, ~1/4 of bf16's
-    # bytes): quantized when a block is written to the host, moved as it is, dequantized on the GPU.
-    # Activation blocks and the GPU tails stay in the model's dtype.
+    # how a host pool stores K/V and activation blocks: "native" (the model's dtype) or "int4" (group
+    # quantization: packed codes plus a float32 step and min per int4_group_size elements of a head's d
+    # (K/V) or of H (X), ~1/4 of bf16's bytes): quantized when a block is written to the host, moved as
+    # it is, dequantized on the GPU. GPU-resident blocks and the GPU tails stay in the model's dtype.
     host_dtype: str = "native"
     int4_group_size: int = 64
 
@@ -460,7 +464,7 @@ class LayerPipeline:
         self.hooks = hooks
         self.opts = opts
         self.host_pool = host_pool
-        self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V extents are QuantizedInt4
+        self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V/X extents are QuantizedInt4
         self.dev = M.default_device()
         self.host_kind, self.host_note = M.host_memory_kind(self.dev)
         self._cost = None
@@ -532,10 +536,12 @@ class LayerPipeline:
         dtype = model.params.layers[0].wk.dtype
         lengths = np.asarray(lengths, np.int64)
         b = len(lengths)
-        if self.int4 and (cfg.head_dim % o.int4_group_size or cfg.head_dim % 2):
-            raise ValueError(f"host_dtype='int4' quantizes each head's {cfg.head_dim} K/V values in groups of "
-                             f"int4_group_size={o.int4_group_size}, which must divide it (and it must be even); "
-                             f"choose a divisor of {cfg.head_dim}")
+        bad = [n for n in (cfg.head_dim, cfg.hidden_size) if n % o.int4_group_size or n % 2]
+        if self.int4 and bad:
+            raise ValueError(f"host_dtype='int4' quantizes each head's {cfg.head_dim} K/V values and each token's "
+                             f"{cfg.hidden_size} activations in groups of int4_group_size={o.int4_group_size}, "
+                             f"which must divide both (and they must be even); choose a divisor of "
+                             f"{math.gcd(cfg.head_dim, cfg.hidden_size)}")
         rows = self.hooks.group_rows(self, model, lengths, capacity, t_pad=t_pad)
         layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths, capacity)
         self.memory_plan = pool_memory(cfg, dtype, layouts, b, t_pad, host_pool=self.host_pool,
@@ -629,7 +635,7 @@ class LayerPipeline:
         for e in range(layout.num_extents):
             src, valid = srcs[e]
             E = layout.size(e)
-            # a host K/V extent as the pool stores it: quantized here, on its way to the host, for int4
+            # a host extent as the pool stores it: quantized here, on its way to the host, for int4
             stored = ((lambda a: quantize_blocks(a, self.opts.int4_group_size))
                       if self.int4 and not layout.on_device(e) else (lambda a: a))
             if layout.has("kv", e):
@@ -642,7 +648,7 @@ class LayerPipeline:
             else:
                 pk.append(None), pv.append(None)
             if layout.has("act", e):
-                px.append(gather_act_extent(x, src, valid, blk) if e < used else jnp.zeros((E, blk, hdim), dtype))
+                px.append(stored(gather_act_extent(x, src, valid, blk) if e < used else jnp.zeros((E, blk, hdim), dtype)))
             else:
                 px.append(None)
         # committed, like the written extents a flush returns (else each first write recompiles); host
@@ -770,18 +776,20 @@ class LayerPipeline:
             if tx[i] is not None:
                 bx, tx[i] = _pop_block(tx[i], blk, 0)
             # int4 host extents: the blocks quantized once per layer, on the GPU, before they move
-            qk, qv = ((quantize_blocks(bk, self.opts.int4_group_size), quantize_blocks(bv, self.opts.int4_group_size))
-                      if self.int4 else (bk, bv))
+            quant = (lambda a: quantize_blocks(a, self.opts.int4_group_size)) if self.int4 else (lambda a: a)
+            qk, qv = quant(bk), quant(bv)
+            qx = quant(bx) if bx is not None else None
             for e in touched:
                 share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
                 if layout.has("kv", e):
                     wk, wv = (bk, bv) if layout.on_device(e) else (qk, qv)
-                    pk[i][e] = write_kv_blocks(pk[i][e], wk, slots[e])
-                    pv[i][e] = write_kv_blocks(pv[i][e], wv, slots[e])
+                    pk[i][e] = write_stored_blocks(pk[i][e], wk, slots[e])
+                    pv[i][e] = write_stored_blocks(pv[i][e], wv, slots[e])
                     nbytes += int((_tree_bytes(wk) + _tree_bytes(wv)) * share)
                 if layout.has("act", e) and bx is not None:
-                    px[i][e] = write_blocks(px[i][e], bx, slots[e])
-                    nbytes += int(_nbytes(bx) * share)
+                    wx = bx if layout.on_device(e) else qx
+                    px[i][e] = write_stored_blocks(px[i][e], wx, slots[e])
+                    nbytes += int(_tree_bytes(wx) * share)
         return dataclasses.replace(
             gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
             pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),
@@ -888,7 +896,7 @@ def modes_work(shape, layout: PoolLayout, batch: int, modes, in_use, recompute: 
             bytes_kv += size * shape.kv_host_tok  # as the host pool stores it (int4: codes + scales)
             transfers += 2
         elif m == "x":
-            bytes_x += size * shape.x_tok
+            bytes_x += size * shape.x_host_tok  # as stored (int4: codes + scales)
             transfers += 1
             rec_tokens += size
         elif m == "dev" and in_use[e] and layout.has("act", e) and (not layout.has("kv", e) or e < recompute):

@@ -10,9 +10,9 @@ never stores or moves padding.
 Physical level. Per layer and kind, blocks are grouped into extents of ``extent_blocks`` blocks; an
 extent is one array -- K and V ``[E, n_kv, blk, d]``, activations X ``[E, blk, H]`` -- in pinned host
 memory (offloading policies) or device memory (`full`). Block id b lives in extent b // E at slot
-b % E. A host pool may store K and V in int4 (``host_dtype="int4"``): each such extent is then a
-``QuantizedInt4`` of three arrays (codes, step, min) with the same leading [E, n_kv, blk] axes, written
-and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole
+b % E. A host pool may store its extents in int4 (``host_dtype="int4"``): each K, V and X extent is
+then a ``QuantizedInt4`` of three arrays (codes, step, min; groups along the last axis, d or H) with
+the same leading axes, written and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole
 array overlaps the jitted compute dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
 fetches must move few, large arrays; an extent of tens of MiB moves at the PCIe floor. Every extent
 of a run has one shape, so no program compiles again as a generation grows. Allocation is lowest id
@@ -378,13 +378,13 @@ def gather_act_extent(x, src, valid, blk):
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
 def quantize_blocks(a, group_size: int) -> QuantizedInt4:
-    """K or V blocks / an extent [..., d] as an int4 host pool stores them (ops.quantize_int4: packed
-    uint8 codes [..., d/2], float32 step and min [..., d/group_size])."""
+    """K, V or X blocks / an extent [..., n] (n = d or H) as an int4 host pool stores them
+    (ops.quantize_int4: packed uint8 codes [..., n/2], float32 step and min [..., n/group_size])."""
     return quantize_int4(a, group_size)
 
 
-def write_kv_blocks(ext, blocks, slots):
-    """write_blocks for a K or V extent as the pool stores it: an int4 extent (QuantizedInt4) gets the
+def write_stored_blocks(ext, blocks, slots):
+    """write_blocks for a K, V or X extent as the pool stores it: an int4 extent (QuantizedInt4) gets the
     blocks quantized with its group size (unless they already are) and each of its three arrays written
     in place with write_blocks."""
     if not isinstance(ext, QuantizedInt4):

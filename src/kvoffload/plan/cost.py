@@ -115,17 +115,29 @@ def recompute_flops_per_token(cfg: ModelConfig) -> float:
 HOST_DTYPES = ("native", "int4")
 
 
+def stored_bytes(values: int, dtype_bytes: int, host_dtype: str = "native", group_size: int = 64) -> float:
+    """Bytes of `values` numbers (whole groups of group_size along the last axis) as a pool stores them:
+    the model's dtype ("native"), or int4 group quantization (pallas/quant.py): half a byte of packed
+    code per value plus a float32 step and min per group of group_size."""
+    if host_dtype == "native":
+        return float(values * dtype_bytes)
+    if host_dtype == "int4":
+        return float(values // 2 + 2 * 4 * (values // group_size))
+    raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {host_dtype!r}")
+
+
 def stored_kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, host_dtype: str = "native",
                               group_size: int = 64) -> float:
-    """Bytes of one token's K and V of one layer as a pool stores them: the model's dtype ("native"), or
-    int4 group quantization (pallas/quant.py): d/2 bytes of packed codes plus a float32 step and min per
-    group of group_size, per head."""
-    if host_dtype == "native":
-        return float(cfg.kv_bytes_per_token * dtype_bytes)
-    if host_dtype == "int4":
-        d = cfg.head_dim
-        return float(2 * cfg.num_kv_heads * (d // 2 + 2 * 4 * (d // group_size)))
-    raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {host_dtype!r}")
+    """Bytes of one token's K and V of one layer as a pool stores them (`stored_bytes`; int4 groups run
+    along each head's d)."""
+    return stored_bytes(2 * cfg.num_kv_heads * cfg.head_dim, dtype_bytes, host_dtype, group_size)
+
+
+def stored_x_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, host_dtype: str = "native",
+                             group_size: int = 64) -> float:
+    """Bytes of one token's activation X of one layer as a pool stores it (`stored_bytes`; int4 groups
+    run along the hidden size H)."""
+    return stored_bytes(cfg.hidden_size, dtype_bytes, host_dtype, group_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +153,14 @@ class LayerShape:
     # bytes of one token's K and V as the host pool stores them (what a fetch moves; int4: codes + scales);
     # None: kv_tok
     kv_host_tok: float | None = None
+    # bytes of one token's activation as the host pool stores it (what a fetch of X moves); None: x_tok
+    x_host_tok: float | None = None
 
     def __post_init__(self):
         if self.kv_host_tok is None:
             object.__setattr__(self, "kv_host_tok", self.kv_tok)
+        if self.x_host_tok is None:
+            object.__setattr__(self, "x_host_tok", self.x_tok)
 
     @classmethod
     def of(cls, cfg: ModelConfig, dtype_bytes: int, w_layer: float = 0.0, w_kv: float = 0.0,
@@ -152,7 +168,8 @@ class LayerShape:
         return cls(x_tok=cfg.hidden_size * dtype_bytes, kv_tok=cfg.kv_bytes_per_token * dtype_bytes,
                    recompute_flops_tok=recompute_flops_per_token(cfg), dense_flops_tok=dense_flops_per_token(cfg),
                    w_layer=w_layer, w_kv=w_kv,
-                   kv_host_tok=stored_kv_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size))
+                   kv_host_tok=stored_kv_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size),
+                   x_host_tok=stored_x_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +212,7 @@ def layer_terms(cost: CostModel, shape: LayerShape, batch: int, s: int, l: int, 
     """Times of one layer of one decode step for gpu_batches batches of `batch` sequences with `s`
     host slots each, of which the first l are recomputed from X (l = 0: plain offload); the
     transfers of a layer are queued back to back (one latency)."""
-    work = LayerWork(batch=batch, bytes_kv=batch * (s - l) * shape.kv_host_tok, bytes_x=batch * l * shape.x_tok,
+    work = LayerWork(batch=batch, bytes_kv=batch * (s - l) * shape.kv_host_tok, bytes_x=batch * l * shape.x_host_tok,
                      transfers=0, recompute_tokens=batch * l, attended_tokens=batch * (s + tail))
     t = predict_layers(cost, shape, [work] * gpu_batches, offload_weights=offload_weights)
     t["layer_s"] = t.pop("step_s")

@@ -35,8 +35,18 @@ class BlockRates:
     attention: Linear  # attention over #blocks (either kind)
     load_w: float  # one layer's weights over PCIe (0 when weights stay on the GPU)
     dense_s: float  # projections + MLP of the batch (one layer)
-    kv_bytes: float  # one KV block of one layer (K and V)
-    act_bytes: float  # one ACT block of one layer
+    kv_bytes: float  # one host KV block of one layer (K and V), as the host pool stores it (int4: codes + scales)
+    act_bytes: float  # one host ACT block of one layer, as stored
+    # a GPU-resident block of one layer: the model's dtype (it never crosses PCIe, so it stays native);
+    # None: as the host's
+    kv_gpu_bytes: float | None = None
+    act_gpu_bytes: float | None = None
+
+    def __post_init__(self):
+        if self.kv_gpu_bytes is None:
+            object.__setattr__(self, "kv_gpu_bytes", self.kv_bytes)
+        if self.act_gpu_bytes is None:
+            object.__setattr__(self, "act_gpu_bytes", self.act_bytes)
 
     @classmethod
     def of(cls, cost: CostModel, shape: LayerShape, block_tokens: int, *, offload_weights: bool,
@@ -44,20 +54,22 @@ class BlockRates:
         """weight_share: the fraction of layers whose weights stream (resident layers move none); the
         per-layer weight time is its average over the layers."""
         blk = int(block_tokens)
-        kv_b, act_b = blk * shape.kv_tok, blk * shape.x_tok
+        # loads and host memory at the bytes the host pool stores (int4 host blocks: ~1/4 of bf16's)
+        kv_b, act_b = blk * shape.kv_host_tok, blk * shape.x_host_tok
         per_block = lambda line, x: Linear(line.intercept, line.slope * x)  # noqa: E731
         dense = max(cost.dense(batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw)
         return cls(block_tokens=blk, load_kv=per_block(cost.h2d, kv_b), load_act=per_block(cost.h2d, act_b),
                    kv_gen=per_block(cost.recompute, blk * shape.recompute_flops_tok),
                    attention=per_block(cost.attention, blk * shape.kv_tok),
                    load_w=cost.h2d(shape.w_layer) * weight_share if offload_weights else 0.0, dense_s=dense,
-                   kv_bytes=kv_b, act_bytes=act_b)
+                   kv_bytes=kv_b, act_bytes=act_b, kv_gpu_bytes=blk * shape.kv_tok, act_gpu_bytes=blk * shape.x_tok)
 
     def to_json(self) -> dict:
         return {"block_tokens": self.block_tokens, "load_kv": self.load_kv.to_json(),
                 "load_act": self.load_act.to_json(), "kv_gen": self.kv_gen.to_json(),
                 "attention": self.attention.to_json(), "load_w_s": self.load_w, "dense_s": self.dense_s,
-                "kv_bytes": self.kv_bytes, "act_bytes": self.act_bytes}
+                "kv_bytes": self.kv_bytes, "act_bytes": self.act_bytes, "kv_gpu_bytes": self.kv_gpu_bytes,
+                "act_gpu_bytes": self.act_gpu_bytes}
 
     # -- one layer of a step -------------------------------------------------------------------
     def pcie_s(self, kv_host: float, act_host: float) -> float:

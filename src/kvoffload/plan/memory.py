@@ -125,12 +125,12 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
                 int4_group_size: int = 64, k_on_device: bool = False) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
-    workspace. host_dtype: how host K/V blocks are stored ("int4": codes + scales, dequantized on the
-    GPU one extent at a time; GPU-resident blocks and activations stay in the model's dtype).
+    workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
+    dequantized on the GPU one extent at a time; GPU-resident blocks stay in the model's dtype).
     k_on_device: a host pool's K extents live on the GPU and its V extents on the host, read in place by
     the layer program (tokenselect kv=split): nothing is fetched, so no transfer buffers."""
     from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
-    from kvoffload.plan.cost import stored_kv_bytes_per_token
+    from kvoffload.plan.cost import stored_kv_bytes_per_token, stored_x_bytes_per_token
 
     p = jnp.dtype(dtype).itemsize
     tail_slots = 2 * layouts[0].block_tokens if tail_slots is None else int(tail_slots)
@@ -142,6 +142,8 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     kv_host_tok = stored_kv_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size)
     kv_host_blk = lambda lay: int(lay.block_tokens * kv_host_tok)  # noqa: E731  (as the host pool stores them)
     x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p  # noqa: E731
+    x_host_tok = stored_x_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size)
+    x_host_blk = lambda lay: int(lay.block_tokens * x_host_tok)  # noqa: E731
     # every extent of every layer, on the host (a host pool) or on the GPU (a device pool, or a
     # device-resident block class)
     pool_h = {"K/V blocks": 0, "activation blocks": 0}
@@ -154,7 +156,9 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
             kv_e = lay.size(e) * (kv_host_blk(lay) if side is pool_h else kv_blk(lay)) if lay.has("kv", e) else 0
             if side is pool_h and kv_e and kv_host_tok != cfg.kv_bytes_per_token * p:
                 deq_ws = max(deq_ws, lay.size(e) * kv_blk(lay))  # one fetched extent's K/V, dequantized
-            x_e = lay.size(e) * x_blk(lay) if lay.has("act", e) else 0
+            x_e = lay.size(e) * (x_host_blk(lay) if side is pool_h else x_blk(lay)) if lay.has("act", e) else 0
+            if side is pool_h and x_e and x_host_tok != cfg.hidden_size * p:
+                deq_ws = max(deq_ws, lay.size(e) * x_blk(lay))  # one fetched X extent, dequantized
             if side is pool_h and k_on_device:  # K (half of kv_e) on the GPU, V on the host, nothing fetched
                 pool_d["K/V blocks"] += L * kv_e // 2
                 pool_h["K/V blocks"] += L * (kv_e - kv_e // 2)

@@ -9,7 +9,7 @@ candidates are few (the extents in use, plus one), so `choose_split` evaluates e
 fastest, the smallest r on ties.
 
 With GQA, when an activation is at least as large as its K/V (h >= 2 n_kv d; with the host pool's K/V
-in int4, its stored bytes), recomputing can only add PCIe bytes: `no_recompute_reason` says so and the
+and X in int4, their stored bytes), recomputing can only add PCIe bytes: `no_recompute_reason` says so and the
 policy stores no activations at all.
 """
 
@@ -29,9 +29,11 @@ class SplitPlan:
 
 
 def no_recompute_reason(shape: LayerShape) -> str | None:
-    if shape.x_tok >= shape.kv_host_tok:  # the bytes a fetch moves: K/V as the host pool stores them
-        why = "GQA" if shape.kv_host_tok == shape.kv_tok else "K/V stored in int4"
-        return (f"no recompute: an activation ({shape.x_tok:.0f} B/token) is at least as large as its K/V "
+    # the bytes a fetch moves: X and K/V as the host pool stores them (int4: both quantized alike, so
+    # the comparison is h vs 2 n_kv d in either dtype, up to the scales)
+    if shape.x_host_tok >= shape.kv_host_tok:
+        why = "GQA" if shape.kv_host_tok == shape.kv_tok else "GQA, both stored in int4"
+        return (f"no recompute: an activation ({shape.x_host_tok:.0f} B/token) is at least as large as its K/V "
                 f"({shape.kv_host_tok:.0f} B/token, {why}), so recomputing can only add PCIe bytes; "
                 "no activations stored")
     return None

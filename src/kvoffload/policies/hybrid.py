@@ -159,7 +159,8 @@ class HybridHooks(LayerHooks):
             rows = pack_mini_batches(kv_h, act_h, act_all, kv_max, act_max, rates)
             return alloc, used, classes, rows, kv_max, act_max
 
-        gpu_kind = "act" if (self.act_share is None and rates.act_bytes < rates.kv_bytes) or (self.act_share or 0) > 0 else "kv"
+        gpu_kind = ("act" if (self.act_share is None and rates.act_gpu_bytes < rates.kv_gpu_bytes) or (self.act_share or 0) > 0
+                    else "kv")
         g_blocks = 0 if self.gpu_blocks == "auto" else self.gpu_blocks
         alloc, used, classes, rows, kv_max, act_max = plan_for(g_blocks, gpu_kind)
         if self.gpu_blocks == "auto" and pipe.host_pool:
@@ -172,9 +173,10 @@ class HybridHooks(LayerHooks):
                               inflight=max(o.sync_depth, 2), tail_slots=tail_slots(lengths, capacity, blk),
                               resident_layers=pipe.resident(model),
                               tail_x=flush_possible(lengths, capacity, blk),
-                              prefill_workspace_gb=o.prefill_workspace_gb)
+                              prefill_workspace_gb=o.prefill_workspace_gb, host_dtype=o.host_dtype,
+                              int4_group_size=o.int4_group_size)
             other = mem.gpu_bytes
-            per_block = L * (rates.act_bytes if gpu_kind == "act" else rates.kv_bytes)
+            per_block = L * (rates.act_gpu_bytes if gpu_kind == "act" else rates.kv_gpu_bytes)  # native on the GPU
             g_cap = max(0, int((gpu_bytes - other) // per_block))
             g_blocks = g_cap
             for _ in range(4):  # the requests' class patterns round the share: hold the real count to the cap
@@ -234,6 +236,7 @@ class HybridPolicy(LayeredPolicy):
     extra_options = ("act_share", "gpu_blocks", "mini_batch_gb", "host_budget_gb", "allocation")
     # HybridServe offloads the weights too and switches mini-batches at layer granularity
     defaults = {"offload_weights": True, "schedule": "column"}
+    host_dtypes = ("native", "int4")  # int4: host KV and ACT blocks quantized, GPU-resident blocks native
 
     def __init__(self, **options):
         for k, v in self.defaults.items():

@@ -12,7 +12,7 @@ from kvoffload.policies.base import Policy
 class LayeredPolicy(Policy):
     host_pool = True  # the pool in pinned host memory (False: device memory)
     extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
-    host_dtypes: tuple = ("native",)  # the host_dtype values its hooks support (int4: offload, kvpr)
+    host_dtypes: tuple = ("native",)  # the host_dtype values its hooks support (int4: offload, kvpr, hybrid)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -30,9 +30,9 @@ class LayeredPolicy(Policy):
         if self.options.host_dtype not in self.host_dtypes:
             raise ValueError(
                 f"policy {self.name!r} keeps its block pool in device memory; host_dtype applies to host pools "
-                "(use 'offload' or 'kvpr')" if not self.host_pool else
+                "(use 'offload', 'kvpr' or 'hybrid')" if not self.host_pool else
                 f"policy {self.name!r} does not support host_dtype={self.options.host_dtype!r} yet (it supports "
-                f"{list(self.host_dtypes)}; int4 host storage runs in 'offload' and 'kvpr')")
+                f"{list(self.host_dtypes)}; int4 host storage runs in 'offload', 'kvpr' and 'hybrid')")
         self.pipeline = LayerPipeline(self.make_hooks(**hook_opts), self.options, host_pool=self.host_pool)
 
     def make_hooks(self, **hook_options) -> LayerHooks:
