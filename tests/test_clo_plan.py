@@ -237,3 +237,24 @@ def test_plan_persistent_heads_composes_the_formulas():
     assert rep["total_bytes"] == 3 * 2 * 4 * 1000 * 16 * 2
     with pytest.raises(CloPlanError):
         plan_persistent_heads(cfg, cost, shape, [[0.3, 0.6]], scores, batch=4, context=1000, k_tokens=100)
+
+
+def test_shipped_profile_of_the_embedded_model():
+    """The pre-run shipped for the embedded model (scripts/profile_clo.py, 6 essay prompts of 4096
+    tokens): one s_hat per layer and KV head, the importance-weighted harmonic mean of its query heads."""
+    import os
+
+    import kvoffload.importance as imp
+    from kvoffload.importance.deploy import group_similarity
+    from kvoffload.importance.train import load_scores
+    from kvoffload.plan.clo import load_clo_profile
+
+    here = os.path.join(os.path.dirname(imp.__file__), "pretrained")
+    prof = load_clo_profile(os.path.join(here, "smollm2_135m_instruct_clo_profile.json"))
+    alpha = load_scores(os.path.join(here, "smollm2_135m_instruct_head_scores.json"))  # [30, 3] per KV head
+    assert prof.s_hat.shape == (30, 3) and prof.s_hat_q.shape == (30, 9)
+    assert prof.aggregation == "importance-harmonic" and prof.num_pairs > 20000
+    assert np.all((prof.s_hat > 0) & (prof.s_hat <= 1))
+    # per-KV-head weights are one weight per group: the harmonic mean with equal weights
+    want = np.asarray(group_similarity(prof.s_hat_q.reshape(30, 3, 3), np.repeat(alpha[:, :, None], 3, -1)))
+    np.testing.assert_allclose(prof.s_hat, want, rtol=1e-5)
