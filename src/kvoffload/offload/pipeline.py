@@ -530,7 +530,7 @@ class LayerPipeline:
         """The GPU batches and their pool layouts for prompts of these lengths, the memory plan
         (self.memory_plan), checked against host and GPU memory: raises MemoryPlanError before anything
         is allocated. Returns (rows, layouts)."""
-        from kvoffload.plan.memory import check_pool, pool_memory, weight_bytes
+        from kvoffload.plan.memory import check_pool
 
         cfg, o = model.config, self.opts
         dtype = model.params.layers[0].wk.dtype
@@ -544,20 +544,29 @@ class LayerPipeline:
                              f"{math.gcd(cfg.head_dim, cfg.hidden_size)}")
         rows = self.hooks.group_rows(self, model, lengths, capacity, t_pad=t_pad)
         layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths, capacity)
-        self.memory_plan = pool_memory(cfg, dtype, layouts, b, t_pad, host_pool=self.host_pool,
-                                       offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
-                                       inflight=max(o.sync_depth, 2), resident_layers=self.resident(model),
-                                       tail_slots=tail_slots(lengths, capacity, o.block_tokens),
-                                       tail_x=flush_possible(lengths, capacity, o.block_tokens),
-                                       prefill_workspace_gb=o.prefill_workspace_gb,
-                                       host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
-                                       k_on_device=self.hooks.keys_on_device(self))
-        if o.offload_weights and M.on_host(model.params.layers):
-            self.memory_plan.host["weights"] = 0  # already in host memory (counted by MemAvailable)
+        self.memory_plan = self.memory_of(model, layouts, lengths, t_pad, capacity)
         if o.check_memory:
             check_pool(self.memory_plan, o.host_memory_limit_gb, o.gpu_memory_limit_gb, self.host_pool, self.dev,
                        what=f"{self.hooks.name} for batch {b} x {capacity} tokens")
         return rows, layouts
+
+    def memory_of(self, model, layouts, lengths, t_pad: int, capacity: int):
+        """The memory plan (`plan.memory.pool_memory`) of these layouts for this run's options."""
+        from kvoffload.plan.memory import pool_memory, weight_bytes
+
+        cfg, o = model.config, self.opts
+        dtype = model.params.layers[0].wk.dtype
+        mem = pool_memory(cfg, dtype, layouts, len(lengths), t_pad, host_pool=self.host_pool,
+                          offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
+                          inflight=max(o.sync_depth, 2), resident_layers=self.resident(model),
+                          tail_slots=tail_slots(lengths, capacity, o.block_tokens),
+                          tail_x=flush_possible(lengths, capacity, o.block_tokens),
+                          prefill_workspace_gb=o.prefill_workspace_gb,
+                          host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
+                          k_on_device=self.hooks.keys_on_device(self))
+        if o.offload_weights and M.on_host(model.params.layers):
+            mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
+        return mem
 
     def prefill(self, model, tokens, lengths, capacity):
         cfg = model.config

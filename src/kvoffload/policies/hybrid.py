@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from kvoffload.offload.pipeline import GroupPlan, LayerHooks, flush_possible, tail_slots
+from kvoffload.offload.pipeline import GroupPlan, LayerHooks
 from kvoffload.plan.hybrid import (
     BlockAllocation,
     BlockRates,
@@ -128,8 +128,6 @@ class HybridHooks(LayerHooks):
                               extent_mb=pipe.opts.extent_mb) for a, z in rows]
 
     def _plan(self, pipe, model, dtype, lengths, capacity, t_pad=None) -> HybridPlan:
-        from kvoffload.plan.memory import pool_memory, weight_bytes
-
         cfg, o = model.config, pipe.opts
         blk, L = o.block_tokens, cfg.num_layers
         lengths = np.asarray(lengths, np.int64)
@@ -168,14 +166,7 @@ class HybridHooks(LayerHooks):
             # workspace) at this packing; the rest of the budget holds blocks
             lays = self._layouts(pipe, model, dtype, classes, rows, lengths, capacity)
             t_pad = t_pad or -(-int(lengths.max()) // blk) * blk
-            mem = pool_memory(cfg, dtype, lays, len(lengths), t_pad, host_pool=True,
-                              offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
-                              inflight=max(o.sync_depth, 2), tail_slots=tail_slots(lengths, capacity, blk),
-                              resident_layers=pipe.resident(model),
-                              tail_x=flush_possible(lengths, capacity, blk),
-                              prefill_workspace_gb=o.prefill_workspace_gb, host_dtype=o.host_dtype,
-                              int4_group_size=o.int4_group_size)
-            other = mem.gpu_bytes
+            other = pipe.memory_of(model, lays, lengths, t_pad, capacity).gpu_bytes
             per_block = L * (rates.act_gpu_bytes if gpu_kind == "act" else rates.kv_gpu_bytes)  # native on the GPU
             g_cap = max(0, int((gpu_bytes - other) // per_block))
             g_blocks = g_cap
