@@ -376,3 +376,27 @@ def test_planner_moves_resident_layers_to_the_gpu_side():
     per_layer = (streamed.host["weights"]) / cfg.num_layers
     assert kept.gpu["weights"] - streamed.gpu["weights"] == pytest.approx(4 * per_layer)
     assert streamed.host["weights"] - kept.host["weights"] == pytest.approx(4 * per_layer)
+
+
+def test_transfers_are_issued_ahead_of_the_programs_and_the_planner_counts_them():
+    """Item n+D-1's transfers are issued before item n's program (D = sync_depth) and at most D+1
+    items' buffers and layers' weights are alive, as the memory plan counts; the logits do not depend
+    on how far ahead the loop runs."""
+    from kvoffload.plan.memory import weight_bytes
+
+    model = tiny_random_model("opt", seed=8)
+    opts = dict(offload_weights=True, schedule="column", gpu_batches=3)
+    logits = {}
+    for depth in (1, 3):
+        pol, run = _run(model, "offload", steps=3, sync_depth=depth, **opts)
+        assert all(r["lookahead_items"] == max(1, depth - 1) for r in run.records)
+        mem = pol.pipeline.memory_plan
+        per_layer = weight_bytes(model.config, model.params.layers[0].wk.dtype, model.params).per_layer
+        want = min(depth + 1, model.config.num_layers) * per_layer
+        assert mem.gpu["weights in flight"] == want and mem.gpu_phase["weights in flight"] == "decode"
+        # prefill and decode workspaces are not alive together: the peak is the larger phase
+        assert mem.gpu_bytes == mem.phase_bytes(None) + max(mem.phase_bytes("prefill"), mem.phase_bytes("decode"))
+        assert mem.phase_bytes("prefill") > 0 and mem.phase_bytes("decode") > 0
+        logits[depth] = generate(model, PROMPTS, 4, policy="offload", policy_options={**BASE, **opts, "sync_depth": depth},
+                                 return_logits=True)[1]
+    assert np.array_equal(logits[1], logits[3])

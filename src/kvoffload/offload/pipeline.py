@@ -18,8 +18,9 @@ compute dispatched after them), then item n's jitted compute. A policy is a set 
 The pipeline owns what all policies share: weights (resident or streamed, W_K/W_V first), the new
 token's q/k/v and its GPU tail, the tail's flush into the pool, schedules (``row``: each GPU batch through
 every layer; ``column``: every GPU batch through layer i before layer i+1, zig-zag, each layer's weights
-fetched once per step), ``sync_depth`` (the host waits for item n+1-D before issuing n+1, so at most D
-items' transfer buffers are alive; D = 3 keeps the GPU fed), and the step record.
+fetched once per step), how far transfers run ahead (item n+D-1's transfers are issued before item n's
+program, D = ``sync_depth``; before issuing item m the host waits for item m-D-1's program, so at most D+1
+items' buffers are alive), and the step record.
 
 Attention of a layer: the extents in order (``ops.paged_decode_attention`` over each extent's block
 tables, folded into an fp32 accumulator with ``ops.merge_attention_into``), then the GPU tail. `full`
@@ -558,7 +559,7 @@ class LayerPipeline:
         dtype = model.params.layers[0].wk.dtype
         mem = pool_memory(cfg, dtype, layouts, len(lengths), t_pad, host_pool=self.host_pool,
                           offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
-                          inflight=max(o.sync_depth, 2), resident_layers=self.resident(model),
+                          inflight=max(o.sync_depth + 1, 2), resident_layers=self.resident(model),
                           tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
                           prefill_workspace_gb=o.prefill_workspace_gb,
@@ -729,10 +730,27 @@ class LayerPipeline:
 
         # a device pool moves nothing: no transfer buffers to bound, the host never waits in the step
         sync_depth = o.sync_depth if self.host_pool or o.offload_weights else 0
+        # XLA starts a host->GPU copy only after every program dispatched before it (its allocator is
+        # synchronised with the compute stream), so a copy overlaps only programs dispatched after it:
+        # item n+k's copies are issued before item n's program, k = lookahead. With k = 1 a layer's first
+        # item (weights and blocks) could not start copying until the previous item's program ended, and
+        # copies sharing the link across XLA's copy streams finished together: 18% of an OPT-30B step
+        # idle on an H100. At most `window` items' buffers are alive: before issuing item m the host waits
+        # for item m - window's program (an item already dispatched, so the GPU never runs dry).
+        lookahead = max(1, sync_depth - 1)
+        window = sync_depth + 1
+        last_item = {it[0]: m for m, it in enumerate(items)}
+        # fetched arrays and streamed weights stay referenced until their program is known finished (a
+        # buffer freed at dispatch would be handed to the next copy, which would then wait for it)
+        keep: dict = {}
+        retired = 0
         for n, (i, g) in enumerate(items):
-            while issued < min(n + 2, len(items)):
-                if sync_depth and 0 <= issued - sync_depth < len(done_h):
-                    jax.block_until_ready(done_h[issued - sync_depth])
+            while issued < min(n + lookahead + 1, len(items)):
+                if sync_depth and issued - window >= 0:
+                    jax.block_until_ready(done_h[issued - window])
+                    while retired <= issued - window:
+                        keep.pop(retired, None), keep.pop((retired, "w"), None)
+                        retired += 1
                 issue(issued)
                 issued += 1
             f = fetched.pop(n)
@@ -748,9 +766,15 @@ class LayerPipeline:
                     tl["slots"][i] = slot
             del src
             done_h.append(hs[g])
+            if sync_depth:
+                keep[n] = f
             del f
             if o.offload_weights and not any(items[m][0] == i for m in fetched):
-                weights.pop(i, None)  # no issued item needs this layer's weights any more
+                # no issued item needs this layer's weights any more; alive until its last program ends
+                w_done = weights.pop(i, None)
+                if sync_depth:
+                    keep[last_item[i], "w"] = w_done
+        moved.update(lookahead_items=lookahead)
         logits = [_logits(cfg, fam_params, h[:, 0]) for h in hs]
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
         new_groups, d2h = [], 0

@@ -57,21 +57,35 @@ class MemoryPlan:
     gpu: dict
     host_kind: str | None
     notes: list
+    # GPU parts alive only while prefilling or only while decoding (name -> "prefill" | "decode"); the
+    # others are held throughout. A run's GPU peak is the shared parts plus the larger phase.
+    gpu_phase: dict = dataclasses.field(default_factory=dict)
 
     @property
     def host_bytes(self) -> int:
         return int(sum(self.host.values()))
 
+    def phase_bytes(self, phase: str | None) -> int:
+        """GPU bytes of one phase's parts (None: the parts held throughout)."""
+        return int(sum(v for k, v in self.gpu.items() if self.gpu_phase.get(k) == phase))
+
     @property
     def gpu_bytes(self) -> int:
-        return int(sum(self.gpu.values()))
+        return self.phase_bytes(None) + max(self.phase_bytes("prefill"), self.phase_bytes("decode"))
 
     def describe(self) -> str:
         def fmt(d):
             return ", ".join(f"{k} {v / GB:.2f} GB" for k, v in d.items() if v)
 
+        def part(phase):
+            return {k: v for k, v in self.gpu.items() if self.gpu_phase.get(k) == phase}
+
+        gpu = fmt(part(None))
+        for ph in ("decode", "prefill"):
+            if self.phase_bytes(ph):
+                gpu += f"; while {ph}: {fmt(part(ph))}"
         return (f"host {self.host_bytes / GB:.2f} GB ({fmt(self.host) or 'nothing'}); "
-                f"GPU {self.gpu_bytes / GB:.2f} GB ({fmt(self.gpu)})")
+                f"GPU {self.gpu_bytes / GB:.2f} GB at peak ({gpu})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,20 +192,27 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     x_tok = cfg.hidden_size * p if has_x else 0
     tail_tok = cfg.kv_bytes_per_token * p + (x_tok if tail_x else 0)
     b = -(-batch // g)
+    streamed = L - r if offload_weights else 0
     gpu = {
-        "weights": wb.other + ((min(inflight, L - r) + r) * wb.per_layer if offload_weights else L * wb.per_layer),
+        "weights": wb.other + (r * wb.per_layer if offload_weights else L * wb.per_layer),
         **({f"{k} (GPU-resident)" if host_pool else k: v for k, v in pool_d.items()}),
+        "GPU tails": L * batch * tail_slots * tail_tok,
+        "logits": b * cfg.vocab_size * 4 * 2,
+        # decoding: `inflight` streamed layers' weights and items' fetched blocks alive at once
+        "weights in flight": min(inflight, streamed) * wb.per_layer,
         "transfer buffers": inflight * per_layer_fetch if host_pool else 0,
         "recompute workspace": 2 * rec_ws,
         "dequantize workspace": deq_ws,
-        "GPU tails": L * batch * tail_slots * tail_tok,
-        # prefill of one layer of one GPU batch: the batch's hidden states and K/V/X, and one row
-        # chunk's attention / MLP workspace; the logits
-        "workspace": b * t_pad * (2 * cfg.hidden_size * p + cfg.kv_bytes_per_token * p + x_tok) + min(b, chunk) * per_row
-        + b * cfg.vocab_size * 4 * 2,
+        # prefill of one layer of one GPU batch: its weights (this layer's and the next's), the batch's
+        # hidden states and K/V/X, and one row chunk's attention / MLP workspace
+        "prefill weights in flight": min(2, streamed) * wb.per_layer,
+        "prefill workspace": b * t_pad * (2 * cfg.hidden_size * p + cfg.kv_bytes_per_token * p + x_tok)
+        + min(b, chunk) * per_row,
     }
+    phase = {"weights in flight": "decode", "transfer buffers": "decode", "recompute workspace": "decode",
+             "dequantize workspace": "decode", "prefill weights in flight": "prefill", "prefill workspace": "prefill"}
     kind, note = M.host_memory_kind()
-    return MemoryPlan(host=host, gpu=gpu, host_kind=kind, notes=[note])
+    return MemoryPlan(host=host, gpu=gpu, host_kind=kind, notes=[note], gpu_phase=phase)
 
 
 def check_memory(plan: MemoryPlan, *, host_available: float | None = None, gpu_available: float | None = None,
