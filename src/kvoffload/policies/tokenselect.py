@@ -154,8 +154,8 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
     """The selection from a vote: (indices [B, n_kv, K] ascending, num_valid [B, n_kv]).
 
     scores [B, n_kv, N] (-inf: not the request's); positions [N]; pool_tokens, context [B] (the
-    context counts the tail and the new token); n_select [B]: tokens to select (<= K, a multiple of
-    page_size). Forced in: positions < num_sink, and positions >= context - num_recent (pool tokens
+    context counts the tail and the new token); n_select [B] or per head [B, n_kv]: tokens to select
+    (<= K, a multiple of page_size). Forced in: positions < num_sink, and positions >= context - num_recent (pool tokens
     only where the tail is shorter than num_recent). With page_size > 1 the vote is summed over
     pages (page_size tokens inside one block) and whole pages are selected."""
     B, n_kv, N = scores.shape
@@ -164,7 +164,8 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
     if page_size > 1:
         pri = jnp.sum(pri.reshape(B, n_kv, N // page_size, page_size), axis=-1)  # a forced token forces its page
     idx, nv = ops.select_topk(pri, K // page_size, sort=False)  # best first, valid first
-    nv = jnp.minimum(nv, (n_select // page_size)[:, None])
+    n_select = n_select if n_select.ndim == 2 else n_select[:, None]
+    nv = jnp.minimum(nv, n_select // page_size)
     # the kept entries in ascending order (locality of the gather); the rest 0, ignored via num_valid
     big = jnp.int32(2 ** 30)
     keep = jnp.arange(idx.shape[-1])[None, None] < nv[..., None]
@@ -196,14 +197,37 @@ def gather_rows(extents, indices, blk):
     return out
 
 
-def query_similarity(q, cached, n_kv):
-    """[B, n_kv]: min over each KV head's query heads of cos(q, cached) (0 where a norm is 0)."""
-    B, H, _ = q.shape
+def query_cosines(q, cached):
+    """[B, H]: cos(q, cached) per query head (0 where a norm is 0)."""
     q = q.astype(jnp.float32)
     dot = jnp.sum(q * cached, axis=-1)
     norms = jnp.linalg.norm(q, axis=-1) * jnp.linalg.norm(cached, axis=-1)
-    cos = jnp.where(norms > 0, dot / jnp.where(norms > 0, norms, 1.0), 0.0)
-    return jnp.min(cos.reshape(B, n_kv, H // n_kv), axis=-1)
+    return jnp.where(norms > 0, dot / jnp.where(norms > 0, norms, 1.0), 0.0)
+
+
+def query_similarity(q, cached, n_kv):
+    """[B, n_kv]: min over each KV head's query heads of cos(q, cached) (0 where a norm is 0)."""
+    B, H, _ = q.shape
+    return jnp.min(query_cosines(q, cached).reshape(B, n_kv, H // n_kv), axis=-1)
+
+
+def selection_size(token_budget, token_ratio, num_sink, num_recent, page_size, K, context):
+    """[B] int32: the tokens to select per request: token_budget (then K, the slots' static size), or
+    token_ratio of the request's context (at least num_sink + num_recent), in whole pages, capped by K."""
+    if token_budget is not None:
+        want = jnp.full(context.shape, K, jnp.int32)
+    else:
+        want = jnp.ceil(token_ratio * context.astype(jnp.float32)).astype(jnp.int32)
+        want = jnp.maximum(want, num_sink + num_recent)
+    return jnp.minimum(-(-want // page_size) * page_size, K)
+
+
+def reuse_or_select(reuse, slots, select):
+    """(indices, num_valid): the cached selection where reuse [B, n_kv], else select()'s; select (the
+    scoring and top-k) runs under a ``lax.cond`` only when some (request, head) misses."""
+    fresh_idx, fresh_nv = jax.lax.cond(jnp.all(reuse), lambda _: (slots.indices, slots.num_valid),
+                                       lambda _: select(), None)
+    return jnp.where(reuse[..., None], slots.indices, fresh_idx), jnp.where(reuse, slots.num_valid, fresh_nv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,24 +251,17 @@ class TokenSelectAttend:
         ps = self.page_size
         pool_tokens = sum(tables.count) * blk
         context = pool_tokens + src.tail_len + 1
-        if self.token_budget is not None:
-            want = jnp.full((B,), K, jnp.int32)
-        else:
-            want = jnp.ceil(self.token_ratio * context.astype(jnp.float32)).astype(jnp.int32)
-            want = jnp.maximum(want, self.num_sink + self.num_recent)
-        n_select = jnp.minimum(-(-want // ps) * ps, K)
+        n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, ps, K, context)
 
         reuse = (query_similarity(q, slots.query, n_kv) >= self.cache_threshold) & \
                 (slots.pool_tokens == pool_tokens)[:, None]
 
-        def select(_):
+        def select():
             scores = soft_vote(q, keys, tables)
             return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
                                  self.num_sink, self.num_recent, ps)
 
-        fresh_idx, fresh_nv = jax.lax.cond(jnp.all(reuse), lambda _: (slots.indices, slots.num_valid), select, None)
-        indices = jnp.where(reuse[..., None], slots.indices, fresh_idx)
-        num_valid = jnp.where(reuse, slots.num_valid, fresh_nv)
+        indices, num_valid = reuse_or_select(reuse, slots, select)
 
         k_sel = gather_rows(keys, indices, blk)
         v_sel = gather_rows(values, indices, blk)

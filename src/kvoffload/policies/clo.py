@@ -1,0 +1,369 @@
+"""`clo`: CLO (issue 11), first version: exact-key top-k attention over a host KV pool with the head-wise
+approximate cache, importance-derived per-head thresholds and persistent heads.
+
+Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache in the layer's slots,
+``choose_tokens``, ``gather_rows``); what differs:
+
+1. Scoring (``exact_scores``): exact keys, per KV head score_t = max over the group's query heads of
+   q.k_t / sqrt(d) (plain attention logits, no softmax vote). Max, not sum: a token one query head of the
+   group needs is kept even when the others ignore it (with a sum, raw logits of the heads with the
+   largest query norms would decide for the whole group). Top-k by count or ratio, sinks and recent
+   tokens forced in (``choose_tokens``).
+2. Cache reuse per (request, KV head) iff the group's aggregated query cosine >= tau_i and the pool has
+   not grown. Aggregation: the importance-weighted harmonic mean (``group_similarity``, Eq. 10) or the
+   min. tau_i = cos(lambda_i arccos(eta) + (1 - lambda_i) pi), lambda_i = s_i^p (``kv_thresholds``), or
+   one ``fixed_threshold`` (the ablation). tau, weights and the persistent mask are per layer: they live
+   in the layer's slots (``CloSlots``), not in the static attend.
+3. Persistent heads select every pool token of the request (their "selection" is the whole context,
+   re-made only when the pool grows); layer 0 always (``layer0_full``). ``persistent_heads="plan"``
+   uses ``plan_persistent_heads`` with the shipped profile of the embedded model.
+4. The cache buffer: the selected V rows per (request, KV head) are kept on the GPU in the slots
+   (``v_rows``); when every head of a layer hits, nothing is gathered from host memory (the gather
+   runs under a ``lax.cond``). When some head misses, the gather runs for every head of the layer (the
+   hit heads' rows are then taken from the buffer); ``v_rows_fetched`` counts only the missed heads'
+   rows (what a per-head fetch moves).
+
+Placement (as tokenselect ``kv=split``): K extents in device memory (the exact keys are the retrieval
+metadata), V extents in pinned host memory. Persistent heads' V is NOT placed on the GPU separately:
+it stays in the host pool and their whole context's V rows are gathered into the cache buffer on
+each re-selection (every flush); their K is on the GPU like every head's.
+Out of scope here: speculative prefetch, HATA / Quest retrieval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvoffload import ops
+from kvoffload.errors import KVOffloadError
+from kvoffload.importance.deploy import group_similarity
+from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
+from kvoffload.policies.base import register_policy
+from kvoffload.policies.layered import LayeredPolicy
+from kvoffload.policies.tokenselect import (
+    NEG_INF,
+    SelectionCache,
+    TokenSelectHooks,
+    choose_tokens,
+    gather_rows,
+    hit_rates,
+    owned_blocks,
+    query_cosines,
+    request_token_bound,
+    reuse_or_select,
+    selection_size,
+    token_positions,
+)
+
+RETRIEVALS = ("exact",)
+AGGREGATIONS = ("harmonic", "min")
+DEFAULT_RATIO = 0.1
+PRETRAINED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "importance", "pretrained")
+SHIPPED_SCORES = os.path.join(PRETRAINED, "smollm2_135m_instruct_head_scores.json")
+SHIPPED_PROFILE = os.path.join(PRETRAINED, "smollm2_135m_instruct_clo_profile.json")
+
+
+class CloOptionError(KVOffloadError, ValueError):
+    """A clo option out of range, not supported, or not applicable to the model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CloSlots:
+    """One layer's slots: tokenselect's selection cache, the GPU cache buffer of the selected V rows,
+    and the layer's per-KV-head reuse rule (tau, aggregation weights, persistent)."""
+
+    selection: SelectionCache
+    v_rows: jax.Array  # [B, n_kv, K, d]: the selected V rows (pool dtype), on the GPU
+    v_rows_fetched: jax.Array  # [B, n_kv] int32: V rows gathered on misses
+    tau: jax.Array  # [n_kv] f32
+    weights: jax.Array  # [n_kv, G] f32: importance of each query head in the GQA aggregation
+    persistent: jax.Array  # [n_kv] bool
+
+    # what tokenselect's `hit_rates` reads
+    hits = property(lambda self: self.selection.hits)
+    steps = property(lambda self: self.selection.steps)
+    scored = property(lambda self: self.selection.scored)
+
+
+jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclasses.fields(CloSlots)],
+                                 meta_fields=[])
+
+
+def exact_scores(q, keys, tables):
+    """[B, n_kv, N] f32 over the pool's token space (block-id order): max over each KV head's query
+    heads of q.k / sqrt(d); -inf where the request owns no token. keys: per extent [E, n_kv, blk, d]."""
+    B, H, d = q.shape
+    n_kv, blk = keys[0].shape[1], keys[0].shape[2]
+    qg = q.reshape(B, n_kv, H // n_kv, d)
+    out = []
+    for e, k in enumerate(keys):
+        E = k.shape[0]
+        s = jnp.einsum("bhgd,ehtd->bhget", qg.astype(k.dtype), k, preferred_element_type=jnp.float32,
+                       precision=jax.lax.Precision.HIGHEST)
+        s = jnp.max(s, axis=2).reshape(B, n_kv, E * blk) * d ** -0.5
+        own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None]
+        out.append(jnp.where(own, s, NEG_INF))
+    return jnp.concatenate(out, axis=-1)
+
+
+def aggregate_similarity(cos, weights, how: str):
+    """[B, n_kv]: the group's similarity from per-query-head cosines cos [B, n_kv, G]."""
+    return group_similarity(cos, weights[None]) if how == "harmonic" else jnp.min(cos, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CloAttend:
+    """The policy's `attend` (hashable, static). The per-layer reuse rule comes with the slots."""
+
+    token_budget: int | None
+    token_ratio: float | None
+    num_sink: int
+    num_recent: int
+    gqa_aggregation: str
+    page_size: int = 1  # whole tokens (static_budget of the shared hooks reads it)
+
+    def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
+        keys, values = src.pool.k, src.pool.v
+        B, H, d = q.shape
+        n_kv, blk = keys[0].shape[1], keys[0].shape[2]
+        sel = slots.selection
+        K = sel.indices.shape[-1]  # the whole pool bound in a layer with persistent heads
+        pool_tokens = sum(tables.count) * blk
+        context = pool_tokens + src.tail_len + 1
+        budget_k = K if self.token_budget is None else min(self.token_budget, K)
+        n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, 1,
+                                  budget_k, context)
+        n_select = jnp.where(slots.persistent[None], K, n_select[:, None])  # [B, n_kv]
+
+        sim = aggregate_similarity(query_cosines(q, sel.query).reshape(B, n_kv, H // n_kv), slots.weights,
+                                   self.gqa_aggregation)
+        reuse = (slots.persistent[None] | (sim >= slots.tau[None])) & (sel.pool_tokens == pool_tokens)[:, None]
+
+        def select():
+            scores = exact_scores(q, keys, tables)
+            scores = jnp.where(slots.persistent[None, :, None] & (scores > NEG_INF), jnp.inf, scores)  # all
+            return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
+                                 self.num_sink, self.num_recent, 1)
+
+        indices, num_valid = reuse_or_select(reuse, sel, select)
+        k_sel = gather_rows(keys, indices, blk)  # K extents are on the GPU
+        fetched = jax.lax.cond(jnp.all(reuse), lambda: slots.v_rows,
+                               lambda: gather_rows(values, indices, blk).astype(slots.v_rows.dtype))
+        v_sel = jnp.where(reuse[..., None, None], slots.v_rows, fetched)
+        slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
+        part = ops.sparse_attention(q, k_sel, v_sel.astype(k_sel.dtype), slot_ids, num_valid=num_valid,
+                                    impl=attention_impl)
+        acc = ops.merge_attention_into(acc, part)
+
+        keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
+        cached = ~slots.persistent[None]
+        new_sel = SelectionCache(query=jnp.where(keep_q, sel.query, q.astype(jnp.float32)), indices=indices,
+                                 num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
+                                 hits=sel.hits + (reuse & cached).astype(jnp.int32), steps=sel.steps + 1,
+                                 scored=sel.scored + jnp.any(~reuse).astype(jnp.int32))
+        new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel,
+                                  v_rows_fetched=slots.v_rows_fetched + jnp.where(reuse, 0, num_valid))
+        return acc, new
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-head rule: scores, thresholds, persistent heads
+# ---------------------------------------------------------------------------------------------
+
+
+def shipped_scores_for(cfg):
+    """The shipped head scores when they are the embedded model's and cfg is that model, else None."""
+    if not os.path.exists(SHIPPED_SCORES):
+        return None
+    with open(SHIPPED_SCORES) as f:
+        doc = json.load(f)
+    same = (doc.get("model_type") == cfg.model_type and doc.get("num_layers") == cfg.num_layers
+            and doc.get("num_heads") == cfg.num_heads and doc.get("num_kv_heads") == cfg.num_kv_heads)
+    return np.asarray(doc["alpha"], np.float64) if same else None
+
+
+def load_importance(path):
+    """alpha [L, n] from a scores file as `importance/` writes it (head_scores.json or its directory, an
+    orbax `scores` directory) or an .npz holding `alpha` (or one array)."""
+    if not os.path.exists(path):
+        raise CloOptionError(f"importance scores not found: {path}")
+    if path.endswith(".npz"):
+        with np.load(path) as z:
+            if "alpha" not in z.files and len(z.files) != 1:
+                raise CloOptionError(f"{path}: expected an array 'alpha' (or a single array), found {z.files}")
+            return np.asarray(z["alpha"] if "alpha" in z.files else z[z.files[0]], np.float64)
+    from kvoffload.importance.train import load_scores
+
+    return np.asarray(load_scores(path), np.float64)
+
+
+def head_rule(cfg, importance, eta, p, fixed_threshold):
+    """(scores [L, n] as used, tau [L, n_kv], weights [L, n_kv, G], source) for the model."""
+    L, H, n_kv = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
+    G = H // n_kv
+    if importance is not None:
+        scores, source = load_importance(importance), importance
+    else:
+        scores = shipped_scores_for(cfg)
+        source = SHIPPED_SCORES
+        if scores is None:  # no scores for this model: every head equally (and fully) important, tau = eta
+            scores, source = np.ones((L, n_kv)), "uniform (1.0)"
+    if scores.ndim != 2 or scores.shape[0] != L or scores.shape[1] not in (n_kv, H):
+        raise CloOptionError(f"importance scores must be [{L}, {n_kv}] or [{L}, {H}] for this model, "
+                             f"got {scores.shape} ({source})")
+    tau = np.full((L, n_kv), float(fixed_threshold)) if fixed_threshold is not None else \
+        kv_thresholds(scores, n_kv, eta, p)
+    weights = np.repeat(scores[:, :, None], G, -1) if scores.shape[1] == n_kv else scores.reshape(L, n_kv, G)
+    return scores, tau, weights, source
+
+
+class CloHooks(TokenSelectHooks):
+    """tokenselect's kv=split hooks with CLO's slots (tau, weights, persistent heads per layer)."""
+
+    name = "clo"
+
+    def __init__(self, attend: CloAttend, importance, eta, p, fixed_threshold, persistent_heads, layer0_full):
+        super().__init__(attend, split=True)
+        self.importance, self.eta, self.p, self.fixed_threshold = importance, eta, p, fixed_threshold
+        self.persistent_heads, self.layer0_full = persistent_heads, layer0_full
+        self.chosen: dict = {}  # what init_slots decided for the model (for describe)
+
+    def persistent_mask(self, pipe, model, scores, layout, batch, K):
+        cfg = model.config
+        L, n_kv = cfg.num_layers, cfg.num_kv_heads
+        spec, report = self.persistent_heads, None
+        if isinstance(spec, str) and spec == "none":
+            mask = np.zeros((L, n_kv), bool)
+        elif isinstance(spec, str) and spec == "plan":
+            prof = load_clo_profile(SHIPPED_PROFILE) if os.path.exists(SHIPPED_PROFILE) else None
+            if prof is None or shipped_scores_for(cfg) is None or prof.s_hat.shape != (L, n_kv):
+                raise CloOptionError(
+                    f"persistent_heads='plan' needs a CLO profile of this model; the only shipped one "
+                    f"({os.path.basename(SHIPPED_PROFILE)}) is for the embedded SmolLM2-135M-Instruct, and this model "
+                    f"({cfg.model_type}, {L} layers, {cfg.num_heads}/{n_kv} heads) differs: pass persistent_heads="
+                    "'none' or an explicit list of (layer, kv_head)")
+            itemsize = jnp.dtype(model.params.layers[0].wk.dtype).itemsize
+            mask, report = plan_persistent_heads(
+                cfg, pipe.cost, pipe.shape(model), prof.s_hat, scores, batch=batch,
+                context=request_token_bound(layout, batch), k_tokens=K, sink=self.attend.num_sink,
+                recent=self.attend.num_recent, dtype_bytes=itemsize, eta=self.eta, p=self.p)
+        else:
+            mask = np.zeros((L, n_kv), bool)
+            for item in spec:
+                try:
+                    layer, head = (int(x) for x in item)
+                except (TypeError, ValueError):
+                    raise CloOptionError(f"persistent_heads entries must be (layer, kv_head) pairs, got {item!r}") from None
+                if not (0 <= layer < L and 0 <= head < n_kv):
+                    raise CloOptionError(f"persistent head {(layer, head)} out of range: {L} layers, {n_kv} KV heads")
+                mask[layer, head] = True
+        if self.layer0_full:
+            mask[0] = True
+        return mask, report
+
+    def init_slots(self, pipe, model, layout, batch):
+        cfg = model.config
+        H, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        scores, tau, weights, source = head_rule(cfg, self.importance, self.eta, self.p, self.fixed_threshold)
+        K_sel = self.static_budget(layout, batch)
+        persistent, report = self.persistent_mask(pipe, model, scores, layout, batch, K_sel)
+        bound = request_token_bound(layout, batch)
+        dtype = model.params.layers[0].wk.dtype
+        self.chosen = dict(tau=tau, persistent=persistent, source=source, plan=report, K=K_sel, bound=bound,
+                           v_row_bytes=d * jnp.dtype(dtype).itemsize)
+        zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        slots = []
+        for layer in range(cfg.num_layers):
+            K = bound if persistent[layer].any() else K_sel  # a persistent head selects its whole context
+            sel = SelectionCache(query=jnp.zeros((batch, H, d), jnp.float32), indices=zeros((batch, n_kv, K)),
+                                 num_valid=zeros((batch, n_kv)), pool_tokens=jnp.full((batch,), -1, jnp.int32),
+                                 hits=zeros((batch, n_kv)), steps=zeros((batch,)), scored=zeros(()))
+            one = CloSlots(selection=sel, v_rows=jnp.zeros((batch, n_kv, K, d), dtype),
+                           v_rows_fetched=zeros((batch, n_kv)), tau=jnp.asarray(tau[layer], jnp.float32),
+                           weights=jnp.asarray(weights[layer], jnp.float32),
+                           persistent=jnp.asarray(persistent[layer]))
+            slots.append(jax.device_put(one, pipe.dev))  # committed, like a step's outputs
+        return tuple(slots)
+
+
+@register_policy("clo")
+class CloPolicy(LayeredPolicy):
+    host_pool = True  # K extents on the device (keys_on_device), V extents in pinned host memory
+    extra_options = ("retrieval", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
+                     "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full")
+
+    def __init__(self, **options):
+        if options.get("offload_weights"):
+            raise CloOptionError("policy 'clo' keeps the weights on the device; offload_weights is not supported")
+        super().__init__(**options)
+
+    def make_hooks(self, retrieval="exact", topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
+                   eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="none",
+                   layer0_full=True):
+        if retrieval not in RETRIEVALS:
+            raise CloOptionError(f"retrieval={retrieval!r} is not implemented in policy 'clo'; it has {RETRIEVALS} "
+                                 "(HATA codes exist as ops.hata_encode / ops.hata_scores, Quest as "
+                                 "ops.quest_page_scores, not wired into clo yet)")
+        if gqa_aggregation not in AGGREGATIONS:
+            raise CloOptionError(f"gqa_aggregation must be one of {AGGREGATIONS}, got {gqa_aggregation!r}")
+        if topk is not None and topk_ratio is not None:
+            raise CloOptionError("give topk (tokens) or topk_ratio (of the context), not both")
+        if topk is None and topk_ratio is None:
+            topk_ratio = DEFAULT_RATIO
+        num_sink, num_recent = int(num_sink), int(num_recent)
+        if num_sink < 0 or num_recent < 0:
+            raise CloOptionError(f"num_sink and num_recent must be >= 0, got {num_sink}, {num_recent}")
+        if topk is not None:
+            topk = int(topk)
+            if topk < max(1, num_sink + num_recent):
+                raise CloOptionError(f"topk ({topk}) must be at least num_sink + num_recent ({num_sink} + "
+                                     f"{num_recent}) and >= 1")
+        elif not 0 < float(topk_ratio) <= 1:
+            raise CloOptionError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
+        if not -1 <= float(eta) <= 1 or float(p) <= 0:
+            raise CloOptionError(f"eta must be a cosine in [-1, 1] and p > 0, got eta={eta}, p={p}")
+        if fixed_threshold is not None and not math.isfinite(float(fixed_threshold)):
+            raise CloOptionError(f"fixed_threshold must be a finite number, got {fixed_threshold}")
+        if isinstance(persistent_heads, str) and persistent_heads not in ("none", "plan"):
+            raise CloOptionError(f"persistent_heads must be 'none', 'plan' or a list of (layer, kv_head), "
+                                 f"got {persistent_heads!r}")
+        attend = CloAttend(token_budget=topk, token_ratio=None if topk_ratio is None else float(topk_ratio),
+                           num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation)
+        return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),
+                        fixed_threshold=None if fixed_threshold is None else float(fixed_threshold),
+                        persistent_heads=persistent_heads, layer0_full=bool(layer0_full))
+
+    def describe(self, state=None) -> dict:
+        d = super().describe(state)
+        h = self.pipeline.hooks
+        a = h.attend
+        c = {"retrieval": "exact", "topk": a.token_budget, "topk_ratio": a.token_ratio, "num_sink": a.num_sink,
+             "num_recent": a.num_recent, "eta": h.eta, "p": h.p, "fixed_threshold": h.fixed_threshold,
+             "gqa_aggregation": a.gqa_aggregation, "kv": "split", "scoring": "max over the group of q.k"}
+        if h.chosen:
+            ch = h.chosen
+            c.update(importance=ch["source"], tau=[[round(float(x), 6) for x in row] for row in ch["tau"]],
+                     persistent_heads=[list(map(int, x)) for x in np.argwhere(ch["persistent"])],
+                     selected_per_head=ch["K"], persistent_tokens_per_head=ch["bound"],
+                     persistent_v_placement="host pool (gathered whole on re-selection), K on the GPU")
+            if ch["plan"] is not None:
+                c["plan"] = {k: ch["plan"][k] for k in ("n_d", "n_p", "n_persist", "n_kept", "total_bytes")}
+        if state is not None and state.groups and state.groups[0].slots:
+            c.update(hit_rates(state))  # persistent heads count no hits (they re-select only at a flush)
+            cached = ~h.chosen["persistent"]
+            per_head = np.asarray(c["hit_rate_per_layer_head"])
+            c["hit_rate_cached_heads"] = float(per_head[cached].mean()) if cached.any() else None
+            rows = sum(np.stack([np.asarray(s.v_rows_fetched).sum(0) for s in gr.slots]) for gr in state.groups)
+            nbytes = rows.astype(np.int64) * h.chosen["v_row_bytes"]
+            c["v_bytes_fetched"] = int(nbytes.sum())
+            c["v_bytes_fetched_per_layer"] = [int(x) for x in nbytes.sum(1)]
+            c["v_bytes_fetched_cached_heads"] = int(nbytes[cached].sum())
+        d["clo"] = c
+        return d
