@@ -1,0 +1,300 @@
+"""Policy `clo` (issue 11, retrieval=exact): against `full` when everything is selected and nothing
+reused, the per-head thresholds and GQA aggregation against the paper's formulas worked by hand, the
+cache's reuse rule around tau (and its V-row buffer), persistent heads, a small top-k, options
+(CPU, tiny random models, fp32)."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvoffload import ops
+from kvoffload.engine import pad_prompts
+from kvoffload.importance.deploy import group_similarity
+from kvoffload.models import tiny_random_model
+from kvoffload.offload.pipeline import PoolSources
+from kvoffload.plan.clo import CloProfile, kv_thresholds, plan_persistent_heads, save_clo_profile
+from kvoffload.policies import clo as clo_mod
+from kvoffload.policies import make_policy
+from kvoffload.policies.clo import CloAttend, CloOptionError, CloSlots, exact_scores
+from kvoffload.policies.tokenselect import SelectionCache, SelectSources
+from test_tokenselect import _pool, _with_cosine
+
+PROMPTS = [list(range(1, 40)), list(range(5, 75)), [7, 8, 9]]
+NEW = 20
+BLOCK = 16
+BASE = dict(block_tokens=BLOCK, extent_mb=3 * BLOCK * 2 * 16 * 4 / 2**20)
+
+
+def _decode(model, policy, steps, prompts=PROMPTS, **opts):
+    pol = make_policy(policy, **{**BASE, **opts})
+    tokens, lengths = pad_prompts(prompts)
+    logits, state = pol.prefill(model, tokens, lengths, 128)
+    out = [np.asarray(logits)]
+    for _ in range(steps):
+        logits, state = pol.decode_step(model, state, jnp.argmax(logits, -1).astype(jnp.int32))
+        out.append(np.asarray(logits))
+    return pol, np.stack(out), state
+
+
+@pytest.fixture(scope="module", params=["opt", "llama"])
+def ref(request):
+    model = tiny_random_model(request.param, seed=1)
+    _, logits, _ = _decode(model, "full", NEW)
+    return request.param, model, logits
+
+
+def test_everything_selected_never_reused_equals_full(ref):
+    arch, model, want = ref
+    pol, got, state = _decode(model, "clo", NEW, topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False)
+    assert (got.argmax(-1) == want.argmax(-1)).all(), arch
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    gr = state.groups[0]
+    assert gr.since_flush == NEW - BLOCK and gr.used_extents > 1  # a flush, several extents
+    c = pol.describe(state)["clo"]
+    assert c["hit_rate"] == 0.0 and c["tau"] == [[2.0] * model.config.num_kv_heads] * model.config.num_layers
+    assert c["persistent_heads"] == [] and c["v_bytes_fetched"] > 0
+
+
+def test_persistent_heads_attend_everything_equals_full(ref):
+    """Every head persistent, a top-k of 8: the whole context anyway, and reuse only until a flush."""
+    arch, model, want = ref
+    cfg = model.config
+    every = [(l, h) for l in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]
+    pol, got, state = _decode(model, "clo", NEW, topk=8, num_recent=4, persistent_heads=every)
+    assert (got.argmax(-1) == want.argmax(-1)).all(), arch
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    c = pol.describe(state)["clo"]
+    assert sorted(map(tuple, c["persistent_heads"])) == every
+    assert c["hit_rate"] == 0.0 and c["hit_rate_cached_heads"] is None  # persistent heads count no hits
+    # selected once at prefill's first step, again after the flush: 2 gathers of each head's whole pool
+    assert all(int(s.scored) == 2 for s in state.groups[0].slots)
+
+
+# ------------------------------------------------------------------------------------------------
+# thresholds and aggregation by hand
+# ------------------------------------------------------------------------------------------------
+
+
+def _tau_by_hand(s, eta, p):
+    theta_star = math.acos(eta)
+    lam = s ** p
+    return math.cos(lam * theta_star + (1 - lam) * math.pi)
+
+
+def test_thresholds_and_aggregation_by_hand(tmp_path):
+    # theta* = arccos(0.8) = 0.643501; s = 0.5, p = 3: lambda = 0.125, theta = 0.125 * 0.643501 + 0.875 pi
+    # = 2.829331, tau = cos(2.829331) = -cos(0.312261) = -0.951641; s = 1: tau = eta; s = 0: tau = -1
+    assert _tau_by_hand(0.5, 0.8, 3) == pytest.approx(-0.951641, abs=1e-6)
+    scores = np.asarray([[1.0, 0.5], [0.0, 0.9]])
+    want = np.asarray([[_tau_by_hand(s, 0.8, 3) for s in row] for row in scores])
+    np.testing.assert_allclose(want[0, 0], 0.8, atol=1e-12)
+    np.testing.assert_allclose(want[1, 0], -1.0, atol=1e-12)
+    np.testing.assert_allclose(kv_thresholds(scores, 2, 0.8, 3), want, atol=1e-6)
+    # per query head [L, 4] -> the group's mean: heads (0.8, 1.0) -> 0.9
+    np.testing.assert_allclose(kv_thresholds([[0.8, 1.0, 0.4, 0.6]] * 2, 2, 0.8, 3)[0],
+                               [_tau_by_hand(0.9, 0.8, 3), _tau_by_hand(0.5, 0.8, 3)], atol=1e-6)
+    # Eq. 10: sum w / sum (w / c); c = (0.9, 0.6), w = (1, 3): 4 / (1.1111 + 5) = 0.654545
+    assert float(group_similarity([0.9, 0.6], [1.0, 3.0])) == pytest.approx(4 / (1 / 0.9 + 3 / 0.6), rel=1e-6)
+
+    # the policy hands these tau and weights to its slots (scores from an .npz as `importance` writes them)
+    path = str(tmp_path / "scores.npz")
+    np.savez(path, alpha=scores)
+    model = tiny_random_model("llama", seed=1)  # 2 layers, 4 query heads, 2 KV heads
+    pol, _, state = _decode(model, "clo", 2, importance=path, layer0_full=False)
+    np.testing.assert_allclose(pol.describe(state)["clo"]["tau"], want, atol=1e-5)
+    for layer, slot in enumerate(state.groups[0].slots):
+        np.testing.assert_allclose(np.asarray(slot.tau), want[layer], atol=1e-6)
+        np.testing.assert_allclose(np.asarray(slot.weights), np.repeat(scores[layer][:, None], 2, -1), rtol=1e-6)
+    # fixed threshold: one value everywhere; no scores for this model: uniform 1.0, tau = eta
+    pol, _, state = _decode(model, "clo", 0, fixed_threshold=0.3)
+    assert pol.describe(state)["clo"]["tau"] == [[0.3, 0.3], [0.3, 0.3]]
+    pol, _, state = _decode(model, "clo", 0, eta=0.7)
+    np.testing.assert_allclose(pol.describe(state)["clo"]["tau"], 0.7, atol=1e-6)
+    assert pol.describe(state)["clo"]["importance"].startswith("uniform")
+
+
+# ------------------------------------------------------------------------------------------------
+# the reuse rule
+# ------------------------------------------------------------------------------------------------
+
+
+def _cosines_for(target, weights, first):
+    """Two query-head cosines (first, c) whose weighted harmonic mean is target."""
+    w0, w1 = weights
+    return [first, w1 / ((w0 + w1) / target - w0 / first)]
+
+
+@pytest.mark.parametrize("aggregation", ["harmonic", "min"])
+def test_cache_reuses_exactly_when_the_aggregated_similarity_clears_tau(aggregation):
+    rng = np.random.default_rng(1)
+    owners = [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0]
+    layout, alloc, tables, keys, vals = _pool(rng, owners=owners)
+    B, H, n_kv, d, G, K = 2, 4, 2, 8, 2, 8
+    tau = np.asarray([0.7, 0.5], np.float32)
+    weights = np.asarray([[1.0, 3.0], [1.0, 1.0]], np.float32)
+    attend = CloAttend(token_budget=K, token_ratio=None, num_sink=0, num_recent=0, gqa_aggregation=aggregation)
+    pool_tokens = np.asarray([len(t) for t in alloc.tables]) * layout.block_tokens
+    q0 = rng.normal(size=(B, H, d)).astype(np.float32)
+    marker_v = np.full((B, n_kv, K, d), 7.0, np.float32)  # the cached V rows: a value no gather gives
+
+    def slots(persistent=(False, False), pool=pool_tokens):
+        sel = SelectionCache(query=jnp.asarray(q0), indices=jnp.full((B, n_kv, K), 3, jnp.int32),
+                             num_valid=jnp.full((B, n_kv), 1, jnp.int32), pool_tokens=jnp.asarray(pool, jnp.int32),
+                             hits=jnp.zeros((B, n_kv), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
+                             scored=jnp.zeros((), jnp.int32))
+        return CloSlots(selection=sel, v_rows=jnp.asarray(marker_v), v_rows_fetched=jnp.zeros((B, n_kv), jnp.int32),
+                        tau=jnp.asarray(tau), weights=jnp.asarray(weights), persistent=jnp.asarray(persistent))
+
+    src = SelectSources(pool=PoolSources(k=tuple(map(jnp.asarray, keys)), v=tuple(map(jnp.asarray, vals)),
+                                         x=(None,) * len(keys), recompute=jnp.int32(0)),
+                        tail_len=jnp.asarray([5, 2], jnp.int32))
+
+    def run(q, s):
+        acc = ops.empty_attention(jnp.asarray(q))
+        return jax.jit(attend, static_argnums=(0, 7, 8))(None, None, jnp.asarray(q), acc, src, tables, s,
+                                                          "reference", "reference")
+
+    # the aggregated similarity 1e-3 above / below tau; request 0: KV head 0 above, 1 below; request 1: the
+    # other way round (harmonic: Eq. 10 solved for the second head's cosine; min: the other head at 0.99)
+    e = 1e-3
+    if aggregation == "harmonic":
+        pair = lambda target, h: _cosines_for(target, weights[h], 0.9 if h == 0 else 0.95)  # noqa: E731
+    else:
+        pair = lambda target, h: [target, 0.99]  # noqa: E731
+    cos = np.asarray([pair(tau[0] + e, 0) + pair(tau[1] - e, 1), pair(tau[0] - e, 0) + pair(tau[1] + e, 1)])
+    q1 = np.stack([[_with_cosine(q0[b, h], cos[b, h], rng) for h in range(H)] for b in range(B)])
+    agg = np.asarray(group_similarity(cos.reshape(B, n_kv, G), weights[None])) if aggregation == "harmonic" \
+        else cos.reshape(B, n_kv, G).min(-1)
+    np.testing.assert_allclose(agg, [[tau[0] + e, tau[1] - e], [tau[0] - e, tau[1] + e]], atol=1e-5)
+    reuse = np.asarray([[True, False], [False, True]])
+    (out, _), new = run(q1, slots())
+    idx, out = np.asarray(new.selection.indices), np.asarray(out)
+    for b in range(B):
+        for h in range(n_kv):
+            assert (idx[b, h] == 3).all() == reuse[b, h], (b, h)
+            # a hit attends its cached selection (one row) with the cached V rows: exactly the buffer's 7.0
+            assert np.allclose(out[b, 2 * h:2 * h + 2], 7.0) == reuse[b, h], (b, h)
+    np.testing.assert_array_equal(np.asarray(new.selection.hits), reuse.astype(int))
+    np.testing.assert_array_equal(np.asarray(new.v_rows_fetched), np.where(reuse, 0, K))
+    assert int(new.selection.scored) == 1
+    # the re-selected heads: the top 8 of max over the group of q.k (float64)
+    flat_k = np.concatenate(keys).transpose(1, 0, 2, 3).reshape(n_kv, -1, d).astype(np.float64)
+    for b, h in zip(*np.nonzero(~reuse)):
+        own = np.zeros(flat_k.shape[1], bool)
+        for blk_id in alloc.tables[b]:
+            own[blk_id * 4:(blk_id + 1) * 4] = True
+        s = np.where(own, np.max(q1[b, 2 * h:2 * h + 2].astype(np.float64) @ flat_k[h].T, axis=0), -np.inf)
+        np.testing.assert_array_equal(idx[b, h], np.sort(np.argsort(-s, kind="stable")[:K]))
+    # persistent heads: reuse while the pool is unchanged whatever the query (no hit counted); a grown
+    # pool re-selects them: every token of the request
+    (_, _), pers = run(-q1, slots(persistent=(True, True)))
+    assert int(pers.selection.scored) == 0 and (np.asarray(pers.selection.hits) == 0).all()
+    (_, _), grown = run(q0, slots(persistent=(True, False), pool=pool_tokens - 4))
+    nv = np.asarray(grown.selection.num_valid)
+    np.testing.assert_array_equal(nv[:, 0], [min(K, n) for n in pool_tokens])
+    np.testing.assert_array_equal(nv[:, 1], K)  # re-selected at cosine 1: the pool grew
+
+
+def test_exact_scores_max_over_the_group():
+    rng = np.random.default_rng(0)
+    owners = [0, 1, 0, 1, 0, -1, 1, 0, 1, 0, 0]
+    layout, alloc, tables, keys, _ = _pool(rng, owners=owners)
+    q = rng.normal(size=(2, 6, 8)).astype(np.float32)
+    got = np.asarray(jax.jit(exact_scores)(jnp.asarray(q), [jnp.asarray(k) for k in keys], tables))
+    flat = np.concatenate(keys).transpose(1, 0, 2, 3).reshape(2, -1, 8).astype(np.float64)
+    for b, ids in enumerate(alloc.tables):
+        own = np.zeros(flat.shape[1], bool)
+        for i in ids:
+            own[i * 4:(i + 1) * 4] = True
+        for h in range(2):
+            want = np.max(q[b, 3 * h:3 * h + 3].astype(np.float64) @ flat[h].T, axis=0) / np.sqrt(8)
+            np.testing.assert_allclose(got[b, h][own], want[own], rtol=1e-5, atol=1e-6)
+            assert np.isneginf(got[b, h][~own]).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# a small top-k, plan, options
+# ------------------------------------------------------------------------------------------------
+
+
+def test_small_topk_runs_and_selects_only_top_k():
+    model = tiny_random_model("llama", seed=1)
+    _, want, _ = _decode(model, "full", 6)
+    pol, got, state = _decode(model, "clo", 6, topk=12, num_recent=4, eta=0.5)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[0], want[0])  # the prefill is the same
+    assert np.abs(got[1:] - want[1:]).max() > 1e-3  # attending 12 pool tokens changes the logits
+    c = pol.describe(state)["clo"]
+    assert c["persistent_heads"] == [[0, 0], [0, 1]]  # layer 0 full by default
+    rates = np.asarray(c["hit_rate_per_layer_head"])
+    assert ((rates >= 0) & (rates <= 1)).all() and (rates[0] == 0).all()
+    assert 0 <= c["hit_rate_cached_heads"] <= 1 and c["v_bytes_fetched_cached_heads"] > 0
+    gr = state.groups[0]
+    pool = np.asarray([len(t) for t in gr.alloc.tables]) * BLOCK
+    l0, l1 = gr.slots
+    np.testing.assert_array_equal(np.asarray(l0.selection.num_valid), np.repeat(pool[:, None], 2, 1))  # whole pool
+    np.testing.assert_array_equal(np.asarray(l1.selection.num_valid), np.minimum(pool, 12)[:, None].repeat(2, 1))
+
+
+def test_plan_uses_plan_persistent_heads_with_the_profile(tmp_path, monkeypatch):
+    """persistent_heads='plan' takes the shipped profile's s_hat and the shipped scores (here stand-ins for
+    the tiny model) through `plan_persistent_heads`; a model they do not describe is refused."""
+    model = tiny_random_model("llama", seed=1)
+    cfg = model.config
+    with pytest.raises(CloOptionError, match="SmolLM2"):
+        _decode(model, "clo", 0, persistent_heads="plan")
+    alpha = np.asarray([[1.0, 0.9], [1.0, 0.2]])
+    s_hat = np.asarray([[0.5, 0.5], [0.1, 0.99]])
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"model_type": "llama", "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                                  "alpha": alpha.tolist()}))
+    prof = tmp_path / "profile.json"
+    save_clo_profile(str(prof), CloProfile(model="tiny", date="now", s_hat_q=np.repeat(s_hat, 2, -1), s_hat=s_hat,
+                                           aggregation="mean", num_sequences=1, num_pairs=10, skip=0))
+    monkeypatch.setattr(clo_mod, "SHIPPED_SCORES", str(scores))
+    monkeypatch.setattr(clo_mod, "SHIPPED_PROFILE", str(prof))
+    pol, _, state = _decode(model, "clo", 1, persistent_heads="plan", topk=8, num_recent=4)
+    gr = state.groups[0]
+    pipe = pol.pipeline
+    want, _ = plan_persistent_heads(cfg, pipe.cost, pipe.shape(model), s_hat, alpha, batch=len(PROMPTS),
+                                    context=pipe.hooks.chosen["bound"], k_tokens=8, sink=4, recent=4, dtype_bytes=4)
+    got = np.asarray([np.asarray(s.persistent) for s in gr.slots])
+    np.testing.assert_array_equal(got, want)
+    assert pol.describe(state)["clo"]["importance"] == str(scores)
+
+
+def test_options_are_checked():
+    with pytest.raises(CloOptionError, match="exact"):
+        make_policy("clo", retrieval="hata")
+    with pytest.raises(CloOptionError, match="gqa_aggregation"):
+        make_policy("clo", gqa_aggregation="mean")
+    with pytest.raises(CloOptionError, match="not both"):
+        make_policy("clo", topk=100, topk_ratio=0.1)
+    with pytest.raises(CloOptionError, match="persistent_heads"):
+        make_policy("clo", persistent_heads="all")
+    with pytest.raises(ValueError, match="unknown option"):
+        make_policy("clo", top_k=64)
+    model = tiny_random_model("llama", seed=1)
+    with pytest.raises(CloOptionError, match="out of range"):
+        _decode(model, "clo", 0, persistent_heads=[(5, 0)])
+
+
+@pytest.mark.gpu
+def test_gpu_host_values_gather_under_cond():
+    """On the GPU: V extents in pinned_host memory, gathered inside the layer program under a lax.cond
+    (skipped when every head of the layer hits). Must compile and give `full`'s tokens when everything is
+    selected, and run with hits (fixed_threshold=-1: reuse until each flush) at a small top-k."""
+    from kvoffload.offload import memory as M
+
+    model = tiny_random_model("llama", seed=1)
+    _, want, _ = _decode(model, "full", NEW)
+    _, got, state = _decode(model, "clo", NEW, topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False)
+    assert {M.memory_kind_of(a) for layer in state.groups[0].pool_v for a in layer} == {"pinned_host"}
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    pol, got, state = _decode(model, "clo", NEW, topk=12, num_recent=4, fixed_threshold=-1.0)
+    c = pol.describe(state)["clo"]
+    assert np.isfinite(got).all() and c["hit_rate_cached_heads"] > 0.5
