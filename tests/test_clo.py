@@ -268,8 +268,8 @@ def test_plan_uses_plan_persistent_heads_with_the_profile(tmp_path, monkeypatch)
 
 
 def test_options_are_checked():
-    with pytest.raises(CloOptionError, match="exact"):
-        make_policy("clo", retrieval="hata")
+    with pytest.raises(CloOptionError, match="retrieval must be one of"):
+        make_policy("clo", retrieval="faiss")
     with pytest.raises(CloOptionError, match="gqa_aggregation"):
         make_policy("clo", gqa_aggregation="mean")
     with pytest.raises(CloOptionError, match="not both"):
@@ -298,3 +298,105 @@ def test_gpu_host_values_gather_under_cond():
     pol, got, state = _decode(model, "clo", NEW, topk=12, num_recent=4, fixed_threshold=-1.0)
     c = pol.describe(state)["clo"]
     assert np.isfinite(got).all() and c["hit_rate_cached_heads"] > 0.5
+
+
+# ------------------------------------------------------------------------------------------------
+# retrieval = quest | hata: metadata on the GPU, K and V on the host
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("retrieval", ["quest", "hata"])
+def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval):
+    """Everything selected: the retrieval ranks but cannot change what is attended. K lives on the host
+    (as V), the plan counts no pool bytes on the GPU, the metadata was written at prefill and the flush."""
+    from kvoffload.offload import memory as M
+
+    arch, model, want = ref
+    pol, got, state = _decode(model, "clo", NEW, retrieval=retrieval, topk_ratio=1.0, fixed_threshold=2.0,
+                              layer0_full=False, quest_page_tokens=4)
+    assert (got.argmax(-1) == want.argmax(-1)).all(), (arch, retrieval)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    gr = state.groups[0]
+    assert gr.since_flush == NEW - BLOCK and gr.used_extents > 1
+    kinds_k = {M.memory_kind_of(a) for layer in gr.pool_k for a in layer}
+    assert kinds_k == {M.memory_kind_of(a) for layer in gr.pool_v for a in layer} == {pol.pipeline.host_kind}
+    plan = pol.pipeline.memory_plan
+    exact_plan = _decode(model, "clo", 0, topk_ratio=1.0)[0].pipeline.memory_plan  # exact: K on the GPU
+    gpu_kv = "K/V blocks (GPU-resident)"
+    assert plan.gpu.get(gpu_kv, 0) == 0 and exact_plan.gpu[gpu_kv] > 0
+    assert plan.host["K/V blocks"] == exact_plan.host["K/V blocks"] + exact_plan.gpu[gpu_kv]
+    c = pol.describe(state)["clo"]
+    assert c["retrieval"] == retrieval and c["k_bytes_fetched"] == c["v_bytes_fetched"] > 0
+    # the metadata equals the keys' metadata, block by block (prefill's blocks and the flushed ones)
+    for layer, s in enumerate(gr.slots):
+        for e, ke in enumerate(gr.pool_k[layer]):
+            want_meta = clo_mod.key_metadata(jnp.asarray(np.asarray(ke)), s.hata_w, retrieval, 4)
+            for got_m, want_m in zip(s.meta[e], want_meta):
+                np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
+    n_meta = sum(x.size * x.dtype.itemsize for s in gr.slots for x in jax.tree.leaves(s.meta))
+    assert c["metadata_gpu_bytes"] == n_meta > 0
+    if retrieval == "hata":
+        cfg = model.config
+        assert c["hata_w_gpu_bytes"] == cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 128 * 4
+
+
+def test_quest_bounds_equal_numpy_upper_bound():
+    rng = np.random.default_rng(3)
+    B, H, n_kv, d, E, blk, page = 2, 6, 2, 8, 5, 16, 4
+    q = rng.normal(size=(B, H, d)).astype(np.float32)
+    k = rng.normal(size=(E, n_kv, blk, d)).astype(np.float32)
+    kmin, kmax = clo_mod.key_metadata(jnp.asarray(k), None, "quest", page)
+    got = np.asarray(clo_mod.quest_bounds(jnp.asarray(q), kmin, kmax))  # [B, n_kv, E, P]
+    pages = k.reshape(E, n_kv, blk // page, page, d).astype(np.float64)
+    lo, hi = pages.min(3), pages.max(3)
+    qg = q.reshape(B, n_kv, H // n_kv, 1, 1, d).astype(np.float64)
+    want = np.maximum(qg * lo.transpose(1, 0, 2, 3)[None, :, None], qg * hi.transpose(1, 0, 2, 3)[None, :, None])
+    want = want.sum(-1).max(2)  # [B, n_kv, E, P]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # an upper bound of every page's q.k, and the library's per-request op agrees
+    exact = np.einsum("bhgd,ehpsd->bhgeps", qg[:, :, :, 0, 0], pages).max(2).max(-1)
+    assert (got >= exact - 1e-5).all()
+    flat = lambda a: jnp.broadcast_to(jnp.swapaxes(a, 0, 1).reshape(1, n_kv, -1, d), (B, n_kv, E * blk // page, d))  # noqa: E731
+    op = ops.quest_page_scores(jnp.asarray(q), flat(kmin), flat(kmax), group_reduce="max", impl="reference")
+    np.testing.assert_allclose(np.asarray(op).reshape(B, n_kv, E, -1), got, rtol=1e-5, atol=1e-5)
+
+
+def test_hata_selection_overlaps_exact_topk():
+    """Random keys and queries, 1024-bit seeded projections: the codes' top 10% holds at least 60% of the
+    exact top 10% (chance: 10%); 64 bits hold less (the bound depends on the code length)."""
+    from kvoffload.importance.hata import encode_keys
+
+    rng = np.random.default_rng(4)
+    owners = [0] * 16 + [1] * 16
+    layout, alloc, tables, keys, _ = _pool(rng, n_kv=2, d=32, blk=16, sizes=(8, 8, 16), owners=owners)
+    B, H, n_kv, d = 2, 4, 2, 32
+    q = rng.normal(size=(B, H, d)).astype(np.float32)
+    exact = np.asarray(exact_scores(jnp.asarray(q), [jnp.asarray(k) for k in keys], tables))
+    top = int(0.1 * 256)
+
+    def recall(bits):
+        w = jax.random.normal(jax.random.key(0), (n_kv, d, bits)) / np.sqrt(d)
+        meta = [(encode_keys(w, jnp.asarray(k)),) for k in keys]
+        s = np.asarray(clo_mod.hata_token_scores(jnp.asarray(q), meta, w, tables))
+        assert (np.isneginf(s) == np.isneginf(exact)).all()
+        out = []
+        for b in range(B):
+            for h in range(n_kv):
+                want = set(np.argsort(-exact[b, h], kind="stable")[:top])
+                got = set(np.argsort(-(s[b, h] + rng.uniform(0, 0.5, s.shape[-1])), kind="stable")[:top])  # ties at random
+                out.append(len(want & got) / top)
+        return float(np.mean(out))
+
+    r_long, r_short = recall(1024), recall(64)
+    assert r_long >= 0.6, r_long
+    assert r_short < r_long
+
+
+def test_quest_hata_options():
+    with pytest.raises(CloOptionError, match="quest_page_tokens"):
+        make_policy("clo", retrieval="quest", quest_page_tokens=5, block_tokens=16)
+    with pytest.raises(CloOptionError, match="hata_bits"):
+        make_policy("clo", retrieval="hata", hata_bits=100)
+    model = tiny_random_model("llama", seed=1)
+    with pytest.raises(CloOptionError, match="hata_weights not found"):
+        _decode(model, "clo", 0, retrieval="hata", hata_weights="/nonexistent/hata")

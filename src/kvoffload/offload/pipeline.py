@@ -346,8 +346,16 @@ class LayerHooks:
     def init_slots(self, pipe: "LayerPipeline", model, layout: PoolLayout, batch: int) -> tuple:
         """The policy's own state, one pytree per layer (per-request / per-head: selections, cached
         queries, GPU cache buffers), carried in the group's state from step to step; `attend` gets its
-        layer's and returns the new one. () for none."""
+        layer's and returns the new one. () for none. Made before prefill's layers run."""
         return ()
+
+    def keys_written(self, pipe: "LayerPipeline", slot, extent: int, k_blocks, at):
+        """A layer's slots after K blocks entered the pool: k_blocks [n, n_kv, blk, d] (device memory,
+        the model's dtype) written to extent `extent` at slots at [n] (host ints; entries outside the extent
+        are dropped, as `write_blocks` does). Called at prefill (every extent, at = 0..E-1) and at each flush, only where the policy
+        keeps slots: GPU-side retrieval metadata of keys that may live on the host (clo's Quest pages,
+        HATA codes). Default: unchanged."""
+        return slot
 
     def sources(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int, fetched):
         """The layer program's sources: the pool's own arrays for a device pool; for a host pool the
@@ -590,6 +598,7 @@ class LayerPipeline:
             allocate_prompts_aligned(alloc, layout, lengths_np[a:z])
             groups.append(dict(rows=(a, z), layout=layout, alloc=alloc, h=_embed(cfg, fam_params, tokens[a:z], positions[a:z]),
                                pk=[], pv=[], px=[], tk=[], tv=[], tx=[],
+                               slots=list(self.hooks.init_slots(self, model, layout, z - a)),
                                srcs=[extent_sources(alloc, layout, e, t_blk // blk) for e in range(layout.num_extents)],
                                start=jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32)))
         keep_x = any(len(lay.extents_of("act")) for lay in layouts)  # activations stored somewhere
@@ -612,7 +621,12 @@ class LayerPipeline:
                     gr["h"], k, v = (jnp.concatenate([o_[j] for o_ in outs], 0) for j in range(3))
                     x = jnp.concatenate([o_[3] for o_ in outs], 0) if keep_x else None
                 del outs
-                pk, pv, px = self._extents_from_prefill(gr["layout"], gr["srcs"], gr["alloc"], k, v, x, dtype)
+                pk, pv, px, k_dev = self._extents_from_prefill(gr["layout"], gr["srcs"], gr["alloc"], k, v, x, dtype)
+                if gr["slots"]:
+                    for e, ke in enumerate(k_dev):
+                        if ke is not None:
+                            gr["slots"][i] = self.hooks.keys_written(self, gr["slots"][i], e, ke, np.arange(ke.shape[0]))
+                del k_dev
                 gr["pk"].append(pk), gr["pv"].append(pv), gr["px"].append(px)
                 gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, slots, 1))
                 gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, slots, 1))
@@ -629,19 +643,20 @@ class LayerPipeline:
                 pool_k=tuple(gr["pk"]), pool_v=tuple(gr["pv"]), pool_x=tuple(gr["px"]),
                 tables=gr["alloc"].device_tables(gr["layout"]), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
                 tail_x=tuple(gr["tx"]), tail_len=jnp.asarray(lens % blk, jnp.int32), prompt_lens=lengths[a:z],
-                slots=tuple(self.hooks.init_slots(self, model, gr["layout"], z - a)),
+                slots=tuple(gr["slots"]),
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
                 n_gen=0, since_flush=0))
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
         return logits, DecodeState(groups=tuple(states), batch=b)
 
     def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype):
-        """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty."""
+        """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty; and the
+        K extents as computed in device memory, before quantization and placement (for `keys_written`)."""
         blk = layout.block_tokens
         n_kv, d = k.shape[1], k.shape[3]
         hdim = x.shape[2] if x is not None else None  # activations kept only where the layout stores them
         used = alloc.used_extents(layout)
-        pk, pv, px = [], [], []
+        pk, pv, px, k_dev = [], [], [], []
         for e in range(layout.num_extents):
             src, valid = srcs[e]
             E = layout.size(e)
@@ -650,13 +665,14 @@ class LayerPipeline:
                       if self.int4 and not layout.on_device(e) else (lambda a: a))
             if layout.has("kv", e):
                 if e < used:
-                    pk.append(stored(gather_kv_extent(k, src, valid, blk)))
+                    k_dev.append(gather_kv_extent(k, src, valid, blk))
                     pv.append(stored(gather_kv_extent(v, src, valid, blk)))
                 else:
-                    pk.append(stored(jnp.zeros((E, n_kv, blk, d), dtype)))
+                    k_dev.append(jnp.zeros((E, n_kv, blk, d), dtype))
                     pv.append(stored(jnp.zeros((E, n_kv, blk, d), dtype)))
+                pk.append(stored(k_dev[-1]))
             else:
-                pk.append(None), pv.append(None)
+                pk.append(None), pv.append(None), k_dev.append(None)
             if layout.has("act", e):
                 px.append(stored(gather_act_extent(x, src, valid, blk) if e < used else jnp.zeros((E, blk, hdim), dtype)))
             else:
@@ -670,7 +686,7 @@ class LayerPipeline:
         dev = jax.device_put(pick(False), M.device_sharding(self.dev))
         both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host)]
         n = layout.num_extents
-        return tuple(both[:n]), tuple(both[n:2 * n]), tuple(both[2 * n:])
+        return tuple(both[:n]), tuple(both[n:2 * n]), tuple(both[2 * n:]), k_dev
 
     # -- decode ------------------------------------------------------------------------------
     def _items(self, n_layers, n_groups):
@@ -798,6 +814,7 @@ class LayerPipeline:
         ext_of, slot_of = layout.locate(ids)
         pk, pv, px = [list(p) for p in gr.pool_k], [list(p) for p in gr.pool_v], [list(p) for p in gr.pool_x]
         tk, tv, tx = list(gr.tail_k), list(gr.tail_v), list(gr.tail_x)
+        layer_slots = list(gr.slots)
         touched = sorted(set(int(e) for e in ext_of))
         # a slot past the extent's end is dropped: one scatter program per extent size
         slots = {e: np.where(ext_of == e, slot_of, layout.size(e)) for e in touched}
@@ -819,6 +836,8 @@ class LayerPipeline:
                     pk[i][e] = write_stored_blocks(pk[i][e], wk, slots[e])
                     pv[i][e] = write_stored_blocks(pv[i][e], wv, slots[e])
                     nbytes += int((_tree_bytes(wk) + _tree_bytes(wv)) * share)
+                    if layer_slots:
+                        layer_slots[i] = self.hooks.keys_written(self, layer_slots[i], e, bk, slots[e])
                 if layout.has("act", e) and bx is not None:
                     wx = bx if layout.on_device(e) else qx
                     px[i][e] = write_stored_blocks(px[i][e], wx, slots[e])
@@ -826,7 +845,8 @@ class LayerPipeline:
         return dataclasses.replace(
             gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
             pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),
-            tail_len=gr.tail_len - blk, tables=alloc.device_tables(layout), alloc=alloc, since_flush=0), nbytes
+            tail_len=gr.tail_len - blk, tables=alloc.device_tables(layout), alloc=alloc, since_flush=0,
+            slots=tuple(layer_slots)), nbytes
 
     def release(self, state: DecodeState, rows) -> DecodeState:
         """Frees the pool blocks of finished requests (rows of the whole batch); their later steps

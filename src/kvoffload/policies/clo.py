@@ -23,16 +23,37 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    hit heads' rows are then taken from the buffer); ``v_rows_fetched`` counts only the missed heads'
    rows (what a per-head fetch moves).
 
-Placement (as tokenselect ``kv=split``): K extents in device memory (the exact keys are the retrieval
-metadata), V extents in pinned host memory. Persistent heads' V is NOT placed on the GPU separately:
-it stays in the host pool and their whole context's V rows are gathered into the cache buffer on
-each re-selection (every flush); their K is on the GPU like every head's.
-Out of scope here: speculative prefetch, HATA / Quest retrieval.
+5. Retrieval (``retrieval``): ``exact`` scores the exact keys (above). ``quest`` and ``hata`` score GPU-side
+   metadata of the keys instead, and the keys themselves stay on the host with the values:
+   * ``quest``: per page of ``quest_page_tokens`` tokens inside a block (default 16), the channel-wise
+     min and max of the keys (``ops.quest_page_minmax``, stored in the model's dtype: a min / max of keys
+     is one of them). Score of a page per KV head: max over the group of Quest's upper bound
+     sum_c max(q_c min_c, q_c max_c) (``quest_bounds``, as q+ . max + q- . min: two matmuls over the
+     pool's shared extents, where ``ops.quest_page_scores`` wants every request's own pages); whole pages
+     are selected (``choose_tokens`` with page_size = quest_page_tokens).
+   * ``hata``: per token a ``hata_bits``-bit sign code of the key (``ops.hata_encode`` with a per-KV-head
+     projection W [d, r]: trained from ``kvoffload train-hata``'s output when ``hata_weights`` is given,
+     else seeded Gaussian projections, ``importance.hata.init_projection``, i.e. SimHash). Score per KV
+     head: max over the group of r - hamming(code(q), code(k)) (``hata_token_scores``).
+   The metadata is computed on the GPU when blocks enter the pool, from the blocks' K while they are
+   still in device memory: prefill (every extent) and each flush (`LayerHooks.keys_written`), and kept
+   per layer in the slots (``CloSlots.meta``: per extent, [E, n_kv, ...] in block-slot order, so the block
+   tables index it like the keys). HATA's W of the layer lives in the slots too (``hata_w``).
+
+Placement: ``exact``: as tokenselect ``kv=split``: K extents in device memory (the exact keys are the
+retrieval metadata), V extents in pinned host memory. ``quest`` / ``hata``: K and V extents both in
+pinned host memory (`keys_on_device` False), only the metadata on the GPU; the selected K rows are
+gathered from the host like the V rows, into a second cache buffer (``k_rows``) reused on hits.
+Persistent heads' K/V are NOT placed on the GPU separately: they stay in the host pool (K on the GPU
+for ``exact``) and their whole context's rows are gathered into the cache buffer on each re-selection
+(every flush).
+Out of scope here: speculative prefetch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -44,6 +65,7 @@ import numpy as np
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
 from kvoffload.importance.deploy import group_similarity
+from kvoffload.offload.pool import write_blocks
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
@@ -62,7 +84,9 @@ from kvoffload.policies.tokenselect import (
     token_positions,
 )
 
-RETRIEVALS = ("exact",)
+RETRIEVALS = ("exact", "quest", "hata")
+SCORING = {"exact": "max over the group of q.k", "quest": "max over the group of the page's Quest bound",
+           "hata": "max over the group of bits - hamming(code(q), code(k))"}
 AGGREGATIONS = ("harmonic", "min")
 DEFAULT_RATIO = 0.1
 PRETRAINED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "importance", "pretrained")
@@ -76,8 +100,9 @@ class CloOptionError(KVOffloadError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class CloSlots:
-    """One layer's slots: tokenselect's selection cache, the GPU cache buffer of the selected V rows,
-    and the layer's per-KV-head reuse rule (tau, aggregation weights, persistent)."""
+    """One layer's slots: tokenselect's selection cache, the GPU cache buffer of the selected V rows
+    (and K rows where K is on the host), the layer's per-KV-head reuse rule (tau, aggregation weights,
+    persistent) and the GPU-side retrieval metadata of the layer's pool (quest / hata)."""
 
     selection: SelectionCache
     v_rows: jax.Array  # [B, n_kv, K, d]: the selected V rows (pool dtype), on the GPU
@@ -85,6 +110,11 @@ class CloSlots:
     tau: jax.Array  # [n_kv] f32
     weights: jax.Array  # [n_kv, G] f32: importance of each query head in the GQA aggregation
     persistent: jax.Array  # [n_kv] bool
+    # per extent, the pool's retrieval metadata in block-slot order: quest (min, max) [E, n_kv, blk/page, d]
+    # (model dtype), hata (codes [E, n_kv, blk, r/32] uint32,); () for exact
+    meta: tuple = ()
+    hata_w: jax.Array | None = None  # [n_kv, d, r] f32: the layer's HATA projections (hata only)
+    k_rows: jax.Array | None = None  # [B, n_kv, K, d]: the selected K rows where K is on the host
 
     # what tokenselect's `hit_rates` reads
     hits = property(lambda self: self.selection.hits)
@@ -113,6 +143,61 @@ def exact_scores(q, keys, tables):
     return jnp.concatenate(out, axis=-1)
 
 
+def quest_bounds(q, kmin, kmax):
+    """[B, n_kv, E, P] f32: per page, max over each KV head's query heads of Quest's upper bound
+    sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min (q [B, H, d]; kmin, kmax [E, n_kv, P, d])."""
+    B, H, d = q.shape
+    n_kv = kmin.shape[1]
+    qg = q.astype(jnp.float32).reshape(B, n_kv, H // n_kv, d)
+    hp = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bhgd,ehpd->bhgep", jnp.maximum(qg, 0.0), kmax.astype(jnp.float32), precision=hp) + \
+        jnp.einsum("bhgd,ehpd->bhgep", jnp.minimum(qg, 0.0), kmin.astype(jnp.float32), precision=hp)
+    return jnp.max(s, axis=2)
+
+
+def quest_token_scores(q, meta, tables, blk):
+    """[B, n_kv, N] f32 over the pool's token space: each token its page's bound (``quest_bounds``);
+    -inf where the request owns no token. meta: per extent (kmin, kmax) [E, n_kv, P, d]."""
+    out = []
+    for e, (kmin, kmax) in enumerate(meta):
+        E, P = kmin.shape[0], kmin.shape[2]
+        s = jnp.repeat(quest_bounds(q, kmin, kmax), blk // P, axis=-1)  # [B, n_kv, E, blk]
+        s = s.reshape(s.shape[0], s.shape[1], E * blk)
+        own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None]
+        out.append(jnp.where(own, s, NEG_INF))
+    return jnp.concatenate(out, axis=-1)
+
+
+def hata_token_scores(q, meta, w, tables):
+    """[B, n_kv, N] f32 over the pool's token space: max over each KV head's query heads of
+    r - hamming(code(q), code(k)) (codes by ``ops.hata_encode`` with the head's W [n_kv, d, r]); -inf
+    where the request owns no token. meta: per extent (codes [E, n_kv, blk, r/32],)."""
+    from kvoffload.importance.hata import encode_queries
+
+    B, H, d = q.shape
+    n_kv, r = w.shape[0], w.shape[-1]
+    qc = encode_queries(w, q, H // n_kv).reshape(B, n_kv, H // n_kv, 1, 1, r // 32)
+    out = []
+    for e, (codes,) in enumerate(meta):
+        E, blk = codes.shape[0], codes.shape[2]
+        ham = jnp.min(ops.hamming_distance(qc, jnp.swapaxes(codes, 0, 1)[None, :, None]), axis=2)  # [B, n_kv, E, blk]
+        own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None]
+        out.append(jnp.where(own, (r - ham).reshape(B, n_kv, E * blk).astype(jnp.float32), NEG_INF))
+    return jnp.concatenate(out, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("retrieval", "page"))
+def key_metadata(k_blocks, w, retrieval, page):
+    """The retrieval metadata of K blocks [n, n_kv, blk, d] (device memory): quest (min, max)
+    [n, n_kv, blk/page, d] in the keys' dtype, hata (codes [n, n_kv, blk, r/32],)."""
+    if retrieval == "quest":
+        kmin, kmax = ops.quest_page_minmax(k_blocks, page)
+        return kmin.astype(k_blocks.dtype), kmax.astype(k_blocks.dtype)
+    from kvoffload.importance.hata import encode_keys
+
+    return (encode_keys(w, k_blocks),)
+
+
 def aggregate_similarity(cos, weights, how: str):
     """[B, n_kv]: the group's similarity from per-query-head cosines cos [B, n_kv, G]."""
     return group_similarity(cos, weights[None]) if how == "harmonic" else jnp.min(cos, axis=-1)
@@ -127,7 +212,8 @@ class CloAttend:
     num_sink: int
     num_recent: int
     gqa_aggregation: str
-    page_size: int = 1  # whole tokens (static_budget of the shared hooks reads it)
+    page_size: int = 1  # tokens selected together: 1, quest's page (static_budget of the shared hooks reads it)
+    retrieval: str = "exact"
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
         keys, values = src.pool.k, src.pool.v
@@ -138,7 +224,8 @@ class CloAttend:
         pool_tokens = sum(tables.count) * blk
         context = pool_tokens + src.tail_len + 1
         budget_k = K if self.token_budget is None else min(self.token_budget, K)
-        n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, 1,
+        ps = self.page_size
+        n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, ps,
                                   budget_k, context)
         n_select = jnp.where(slots.persistent[None], K, n_select[:, None])  # [B, n_kv]
 
@@ -147,16 +234,31 @@ class CloAttend:
         reuse = (slots.persistent[None] | (sim >= slots.tau[None])) & (sel.pool_tokens == pool_tokens)[:, None]
 
         def select():
-            scores = exact_scores(q, keys, tables)
+            if self.retrieval == "quest":
+                scores = quest_token_scores(q, slots.meta, tables, blk)
+            elif self.retrieval == "hata":
+                scores = hata_token_scores(q, slots.meta, slots.hata_w, tables)
+            else:
+                scores = exact_scores(q, keys, tables)
             scores = jnp.where(slots.persistent[None, :, None] & (scores > NEG_INF), jnp.inf, scores)  # all
             return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
-                                 self.num_sink, self.num_recent, 1)
+                                 self.num_sink, self.num_recent, ps)
 
         indices, num_valid = reuse_or_select(reuse, sel, select)
-        k_sel = gather_rows(keys, indices, blk)  # K extents are on the GPU
-        fetched = jax.lax.cond(jnp.all(reuse), lambda: slots.v_rows,
-                               lambda: gather_rows(values, indices, blk).astype(slots.v_rows.dtype))
-        v_sel = jnp.where(reuse[..., None, None], slots.v_rows, fetched)
+        hit = reuse[..., None, None]
+        if slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
+            k_sel = gather_rows(keys, indices, blk)
+            fetched = jax.lax.cond(jnp.all(reuse), lambda: slots.v_rows,
+                                   lambda: gather_rows(values, indices, blk).astype(slots.v_rows.dtype))
+            k_rows = None
+        else:  # K on the host too: both gathered from the host on a miss, both buffers reused on hits
+            fetched_k, fetched = jax.lax.cond(
+                jnp.all(reuse), lambda: (slots.k_rows, slots.v_rows),
+                lambda: (gather_rows(keys, indices, blk).astype(slots.k_rows.dtype),
+                         gather_rows(values, indices, blk).astype(slots.v_rows.dtype)))
+            k_rows = jnp.where(hit, slots.k_rows, fetched_k)
+            k_sel = k_rows
+        v_sel = jnp.where(hit, slots.v_rows, fetched)
         slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
         part = ops.sparse_attention(q, k_sel, v_sel.astype(k_sel.dtype), slot_ids, num_valid=num_valid,
                                     impl=attention_impl)
@@ -168,7 +270,7 @@ class CloAttend:
                                  num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
                                  hits=sel.hits + (reuse & cached).astype(jnp.int32), steps=sel.steps + 1,
                                  scored=sel.scored + jnp.any(~reuse).astype(jnp.int32))
-        new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel,
+        new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows,
                                   v_rows_fetched=slots.v_rows_fetched + jnp.where(reuse, 0, num_valid))
         return acc, new
 
@@ -229,11 +331,41 @@ class CloHooks(TokenSelectHooks):
 
     name = "clo"
 
-    def __init__(self, attend: CloAttend, importance, eta, p, fixed_threshold, persistent_heads, layer0_full):
+    def __init__(self, attend: CloAttend, importance, eta, p, fixed_threshold, persistent_heads, layer0_full,
+                 hata_weights=None, hata_bits=128):
         super().__init__(attend, split=True)
         self.importance, self.eta, self.p, self.fixed_threshold = importance, eta, p, fixed_threshold
         self.persistent_heads, self.layer0_full = persistent_heads, layer0_full
+        self.hata_weights, self.hata_bits = hata_weights, hata_bits
         self.chosen: dict = {}  # what init_slots decided for the model (for describe)
+
+    def keys_on_device(self, pipe) -> bool:
+        return self.attend.retrieval == "exact"  # quest / hata: only their metadata on the GPU
+
+    def hata_projections(self, cfg):
+        """(W [L, n_kv, d, r] f32, source): trained from hata_weights, else seeded Gaussian (SimHash)."""
+        from kvoffload.importance.hata import init_projection, load_projections
+
+        L, n_kv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        if self.hata_weights is None:
+            return np.asarray(init_projection(cfg, self.hata_bits, seed=0)), f"random projections (seed 0, {self.hata_bits} bits)"
+        if not os.path.exists(self.hata_weights):
+            raise CloOptionError(f"hata_weights not found: {self.hata_weights}")
+        w = load_projections(self.hata_weights)
+        if w.ndim != 4 or w.shape[:3] != (L, n_kv, d) or w.shape[3] % 32:
+            raise CloOptionError(f"hata_weights must be [{L}, {n_kv}, {d}, r] (r a multiple of 32) for this model, "
+                                 f"got {w.shape} ({self.hata_weights})")
+        if w.shape[3] != self.hata_bits:
+            raise CloOptionError(f"hata_weights has {w.shape[3]} bits, hata_bits asks for {self.hata_bits}")
+        return w, self.hata_weights
+
+    def keys_written(self, pipe, slot, extent, k_blocks, at):
+        r = self.attend.retrieval
+        if r == "exact":
+            return slot
+        new = key_metadata(k_blocks, slot.hata_w, r, self.attend.page_size)
+        written = tuple(write_blocks(old, part, at) for old, part in zip(slot.meta[extent], new))
+        return dataclasses.replace(slot, meta=slot.meta[:extent] + (written,) + slot.meta[extent + 1:])
 
     def persistent_mask(self, pipe, model, scores, layout, batch, K):
         cfg = model.config
@@ -276,8 +408,18 @@ class CloHooks(TokenSelectHooks):
         persistent, report = self.persistent_mask(pipe, model, scores, layout, batch, K_sel)
         bound = request_token_bound(layout, batch)
         dtype = model.params.layers[0].wk.dtype
+        retrieval, page = self.attend.retrieval, self.attend.page_size
+        w, w_source = self.hata_projections(cfg) if retrieval == "hata" else (None, None)
         self.chosen = dict(tau=tau, persistent=persistent, source=source, plan=report, K=K_sel, bound=bound,
-                           v_row_bytes=d * jnp.dtype(dtype).itemsize)
+                           v_row_bytes=d * jnp.dtype(dtype).itemsize, hata_source=w_source)
+        blk = layout.block_tokens
+
+        def meta_zeros(E):
+            if retrieval == "quest":
+                return tuple(jnp.zeros((E, n_kv, blk // page, d), dtype) for _ in "mM")  # two buffers (donated)
+            if retrieval == "hata":
+                return (jnp.zeros((E, n_kv, blk, w.shape[-1] // 32), jnp.uint32),)
+            return ()
         zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
         slots = []
         for layer in range(cfg.num_layers):
@@ -288,15 +430,18 @@ class CloHooks(TokenSelectHooks):
             one = CloSlots(selection=sel, v_rows=jnp.zeros((batch, n_kv, K, d), dtype),
                            v_rows_fetched=zeros((batch, n_kv)), tau=jnp.asarray(tau[layer], jnp.float32),
                            weights=jnp.asarray(weights[layer], jnp.float32),
-                           persistent=jnp.asarray(persistent[layer]))
+                           persistent=jnp.asarray(persistent[layer]),
+                           meta=tuple(meta_zeros(layout.size(e)) for e in range(layout.num_extents)) if retrieval != "exact" else (),
+                           hata_w=None if w is None else jnp.asarray(w[layer], jnp.float32),
+                           k_rows=None if retrieval == "exact" else jnp.zeros((batch, n_kv, K, d), dtype))
             slots.append(jax.device_put(one, pipe.dev))  # committed, like a step's outputs
         return tuple(slots)
 
 
 @register_policy("clo")
 class CloPolicy(LayeredPolicy):
-    host_pool = True  # K extents on the device (keys_on_device), V extents in pinned host memory
-    extra_options = ("retrieval", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
+    host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
+    extra_options = ("retrieval", "quest_page_tokens", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
                      "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full")
 
     def __init__(self, **options):
@@ -304,13 +449,19 @@ class CloPolicy(LayeredPolicy):
             raise CloOptionError("policy 'clo' keeps the weights on the device; offload_weights is not supported")
         super().__init__(**options)
 
-    def make_hooks(self, retrieval="exact", topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
+    def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=128, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="none",
                    layer0_full=True):
         if retrieval not in RETRIEVALS:
-            raise CloOptionError(f"retrieval={retrieval!r} is not implemented in policy 'clo'; it has {RETRIEVALS} "
-                                 "(HATA codes exist as ops.hata_encode / ops.hata_scores, Quest as "
-                                 "ops.quest_page_scores, not wired into clo yet)")
+            raise CloOptionError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
+        blk = self.options.block_tokens
+        page = int(quest_page_tokens) if retrieval == "quest" else 1
+        if page < 1 or blk % page:
+            raise CloOptionError(f"quest_page_tokens must divide block_tokens ({blk}), got {quest_page_tokens}")
+        hata_bits = int(hata_bits)
+        if hata_bits < 32 or hata_bits % 32:
+            raise CloOptionError(f"hata_bits must be a positive multiple of 32 (packed uint32 words), got {hata_bits}")
+
         if gqa_aggregation not in AGGREGATIONS:
             raise CloOptionError(f"gqa_aggregation must be one of {AGGREGATIONS}, got {gqa_aggregation!r}")
         if topk is not None and topk_ratio is not None:
@@ -335,18 +486,26 @@ class CloPolicy(LayeredPolicy):
             raise CloOptionError(f"persistent_heads must be 'none', 'plan' or a list of (layer, kv_head), "
                                  f"got {persistent_heads!r}")
         attend = CloAttend(token_budget=topk, token_ratio=None if topk_ratio is None else float(topk_ratio),
-                           num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation)
+                           num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation,
+                           page_size=page, retrieval=retrieval)
         return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),
                         fixed_threshold=None if fixed_threshold is None else float(fixed_threshold),
-                        persistent_heads=persistent_heads, layer0_full=bool(layer0_full))
+                        persistent_heads=persistent_heads, layer0_full=bool(layer0_full),
+                        hata_weights=hata_weights, hata_bits=hata_bits)
 
     def describe(self, state=None) -> dict:
         d = super().describe(state)
         h = self.pipeline.hooks
         a = h.attend
-        c = {"retrieval": "exact", "topk": a.token_budget, "topk_ratio": a.token_ratio, "num_sink": a.num_sink,
+        c = {"retrieval": a.retrieval, "topk": a.token_budget, "topk_ratio": a.token_ratio, "num_sink": a.num_sink,
              "num_recent": a.num_recent, "eta": h.eta, "p": h.p, "fixed_threshold": h.fixed_threshold,
-             "gqa_aggregation": a.gqa_aggregation, "kv": "split", "scoring": "max over the group of q.k"}
+             "gqa_aggregation": a.gqa_aggregation, "scoring": SCORING[a.retrieval],
+             "kv": "split: K on the GPU, V on the host" if a.retrieval == "exact" else
+                   "host: K and V on the host, retrieval metadata on the GPU"}
+        if a.retrieval == "quest":
+            c["quest_page_tokens"] = a.page_size
+        if a.retrieval == "hata":
+            c.update(hata_bits=h.hata_bits, hata_weights=h.chosen.get("hata_source"))
         if h.chosen:
             ch = h.chosen
             c.update(importance=ch["source"], tau=[[round(float(x), 6) for x in row] for row in ch["tau"]],
@@ -365,5 +524,12 @@ class CloPolicy(LayeredPolicy):
             c["v_bytes_fetched"] = int(nbytes.sum())
             c["v_bytes_fetched_per_layer"] = [int(x) for x in nbytes.sum(1)]
             c["v_bytes_fetched_cached_heads"] = int(nbytes[cached].sum())
+            if a.retrieval != "exact":  # the same rows of K (same dtype) gathered from the host beside V
+                c["k_bytes_fetched"] = c["v_bytes_fetched"]
+            # GPU-resident retrieval state: the metadata of every extent (slots' meta) and HATA's W
+            slots = [s for gr in state.groups for s in gr.slots]
+            c["metadata_gpu_bytes"] = int(sum(x.nbytes for s in slots for x in jax.tree.leaves(s.meta)))
+            c["hata_w_gpu_bytes"] = int(sum(s.hata_w.nbytes for s in slots if s.hata_w is not None))
+            c["metadata_placement"] = "per layer in the slots (CloSlots.meta), device memory"
         d["clo"] = c
         return d
