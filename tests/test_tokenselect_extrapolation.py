@@ -71,12 +71,11 @@ def test_rope_positions_spy(model, monkeypatch):
         return real(cfg, positions)
 
     monkeypatch.setattr(ex, "rope_cos_sin", spy)
-    jax.clear_caches()  # trace again so the spy sees every call
     pol = make_policy("tokenselect", **{**OPTS, "token_budget": 40})
     # run eagerly (no jit) so the positions are concrete values
     with jax.disable_jit():
-        tokens, lengths = engine.pad_prompts([prompt(130, 3)])
-        logits, state = pol.prefill(model, tokens, np.asarray([130], np.int32), 256)
+        tokens, lengths = engine.pad_prompts([prompt(75, 3)])
+        logits, state = pol.prefill(model, tokens, np.asarray([75], np.int32), 128)
         logits, state = pol.decode_step(model, state, np.argmax(np.asarray(logits), -1))
     concrete = [int(np.max(np.asarray(p))) for p in bounds]
     assert concrete and max(concrete) < 40 <= MAX_POS
