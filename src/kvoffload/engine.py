@@ -80,11 +80,13 @@ def check_token_ids(what: str, ids, vocab_size: int) -> None:
             f"{what} has token ids outside the vocabulary (size {vocab_size}): {bad[:5].tolist()}")
 
 
-def check_lengths(model, prompts: Sequence[Sequence[int]], max_new_tokens: int):
+def check_lengths(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, extrapolate: bool = False):
     """Refuses, before any work, prompts that are empty, hold non-integer or out-of-vocabulary ids,
-    or cannot fit the model's positions, and a max_new_tokens that is not an integer >= 0."""
+    or cannot fit the model's positions (unless the policy extrapolates: tokenselect's
+    extrapolate=True keeps positions inside the window itself), and a max_new_tokens that is not an
+    integer >= 0."""
     max_new_tokens = check_count("max_new_tokens", max_new_tokens)
-    limit = model.config.max_position_embeddings
+    limit = float("inf") if extrapolate else model.config.max_position_embeddings
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise GenerationInputError("no prompts given (generate takes a list of token-id lists)")
     for i, p in enumerate(prompts):
@@ -116,6 +118,11 @@ def resolve_policy(policy: str | Policy, policy_options: dict | None) -> Policy:
     if isinstance(policy, Policy):
         return policy
     return make_policy(policy, **(policy_options or {}))
+
+
+def extrapolates(policy: Policy) -> bool:
+    """Whether the policy accepts prompts past the model's trained positions (tokenselect, extrapolate=True)."""
+    return bool(getattr(policy, "extrapolates", False))
 
 
 def eos_token_ids(model) -> list[int]:
@@ -274,13 +281,13 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, polic
     """
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     sync_every = check_count("sync_every", sync_every, minimum=1)
-    check_lengths(model, prompts, max_new_tokens)
+    pol = resolve_policy(policy, policy_options)
+    check_lengths(model, prompts, max_new_tokens, extrapolate=extrapolates(pol))
     max_new_tokens = int(max_new_tokens)
     b = len(prompts)
     if max_new_tokens == 0:
         out = [[] for _ in range(b)]
         return (out, np.zeros((0, b, model.config.vocab_size), np.float32)) if return_logits else out
-    pol = resolve_policy(policy, policy_options)
     tokens, _ = _committed(model, pad_prompts(prompts))
     # the lengths go in as host numbers: the pool allocates blocks from them without reading the device
     lengths = np.asarray([len(p) for p in prompts], np.int32)
@@ -402,8 +409,8 @@ def teacher_forced_logprobs(model, tokens: Sequence[int], prefix_len: int, polic
     prefix_len = check_count("prefix_len", prefix_len, minimum=1)
     if not prefix_len < len(tokens):
         raise GenerationInputError(f"prefix_len must be in [1, {len(tokens)}), got {prefix_len}")
-    check_lengths(model, [tokens[:prefix_len]], len(tokens) - prefix_len)
     pol = resolve_policy(policy, policy_options)
+    check_lengths(model, [tokens[:prefix_len]], len(tokens) - prefix_len, extrapolate=extrapolates(pol))
     toks, _ = _committed(model, pad_prompts([tokens[:prefix_len]]))
     lengths = np.asarray([prefix_len], np.int32)  # host numbers (see generate)
     logits, state = pol.prefill(model, toks, lengths, bucket(len(tokens), CAPACITY_BUCKET))

@@ -36,6 +36,10 @@ and V per (request, head), writes them once and the attention reads them again: 
 the context's S rows (K = 2048 of S = 128K: ~1/20 of the bytes). A kernel reading the rows straight
 from the extents would read K rows once (future work, with a paged scoring kernel: see the report).
 Scoring reads every K row of the pool once per layer (the vote needs every key) unless the cache hits.
+
+Length extrapolation (``extrapolate=True``): prompts past the model's trained positions, attending only
+the selected tokens at rank positions inside the window; a separate dense runner, see
+`kvoffload.policies.extrapolation` (the scheme and its source in pzs19/TokenSelect).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from kvoffload import ops
 from kvoffload.errors import KVOffloadError
 from kvoffload.offload.pipeline import LayerHooks, PoolSources
 from kvoffload.pallas.sparse_attention import expand_indices
+from kvoffload.policies import extrapolation
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 
@@ -343,7 +348,9 @@ class TokenSelectHooks(LayerHooks):
 @register_policy("tokenselect")
 class TokenSelectPolicy(LayeredPolicy):
     host_pool = False
-    extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size")
+    extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size",
+                     "extrapolate", "prefill_chunk")
+    extrapolation = None  # an Extrapolation with extrapolate=True: prompts past the trained positions
 
     def __init__(self, **options):
         if options.get("offload_weights"):
@@ -354,7 +361,9 @@ class TokenSelectPolicy(LayeredPolicy):
         super().__init__(**options)
 
     def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
-                   kv="gpu", page_size=1):
+                   kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512):
+        if extrapolate not in (True, False):
+            raise TokenSelectOptionError(f"extrapolate must be true or false, got {extrapolate!r}")
         if kv not in PLACEMENTS:
             raise TokenSelectOptionError(f"kv must be one of {PLACEMENTS}, got {kv!r}")
         if token_budget is not None and token_ratio is not None:
@@ -376,11 +385,40 @@ class TokenSelectPolicy(LayeredPolicy):
             token_ratio = float(token_ratio)
             if not 0 < token_ratio <= 1:
                 raise TokenSelectOptionError(f"token_ratio must be in (0, 1], got {token_ratio}")
+        if extrapolate:
+            self.extrapolation = extrapolation_options(token_budget, token_ratio, num_sink, num_recent, kv, page_size,
+                                                       prefill_chunk)
         attend = TokenSelectAttend(token_budget=token_budget, token_ratio=token_ratio, num_sink=num_sink,
                                    num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size)
         return TokenSelectHooks(attend, split=kv == "split")
 
+    @property
+    def extrapolates(self) -> bool:
+        """Whether prompts past the model's trained positions are accepted (the engine asks)."""
+        return self.extrapolation is not None
+
+    def prefill(self, model, tokens, lengths, capacity):
+        if self.extrapolation is not None:
+            return extrapolation.prefill(model, self.extrapolation, tokens, lengths, capacity)
+        return super().prefill(model, tokens, lengths, capacity)
+
+    def decode_step(self, model, state, tokens):
+        if self.extrapolation is not None:
+            return extrapolation.decode_step(model.config, self.extrapolation, model.params, state,
+                                             jnp.asarray(tokens, jnp.int32))
+        return super().decode_step(model, state, tokens)
+
+    def release(self, state, rows):
+        if self.extrapolation is not None:  # one dense cache for the batch: nothing to free per row
+            return state
+        return super().release(state, rows)
+
     def describe(self, state=None) -> dict:
+        if self.extrapolation is not None:
+            d = {"policy": self.name, "extrapolate": dataclasses.asdict(self.extrapolation)}
+            if state is not None:
+                d["extrapolate"]["max_position"] = int(state.max_position)
+            return d
         d = super().describe(state)
         a = self.pipeline.hooks.attend
         d["selection"] = {"token_budget": a.token_budget, "token_ratio": a.token_ratio, "num_sink": a.num_sink,
@@ -390,6 +428,22 @@ class TokenSelectPolicy(LayeredPolicy):
             d["selection"]["selected_per_head"] = int(state.groups[0].slots[0].indices.shape[-1])
             d["selection"].update(hit_rates(state))
         return d
+
+
+def extrapolation_options(token_budget, token_ratio, num_sink, num_recent, kv, page_size, prefill_chunk):
+    """The Extrapolation of extrapolate=True, its options checked (the model's limits at prefill)."""
+    if kv != "gpu" or page_size != 1 or token_ratio is not None:
+        raise TokenSelectOptionError("extrapolate=True runs with kv=gpu, page_size=1 and a token_budget (count); "
+                                     f"got kv={kv!r}, page_size={page_size}, token_ratio={token_ratio}")
+    prefill_chunk = int(prefill_chunk)
+    if num_recent < 1:
+        raise TokenSelectOptionError("extrapolate=True needs num_recent >= 1 (the query's own token is attended)")
+    if prefill_chunk < 1 or token_budget < prefill_chunk + num_sink + num_recent:
+        raise TokenSelectOptionError(
+            f"extrapolate=True needs token_budget ({token_budget}) >= prefill_chunk ({prefill_chunk}) + num_sink "
+            f"({num_sink}) + num_recent ({num_recent}): a prompt chunk attends itself and a selection of its past")
+    return extrapolation.Extrapolation(token_budget=token_budget, num_sink=num_sink, num_recent=num_recent,
+                                       prefill_chunk=prefill_chunk)
 
 
 def hit_rates(state) -> dict:
