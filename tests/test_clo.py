@@ -361,6 +361,7 @@ def test_quest_bounds_equal_numpy_upper_bound():
     np.testing.assert_allclose(np.asarray(op).reshape(B, n_kv, E, -1), got, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # a recall measurement (10 s); hata equals full is checked by default
 def test_hata_selection_overlaps_exact_topk():
     """Random keys and queries, 1024-bit seeded projections: the codes' top 10% holds at least 60% of the
     exact top 10% (chance: 10%); 64 bits hold less (the bound depends on the code length)."""

@@ -58,6 +58,7 @@ def test_extrapolation_runs_and_keeps_positions_inside_the_window(model, monkeyp
     assert all(0 <= t < model.config.vocab_size for o in out for t in o)
 
 
+@pytest.mark.slow  # 25 s un-jitted; the recorded max_position is checked by default
 def test_rope_positions_spy(model, monkeypatch):
     """Every position array given to rope_cos_sin while tracing stays below the trained window."""
     import jax
@@ -82,7 +83,7 @@ def test_rope_positions_spy(model, monkeypatch):
     assert max(concrete) >= 39 - 1  # the chunk next to a full selection reaches the budget's top
 
 
-@pytest.mark.parametrize("n,new", [(20, 10), (40, 8)])
+@pytest.mark.parametrize("n,new", [(20, 10), pytest.param(40, 8, marks=pytest.mark.slow)])
 def test_inside_the_window_same_tokens_as_without(model, n, new):
     budget = 48 + 16  # the whole context (n + new <= 64) and room for a chunk
     opts = dict(token_budget=budget, num_sink=4, num_recent=8)
@@ -94,6 +95,7 @@ def test_inside_the_window_same_tokens_as_without(model, n, new):
     assert got == want == full
 
 
+@pytest.mark.slow  # keeps the default suite under 10 min
 def test_small_budget_changes_what_is_attended(model):
     """Past the budget the selection is a strict subset: the logits differ from full attention's."""
     p = [prompt(60, 7)]
