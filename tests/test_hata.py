@@ -76,6 +76,7 @@ def test_pair_weights_hand_case():
     np.testing.assert_allclose(w[1, 4:], 0.0)
 
 
+@pytest.mark.slow  # 11 s of training steps; the default suite stays under ~10 min
 def test_gradients_flow_only_into_w(model, qk):
     cfg = model.config
     hc = _cfg()

@@ -45,15 +45,15 @@ def _ref(arch):
 CASES = [
     ("opt", dict(act_share=0.0, gpu_blocks=0)),  # KV-only
     ("llama", dict(act_share=1.0, gpu_blocks=0)),  # ACT-only
-    ("opt", dict(act_share=0.4, gpu_blocks=6)),  # hybrid with GPU-resident ACT blocks
-    ("llama", dict(act_share=0.4, gpu_blocks=6)),
+    pytest.param("opt", dict(act_share=0.4, gpu_blocks=6), marks=pytest.mark.slow),  # (as the llama case)
+    ("llama", dict(act_share=0.4, gpu_blocks=6)),  # hybrid with GPU-resident ACT blocks
     ("opt", dict(act_share=0.7, gpu_blocks=0, mini_batch_gb=1e-6)),  # one request per mini-batch (zig-zag over 3)
     ("llama", dict(allocation="algorithm1")),
     ("opt", dict()),  # the balanced split of the default cost model
 ]
 
 
-@pytest.mark.parametrize("arch,opts", CASES, ids=[f"{a}-{i}" for i, (a, _) in enumerate(CASES)])
+@pytest.mark.parametrize("arch,opts", CASES, ids=[f"{getattr(c, 'values', c)[0]}-{i}" for i, c in enumerate(CASES)])
 def test_matches_full(arch, opts):
     model, want, want_logits = _ref(arch)
     got, logits = generate(model, PROMPTS, NEW, policy="hybrid", policy_options={**BASE, **opts}, return_logits=True)

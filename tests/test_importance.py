@@ -107,6 +107,7 @@ def test_student_at_alpha_one_is_teacher(model, pdata):
 
 
 # ---------------------------------------------------------------------------------- train
+@pytest.mark.slow  # 16 s of training steps; the default suite stays under ~10 min
 def test_gradients_flow_only_into_alpha(model, pdata):
     """The step differentiates the distillation loss w.r.t. alpha alone (the model is an input,
     not a parameter): its first update is AdamW's on exactly that gradient, then the [0, 1] clip."""

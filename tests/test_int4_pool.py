@@ -59,7 +59,8 @@ CASES = [
     ("offload", dict()),
     ("kvpr", dict(split_point=16)),  # mid prompt: extents below recomputed from int4 X, int4 K/V above
     ("kvpr", dict()),  # the scheduler's choice (MHA: int4 X is half of int4 K/V, so it recomputes)
-    ("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3, offload_weights=True)),
+    pytest.param("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3,
+                              offload_weights=True), marks=pytest.mark.slow),  # 13 s
 ]
 
 

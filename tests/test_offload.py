@@ -41,12 +41,13 @@ CASES = [
     ("kvpr", dict(split_point=16, schedule="row", offload_weights=True)),  # mid prompt
     ("kvpr", dict(split_point=10**6)),  # every pool block, generated ones too
     ("kvpr", dict()),  # the scheduler's choice
-    ("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3, offload_weights=True)),
+    pytest.param("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3,
+                              offload_weights=True), marks=pytest.mark.slow),  # (split store: test_int4_pool, test_hybrid)
     ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True)),
 ]
 
 
-@pytest.mark.parametrize("policy,opts", CASES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
+@pytest.mark.parametrize("policy,opts", CASES, ids=[f"{getattr(c, 'values', c)[0]}-{i}" for i, c in enumerate(CASES)])
 def test_matches_full(ref, policy, opts):
     arch, model, want, want_logits = ref
     got, logits = generate(model, PROMPTS, NEW, policy=policy, policy_options={**BASE, **opts}, return_logits=True)

@@ -94,6 +94,7 @@ def test_linear_fit_and_cost_roundtrip(tmp_path):
         CostModel.load(str(tmp_path / "missing.json"))
 
 
+@pytest.mark.slow  # 10 s; the profiler itself is tested by default
 def test_profiler_cli_writes_a_profile(tmp_path, capsys):
     from kvoffload.offload.cli import profile_main
 

@@ -8,6 +8,9 @@ from script_loader import script_module
 
 
 
+# the probe script end to end on CPU (12 s); it is a GPU measurement: run with -m slow or on the GPU
+pytestmark = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def probe_module():
     with script_module("probe_transfers") as mod:
