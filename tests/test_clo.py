@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from kvoffload import ops
-from kvoffload.engine import pad_prompts
 from kvoffload.importance.deploy import group_similarity
 from kvoffload.models import tiny_random_model
 from kvoffload.offload.pipeline import PoolSources
@@ -21,23 +20,8 @@ from kvoffload.policies import clo as clo_mod
 from kvoffload.policies import make_policy
 from kvoffload.policies.clo import CloAttend, CloOptionError, CloSlots, exact_scores
 from kvoffload.policies.tokenselect import SelectionCache, SelectSources
-from test_tokenselect import _pool, _with_cosine
-
-PROMPTS = [list(range(1, 40)), list(range(5, 75)), [7, 8, 9]]
-NEW = 20
-BLOCK = 16
-BASE = dict(block_tokens=BLOCK, extent_mb=3 * BLOCK * 2 * 16 * 4 / 2**20)
-
-
-def _decode(model, policy, steps, prompts=PROMPTS, **opts):
-    pol = make_policy(policy, **{**BASE, **opts})
-    tokens, lengths = pad_prompts(prompts)
-    logits, state = pol.prefill(model, tokens, lengths, 128)
-    out = [np.asarray(logits)]
-    for _ in range(steps):
-        logits, state = pol.decode_step(model, state, jnp.argmax(logits, -1).astype(jnp.int32))
-        out.append(np.asarray(logits))
-    return pol, np.stack(out), state
+# the same ragged prompts, blocks and decode loop as tokenselect's tests
+from test_tokenselect import BLOCK, NEW, PROMPTS, _decode, _pool, _with_cosine
 
 
 # OPT (MHA) behind the slow marker: the default suite keeps the GQA family, where the group aggregation acts

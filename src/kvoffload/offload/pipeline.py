@@ -174,7 +174,7 @@ def _last_hidden(h, lengths):
     return jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
-def _put_rows(tail, new, at, axis):
+def put_rows(tail, new, at, axis):
     """tail[r] with new[r] written at index at[r] along axis (of the per-row array)."""
     return jax.vmap(lambda t, n, i: jax.lax.dynamic_update_slice_in_dim(t, n, i, axis))(tail, new.astype(tail.dtype), at)
 
@@ -249,10 +249,10 @@ def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
     fam = family(cfg)
     x = fam.attn_input(cfg, lp, h)
     q, k, v = fam.qkv(cfg, lp, x, positions)
-    tail_k = _put_rows(tail_k, k, tail_len, 1)
-    tail_v = _put_rows(tail_v, v, tail_len, 1)
+    tail_k = put_rows(tail_k, k, tail_len, 1)
+    tail_v = put_rows(tail_v, v, tail_len, 1)
     if tail_x is not None:
-        tail_x = _put_rows(tail_x, x, tail_len, 0)
+        tail_x = put_rows(tail_x, x, tail_len, 0)
     q = q[:, :, 0]
     recompute_impl, attention_impl = options
     acc, slots = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, slots, recompute_impl, attention_impl)

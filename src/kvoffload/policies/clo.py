@@ -80,6 +80,7 @@ from kvoffload.policies.tokenselect import (
     query_cosines,
     request_token_bound,
     reuse_or_select,
+    selection_budget,
     selection_size,
     token_positions,
 )
@@ -464,20 +465,9 @@ class CloPolicy(LayeredPolicy):
 
         if gqa_aggregation not in AGGREGATIONS:
             raise CloOptionError(f"gqa_aggregation must be one of {AGGREGATIONS}, got {gqa_aggregation!r}")
-        if topk is not None and topk_ratio is not None:
-            raise CloOptionError("give topk (tokens) or topk_ratio (of the context), not both")
-        if topk is None and topk_ratio is None:
-            topk_ratio = DEFAULT_RATIO
-        num_sink, num_recent = int(num_sink), int(num_recent)
-        if num_sink < 0 or num_recent < 0:
-            raise CloOptionError(f"num_sink and num_recent must be >= 0, got {num_sink}, {num_recent}")
-        if topk is not None:
-            topk = int(topk)
-            if topk < max(1, num_sink + num_recent):
-                raise CloOptionError(f"topk ({topk}) must be at least num_sink + num_recent ({num_sink} + "
-                                     f"{num_recent}) and >= 1")
-        elif not 0 < float(topk_ratio) <= 1:
-            raise CloOptionError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
+        topk, topk_ratio, num_sink, num_recent = selection_budget(
+            topk, topk_ratio, num_sink, num_recent, default_ratio=DEFAULT_RATIO, names=("topk", "topk_ratio"),
+            error=CloOptionError)
         if not -1 <= float(eta) <= 1 or float(p) <= 0:
             raise CloOptionError(f"eta must be a cosine in [-1, 1] and p > 0, got eta={eta}, p={p}")
         if fixed_threshold is not None and not math.isfinite(float(fixed_threshold)):
@@ -485,7 +475,7 @@ class CloPolicy(LayeredPolicy):
         if isinstance(persistent_heads, str) and persistent_heads not in ("none", "plan"):
             raise CloOptionError(f"persistent_heads must be 'none', 'plan' or a list of (layer, kv_head), "
                                  f"got {persistent_heads!r}")
-        attend = CloAttend(token_budget=topk, token_ratio=None if topk_ratio is None else float(topk_ratio),
+        attend = CloAttend(token_budget=topk, token_ratio=topk_ratio,
                            num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation,
                            page_size=page, retrieval=retrieval)
         return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),

@@ -45,6 +45,7 @@ from kvoffload import ops
 from kvoffload.errors import KVOffloadError
 from kvoffload.models.common import apply_rope, pytree_dataclass, rope_cos_sin
 from kvoffload.models.transformer import family
+from kvoffload.offload.pipeline import put_rows
 
 
 class ExtrapolationError(KVOffloadError, ValueError):
@@ -107,9 +108,11 @@ def select_and_gather(cfg, conf: Extrapolation, q_vote, kc, vc, context, n_selec
     return rotate(cfg, k_sel, ranks), v_sel, nv
 
 
-def _put_rows(cache, new, at):
-    """cache [B, n_kv, S, d] with new [B, n_kv, T, d] written at token index at[b] per row."""
-    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, 1))(cache, new.astype(cache.dtype), at)
+def _store_layer(cfg, lp, h, kc, vc, at):
+    """One layer's un-rotated q [B, H, T, d], k, v [B, n_kv, T, d] of h [B, T, hidden], and its caches kc,
+    vc [B, n_kv, S, d] with k, v written at token index at[b] per row."""
+    q, k, v = unrotated_qkv(cfg, lp, family(cfg).attn_input(cfg, lp, h))
+    return q, k, v, put_rows(kc, k, at, 1), put_rows(vc, v, at, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "conf"), donate_argnames=("state",))
@@ -124,10 +127,7 @@ def prefill_chunk(cfg, conf: Extrapolation, params, state: ExtrapolationState, t
     h = fam.embed(cfg, params, tokens, None)  # LLaMA: RoPE carries the positions
     ks, vs, top = [], [], state.max_position
     for lp, kc, vc in zip(params.layers, state.k, state.v):
-        x = fam.attn_input(cfg, lp, h)
-        q, k, v = unrotated_qkv(cfg, lp, x)
-        kc = _put_rows(kc, k, past)
-        vc = _put_rows(vc, v, past)
+        q, k, v, kc, vc = _store_layer(cfg, lp, h, kc, vc, past)
         # the chunk's vote query: each query rotated at num_recent + i, averaged (their QUERY_ROTATE)
         q_vote = jnp.mean(rotate(cfg, q, conf.num_recent + jnp.broadcast_to(jnp.arange(C), (B, C))), axis=2)
         k_past, v_past, nv = select_and_gather(cfg, conf, q_vote, kc, vc, past, n_past)
@@ -199,10 +199,7 @@ def decode_step(cfg, conf: Extrapolation, params, state: ExtrapolationState, tok
     h = fam.embed(cfg, params, tokens[:, None], None)
     ks, vs, top = [], [], state.max_position
     for lp, kc, vc in zip(params.layers, state.k, state.v):
-        x = fam.attn_input(cfg, lp, h)
-        q, k, v = unrotated_qkv(cfg, lp, x)
-        kc = _put_rows(kc, k, at)
-        vc = _put_rows(vc, v, at)
+        q, _, _, kc, vc = _store_layer(cfg, lp, h, kc, vc, at)
         q_vote = rotate(cfg, q, jnp.full((B, 1), conf.num_recent, jnp.int32))[:, :, 0]
         k_sel, v_sel, nv = select_and_gather(cfg, conf, q_vote, kc, vc, context, n_select)
         q_pos = nv[:, :1] - 1  # the query is the newest selected token (forced in): the last rank

@@ -345,6 +345,31 @@ class TokenSelectHooks(LayerHooks):
         return SelectSources(pool=pool, tail_len=group.tail_len)
 
 
+def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None, default_ratio=None,
+                     names=("token_budget", "token_ratio"), error=TokenSelectOptionError):
+    """A selection policy's checked (budget, ratio, num_sink, num_recent): a token count or a ratio of the
+    context (not both; the default when neither is given), sinks and recent tokens >= 0, and a count that
+    holds them. names / error: how the policy calls the two options and what it raises (tokenselect, clo)."""
+    b_name, r_name = names
+    if budget is not None and ratio is not None:
+        raise error(f"give {b_name} (tokens) or {r_name} (of the context), not both")
+    if budget is None and ratio is None:
+        budget, ratio = default_budget, default_ratio
+    num_sink, num_recent = int(num_sink), int(num_recent)
+    if num_sink < 0 or num_recent < 0:
+        raise error(f"num_sink and num_recent must be >= 0, got {num_sink}, {num_recent}")
+    if budget is not None:
+        budget = int(budget)
+        if budget < max(1, num_sink + num_recent):
+            raise error(f"{b_name} ({budget}) must be at least num_sink + num_recent ({num_sink} + {num_recent}) "
+                        f"and >= 1")
+    else:
+        ratio = float(ratio)
+        if not 0 < ratio <= 1:
+            raise error(f"{r_name} must be in (0, 1], got {ratio}")
+    return budget, ratio, num_sink, num_recent
+
+
 @register_policy("tokenselect")
 class TokenSelectPolicy(LayeredPolicy):
     host_pool = False
@@ -366,25 +391,12 @@ class TokenSelectPolicy(LayeredPolicy):
             raise TokenSelectOptionError(f"extrapolate must be true or false, got {extrapolate!r}")
         if kv not in PLACEMENTS:
             raise TokenSelectOptionError(f"kv must be one of {PLACEMENTS}, got {kv!r}")
-        if token_budget is not None and token_ratio is not None:
-            raise TokenSelectOptionError("give token_budget (tokens) or token_ratio (of the context), not both")
-        if token_budget is None and token_ratio is None:
-            token_budget = DEFAULT_BUDGET
-        num_sink, num_recent, page_size = int(num_sink), int(num_recent), int(page_size)
-        if num_sink < 0 or num_recent < 0:
-            raise TokenSelectOptionError(f"num_sink and num_recent must be >= 0, got {num_sink}, {num_recent}")
+        page_size = int(page_size)
         blk = self.options.block_tokens
         if page_size < 1 or blk % page_size:
             raise TokenSelectOptionError(f"page_size must divide block_tokens ({blk}), got {page_size}")
-        if token_budget is not None:
-            token_budget = int(token_budget)
-            if token_budget < max(1, num_sink + num_recent):
-                raise TokenSelectOptionError(f"token_budget ({token_budget}) must be at least num_sink + num_recent "
-                                             f"({num_sink} + {num_recent}) and >= 1")
-        else:
-            token_ratio = float(token_ratio)
-            if not 0 < token_ratio <= 1:
-                raise TokenSelectOptionError(f"token_ratio must be in (0, 1], got {token_ratio}")
+        token_budget, token_ratio, num_sink, num_recent = selection_budget(
+            token_budget, token_ratio, num_sink, num_recent, default_budget=DEFAULT_BUDGET)
         if extrapolate:
             self.extrapolation = extrapolation_options(token_budget, token_ratio, num_sink, num_recent, kv, page_size,
                                                        prefill_chunk)
