@@ -415,7 +415,7 @@ class PipelineOptions:
     resident_layers: int = 0
     gpu_batches: int = 1
     block_tokens: int = 64
-    extent_mb: float = 64.0  # about this many MiB of K (or V) per extent array
+    extent_mb: float = 64.0  # about this many MiB of K (or V) per extent, in the model's dtype (plan_pool)
     sync_depth: int = 3
     attention_impl: str = "auto"
     # prefill runs a GPU batch in row chunks whose attention / MLP workspace stays under this

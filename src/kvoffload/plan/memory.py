@@ -99,11 +99,17 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
               extent_mb: float = 64.0, host_dtype: str = "native") -> PoolPlan:
     """The pool of each GPU batch: its prompts' full blocks plus one block per request for every
     block_tokens generated tokens (the prompt's partial block and the newest tokens stay in the GPU
-    tail), in extents of about extent_mb MiB of K, the prompt split evenly over whole extents.
-    The layout is a function of the shapes and lengths only, so `full` and the offloading policies
-    get the same extents (and so the same attention programs over the same blocks). With host_dtype
-    "int4" an extent array holds about extent_mb MiB of K as stored (codes; its scales are separate
-    arrays), so int4 extents hold 4x the blocks of bf16 ones: few arrays to move, each of tens of MiB."""
+    tail), in extents of about extent_mb MiB of K in the model's dtype, the prompt split evenly over
+    whole extents. The layout is a function of the shapes and lengths only, so `full` and the offloading
+    policies get the same extents (and so the same attention programs over the same blocks).
+
+    host_dtype (validated here) does not change the layout: an int4 extent holds the blocks of a native
+    one (its codes array is ~1/4 of extent_mb: 16 MiB at the default, which probe (a) moves at ~94% of
+    the link's rate). Why blocks, not stored bytes: the extent is the unit of kvpr's split (recompute extents [0, r),
+    fetch the rest), and int4 makes the best split finer, not coarser -- X and K/V shrink alike, so the
+    split still balances X's transfer against recomputation, which int4 does not shrink (OPT-6.7B b64
+    P512: r ~ 0.6 of the context). Sized by codes, the prompt was one extent there and r could only be
+    0 or 1. The same rule holds for hybrid's classed layouts (block bytes in the model's dtype)."""
     from kvoffload.offload.pool import PoolLayout, extent_blocks_for
     from kvoffload.plan.cost import HOST_DTYPES
 
@@ -113,8 +119,7 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
     flushes = max(0, int(capacity) - longest) // blk
     if host_dtype not in HOST_DTYPES:
         raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {host_dtype!r}")
-    # bytes of one block's K array: the model's dtype, or int4's codes (d/2 bytes per head and token)
-    k_block = blk * cfg.num_kv_heads * (cfg.head_dim * p if host_dtype == "native" else cfg.head_dim // 2)
+    k_block = blk * cfg.num_kv_heads * cfg.head_dim * p  # bytes of one block's K in the model's dtype
     layouts, prompt_blocks = [], []
     for lens in group_lengths:
         lens = np.asarray(lens, np.int64)
