@@ -126,3 +126,49 @@ def prefill_attention(q, k, v, lengths, *, scale=None):
         oc = jax.lax.map(lambda a: chunk(*a), (qc, pos))
         o = oc.transpose(1, 2, 3, 0, 4, 5).reshape(b, nkv, g, n_chunks * PREFILL_QUERY_CHUNK, d)[:, :, :, :t]
     return o.reshape(b, nh, t, d)
+
+
+PREFILL_KEY_BLOCK = 1024
+
+
+def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block: int = PREFILL_KEY_BLOCK):
+    """Causal attention of one chunk of a prompt's queries over the keys before and in it: q [B, nh,
+    Tc, d] at positions q_start + [0, Tc) (q_start may be traced), k, v [B, nkv, T, d] the layer's whole
+    K/V buffer (only positions < q_start + Tc are read, so later ones may be unwritten), keys at positions
+    >= lengths[b] masked. Key blocks of key_block tokens are folded with an online softmax (fp32), so the
+    scores held are [B, nh, Tc, key_block] however long the prompt: what chunked prefill needs for a
+    1M-token context, where prefill_attention's [B, nh, 512, T] score chunk alone would be 68 GB
+    (Llama-3-8B). The loop runs over the key blocks up to the chunk's last query (causal: ~half of a
+    square's work). Returns [B, nh, Tc, d] in q.dtype; the same as prefill_attention's rows up to the
+    order of fp32 sums."""
+    b, nh, tc, d = q.shape
+    nkv, t = k.shape[1], k.shape[2]
+    g = nh // nkv
+    kb = min(int(key_block), t)
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, nkv, g, tc, d)
+    qpos = q_start + jnp.arange(tc)
+
+    def body(j, carry):
+        m, l, acc = carry
+        lo = j * kb
+        start = jnp.minimum(lo, t - kb)  # the last block may overlap the one before: keys < lo are masked
+        kj = jax.lax.dynamic_slice_in_dim(k, start, kb, axis=2)
+        vj = jax.lax.dynamic_slice_in_dim(v, start, kb, axis=2)
+        kpos = start + jnp.arange(kb)
+        s = jnp.einsum("bkgqd,bksd->bkgqs", qg, kj, preferred_element_type=jnp.float32) * scale
+        valid = ((kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= lo))[None] & (kpos[None, None, :] < lengths[:, None, None])
+        s = jnp.where(valid[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe)
+        corr = jnp.exp(m - m_safe)  # m = -inf (nothing seen yet): 0
+        l = l * corr + jnp.sum(p, axis=-1, keepdims=True)
+        acc = acc * corr + jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((b, nkv, g, tc, 1), -jnp.inf, jnp.float32), jnp.zeros((b, nkv, g, tc, 1), jnp.float32),
+            jnp.zeros((b, nkv, g, tc, d), jnp.float32))
+    n_blocks = (jnp.minimum(q_start + tc, t) + kb - 1) // kb
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    return (acc / jnp.where(l > 0, l, 1.0)).astype(q.dtype).reshape(b, nh, tc, d)

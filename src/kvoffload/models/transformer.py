@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from kvoffload import ops
 from kvoffload.config import ModelConfig
 from kvoffload.models import llama, opt
-from kvoffload.models.common import prefill_attention, pytree_dataclass
+from kvoffload.models.common import PREFILL_KEY_BLOCK, prefill_attention, prefill_attention_chunk, pytree_dataclass
 
 _FAMILIES = {"llama": llama, "opt": opt}
 
@@ -38,6 +38,44 @@ def layer_prefill(cfg: ModelConfig, lp, h, positions, lengths):
     q, k, v = fam.qkv(cfg, lp, x, positions)
     o = prefill_attention(q, k, v, lengths)
     return fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o)), k, v, x
+
+
+def layer_prefill_chunked(cfg: ModelConfig, lp, h, positions, lengths, chunk_tokens: int, keep_x: bool = True,
+                          key_block: int = PREFILL_KEY_BLOCK):
+    """layer_prefill in token chunks of chunk_tokens (the last one may be shorter): each chunk's
+    q/k/v, its K/V written into the layer's [B, n_kv, T, d] buffers, its attention over the keys so far
+    (prefill_attention_chunk) and its MLP, before the next chunk. The workspace is a chunk's (MLP
+    intermediate [B, Tc, I], scores [B, nh, Tc, key_block]) instead of the whole prompt's: a 1M-token
+    Llama-3-8B prompt's MLP intermediate alone is 28 GB. What stays whole: h (in and out), K/V and X
+    (keep_x) of this one layer. Returns (h_out, k, v, x or None) as layer_prefill (equal up to the order
+    of fp32 sums in attention)."""
+    fam = family(cfg)
+    b, t, hdim = h.shape
+    tc = min(int(chunk_tokens), t)
+    kv_shape = (b, cfg.num_kv_heads, t, cfg.head_dim)
+
+    def chunk(s, size, carry):
+        h_all, k_all, v_all, x_all = carry
+        h_c = jax.lax.dynamic_slice_in_dim(h, s, size, axis=1)  # the layer's input, not the carry
+        x_c = fam.attn_input(cfg, lp, h_c)
+        q, k_c, v_c = fam.qkv(cfg, lp, x_c, jax.lax.dynamic_slice_in_dim(positions, s, size, axis=1))
+        k_all = jax.lax.dynamic_update_slice_in_dim(k_all, k_c.astype(k_all.dtype), s, axis=2)
+        v_all = jax.lax.dynamic_update_slice_in_dim(v_all, v_c.astype(v_all.dtype), s, axis=2)
+        if x_all is not None:
+            x_all = jax.lax.dynamic_update_slice_in_dim(x_all, x_c.astype(x_all.dtype), s, axis=1)
+        o = prefill_attention_chunk(q, k_all, v_all, s, lengths, key_block=key_block)
+        h_c = fam.post_attention(cfg, lp, h_c, fam.attn_out(cfg, lp, o))
+        return jax.lax.dynamic_update_slice_in_dim(h_all, h_c, s, axis=1), k_all, v_all, x_all
+
+    dtype = h.dtype
+    kdt = jax.eval_shape(lambda: fam.qkv(cfg, lp, fam.attn_input(cfg, lp, h[:, :1]), positions[:, :1]))[1].dtype
+    carry = (jnp.zeros_like(h), jnp.zeros(kv_shape, kdt), jnp.zeros(kv_shape, kdt),
+             jnp.zeros((b, t, hdim), dtype) if keep_x else None)
+    full = t // tc
+    carry = jax.lax.fori_loop(0, full, lambda c, cr: chunk(c * tc, tc, cr), carry)
+    if t % tc:
+        carry = chunk(full * tc, t % tc, carry)
+    return carry
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "all_logits"))

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvoffload import ops
-from kvoffload.models.transformer import family, layer_prefill
+from kvoffload.models.transformer import family, layer_prefill, layer_prefill_chunked
 from kvoffload.offload import memory as M
 from kvoffload.offload.pool import (
     BlockAllocator,
@@ -163,8 +163,10 @@ def _logits(cfg, params, h):
     return family(cfg).logits(cfg, params, h)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "keep_x"))
-def _layer_prefill(cfg, lp, h, positions, lengths, keep_x):
+@functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens"))
+def _layer_prefill(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
+    if chunk_tokens:  # token chunks: a chunk's workspace, not the whole prompt's
+        return layer_prefill_chunked(cfg, lp, h, positions, lengths, chunk_tokens, keep_x)
     h, k, v, x = layer_prefill(cfg, lp, h, positions, lengths)
     return h, k, v, (x if keep_x else None)
 
@@ -420,6 +422,11 @@ class PipelineOptions:
     attention_impl: str = "auto"
     # prefill runs a GPU batch in row chunks whose attention / MLP workspace stays under this
     prefill_workspace_gb: float = 2.0
+    # prefill each layer in chunks of this many tokens (None: the whole prompt at once): the workspace
+    # is a chunk's (long contexts: a 1M-token Llama-3-8B prompt's MLP intermediate alone is 28 GB), and
+    # the prefill waits for each layer's extents to reach the host before the next layer, so one layer's
+    # K/V is on the GPU at a time
+    prefill_chunk_tokens: int | None = None
     # XLA's matmuls (cuBLAS) recompute 64-token blocks at 583 TFLOP/s on an H200, the fused Pallas
     # kernel at 412 (profile of 2026-11-26): "reference" is the faster path here
     recompute_impl: str = "reference"
@@ -458,6 +465,10 @@ class PipelineOptions:
             raise ValueError(f"block_tokens must be a power of two, got {self.block_tokens}")
         if self.extent_mb <= 0:
             raise ValueError(f"extent_mb must be > 0, got {self.extent_mb}")
+        if self.prefill_chunk_tokens is not None:
+            self.prefill_chunk_tokens = int(self.prefill_chunk_tokens)
+            if self.prefill_chunk_tokens < 1:
+                raise ValueError(f"prefill_chunk_tokens must be >= 1 or None, got {self.prefill_chunk_tokens}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -570,7 +581,7 @@ class LayerPipeline:
                           inflight=max(o.sync_depth + 1, 2), resident_layers=self.resident(model),
                           tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
-                          prefill_workspace_gb=o.prefill_workspace_gb,
+                          prefill_workspace_gb=o.prefill_workspace_gb, prefill_chunk_tokens=o.prefill_chunk_tokens,
                           host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
                           k_on_device=self.hooks.keys_on_device(self))
         if o.offload_weights and M.on_host(model.params.layers):
@@ -604,7 +615,10 @@ class LayerPipeline:
         keep_x = any(len(lay.extents_of("act")) for lay in layouts)  # activations stored somewhere
         tail_x = flush_possible(lengths_np, capacity, blk)  # tails keep X only to flush it into blocks
         slots = tail_slots(lengths_np, capacity, blk)
-        chunk = prefill_chunk_rows(cfg, dtype, t_blk, o.prefill_workspace_gb)
+        chunk = prefill_chunk_rows(cfg, dtype, t_blk, o.prefill_workspace_gb, o.prefill_chunk_tokens)
+        # token-chunked (long contexts): wait for each layer's extents to reach the host, so one layer's
+        # K/V (and its extents) is on the GPU at a time, as the memory plan counts
+        depth = 0 if o.prefill_chunk_tokens else o.sync_depth
         pending = []
         for i in range(cfg.num_layers):
             lp = M.to_device(layers[i], self.dev) if o.offload_weights else layers[i]
@@ -614,7 +628,7 @@ class LayerPipeline:
                 for c in range(a, z, chunk):  # row chunks bound the attention / MLP workspace
                     e = min(z, c + chunk)
                     outs.append(_layer_prefill(cfg, lp, gr["h"][c - a:e - a] if (a, z) != (c, e) else gr["h"],
-                                               positions[c:e], lengths[c:e], keep_x))
+                                               positions[c:e], lengths[c:e], keep_x, o.prefill_chunk_tokens))
                 if len(outs) == 1:
                     gr["h"], k, v, x = outs[0]
                 else:
@@ -631,8 +645,8 @@ class LayerPipeline:
                 gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, slots, 1))
                 gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, slots, 1))
                 gr["tx"].append(_tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x and tail_x else None)
-                pending.append(gr["tk"][-1])
-                if o.sync_depth and len(pending) > o.sync_depth:  # bound the device copies alive
+                pending.append((gr["tk"][-1], pk, pv, px) if o.prefill_chunk_tokens else gr["tk"][-1])
+                if (o.sync_depth or o.prefill_chunk_tokens) and len(pending) > depth:  # bound the device copies alive
                     jax.block_until_ready(pending.pop(0))
         states, logits = [], []
         for gr in groups:
@@ -971,14 +985,22 @@ def tail_slots(lengths, capacity: int, blk: int) -> int:
     return min(2 * blk, 1 << max(0, need - 1).bit_length())
 
 
-def prefill_workspace_per_row(cfg, dtype, t_pad: int) -> float:
-    """Bytes of one prompt row's layer prefill: hidden states, q/k/v, MLP and one score chunk."""
+def prefill_workspace_per_row(cfg, dtype, t_pad: int, chunk_tokens: int | None = None) -> float:
+    """Bytes of one prompt row's layer prefill: hidden states, q/k/v, MLP and one score chunk; token-
+    chunked (chunk_tokens), a chunk's: its hidden states, q/k/v and MLP, the scores of one key block
+    (and their exponentials) and the online softmax's fp32 accumulator (prefill_attention_chunk)."""
+    from kvoffload.models.common import PREFILL_KEY_BLOCK
+
     p = jnp.dtype(dtype).itemsize
+    if chunk_tokens:
+        tc = min(int(chunk_tokens), t_pad)
+        return (tc * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p
+                + cfg.num_heads * tc * (2 * min(PREFILL_KEY_BLOCK, t_pad) + cfg.head_dim) * 4)
     return t_pad * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p + cfg.num_heads * min(t_pad, 512) * t_pad * 4
 
 
-def prefill_chunk_rows(cfg, dtype, t_pad: int, workspace_gb: float) -> int:
-    return max(1, int(workspace_gb * 1e9 // prefill_workspace_per_row(cfg, dtype, t_pad)))
+def prefill_chunk_rows(cfg, dtype, t_pad: int, workspace_gb: float, chunk_tokens: int | None = None) -> int:
+    return max(1, int(workspace_gb * 1e9 // prefill_workspace_per_row(cfg, dtype, t_pad, chunk_tokens)))
 
 
 def _nbytes(a) -> int:

@@ -141,20 +141,22 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
-                int4_group_size: int = 64, k_on_device: bool = False) -> MemoryPlan:
+                int4_group_size: int = 64, k_on_device: bool = False, prefill_chunk_tokens: int | None = None) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
     dequantized on the GPU one extent at a time; GPU-resident blocks stay in the model's dtype).
     k_on_device: a host pool's K extents live on the GPU and its V extents on the host, read in place by
-    the layer program (tokenselect kv=split): nothing is fetched, so no transfer buffers."""
+    the layer program (tokenselect kv=split): nothing is fetched, so no transfer buffers.
+    prefill_chunk_tokens: the prefill runs each layer in token chunks (the workspace is a chunk's) and
+    one layer at a time (its K/V, X and their gathered extents are counted once)."""
     from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
     from kvoffload.plan.cost import stored_kv_bytes_per_token, stored_x_bytes_per_token
 
     p = jnp.dtype(dtype).itemsize
     tail_slots = 2 * layouts[0].block_tokens if tail_slots is None else int(tail_slots)
-    per_row = prefill_workspace_per_row(cfg, dtype, t_pad)
-    chunk = prefill_chunk_rows(cfg, dtype, t_pad, prefill_workspace_gb)
+    per_row = prefill_workspace_per_row(cfg, dtype, t_pad, prefill_chunk_tokens)
+    chunk = prefill_chunk_rows(cfg, dtype, t_pad, prefill_workspace_gb, prefill_chunk_tokens)
     wb = weights or weight_bytes(cfg, dtype)
     L = cfg.num_layers
     kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
@@ -209,10 +211,11 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         "recompute workspace": 2 * rec_ws,
         "dequantize workspace": deq_ws,
         # prefill of one layer of one GPU batch: its weights (this layer's and the next's), the batch's
-        # hidden states and K/V/X, and one row chunk's attention / MLP workspace
+        # hidden states and K/V/X, and one row chunk's attention / MLP workspace (token-chunked: one
+        # token chunk's, and the layer's K/V/X gathered into extents before they go to the host)
         "prefill weights in flight": min(2, streamed) * wb.per_layer,
         "prefill workspace": b * t_pad * (2 * cfg.hidden_size * p + cfg.kv_bytes_per_token * p + x_tok)
-        + min(b, chunk) * per_row,
+        + min(b, chunk) * per_row + (b * t_pad * (cfg.kv_bytes_per_token * p + x_tok) if prefill_chunk_tokens else 0),
     }
     phase = {"weights in flight": "decode", "transfer buffers": "decode", "recompute workspace": "decode",
              "dequantize workspace": "decode", "prefill weights in flight": "prefill", "prefill workspace": "prefill"}
