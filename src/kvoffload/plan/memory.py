@@ -243,7 +243,9 @@ def check_memory(plan: MemoryPlan, *, host_available: float | None = None, gpu_a
             f"needs {need_h / GB:.1f} GB but only {host_available / GB:.1f} GB of host memory is available")
     if gpu_available is not None and plan.gpu_bytes > gpu_available:
         problems.append(f"the GPU side needs {plan.gpu_bytes / GB:.1f} GB but only {gpu_available / GB:.1f} GB "
-                        "of GPU memory is free")
+                        "of GPU memory is free"
+                        + (" (its peak is the prefill: prefill long prompts in token chunks, prefill_chunk_tokens, "
+                           "e.g. 8192)" if plan.phase_bytes("prefill") > plan.phase_bytes("decode") else ""))
     if problems:
         raise MemoryPlanError(
             f"kvoffload refuses to start{(' ' + what) if what else ''}: " + "; ".join(problems)
