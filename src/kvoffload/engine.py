@@ -256,11 +256,14 @@ def _committed(model, arrays):
 
 
 def _device_of(x):
-    """The one device an array lives on, or None (not a jax array, or sharded over several)."""
+    """The one device an array lives on, or its sharding where it is replicated over several (a
+    tensor-parallel mesh), or None (not a jax array, or split over several)."""
     if not isinstance(x, jax.Array):
         return None
     devices = x.devices()
-    return next(iter(devices)) if len(devices) == 1 else None
+    if len(devices) == 1:
+        return next(iter(devices))
+    return x.sharding if x.sharding.is_fully_replicated else None
 
 
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, policy: str | Policy = "full",

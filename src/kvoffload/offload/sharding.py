@@ -91,6 +91,23 @@ def size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else int(mesh.shape[MODEL])
 
 
+def local_device(mesh: Mesh):
+    """The first device of the mesh that this process drives (every process has one under
+    jax.distributed with one process per device)."""
+    return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
+def machine_plan(plan, mesh: Mesh | None, platform: str):
+    """A per-device memory plan as this process's machine holds it: host parts once per local device
+    (each keeps its shard of the pool, and its own copy of replicated activations); GPU parts per
+    device, except on a CPU backend where the "devices" are host memory too."""
+    if mesh is None:
+        return plan
+    n = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+    times = lambda d: {k: v * n for k, v in d.items()}  # noqa: E731
+    return dataclasses.replace(plan, host=times(plan.host), gpu=times(plan.gpu) if platform == "cpu" else plan.gpu)
+
+
 def context(mesh: Mesh | None):
     """The mesh in context for the programs traced inside (per_shard, sharding constraints); nothing
     for one device."""
@@ -119,19 +136,19 @@ def layer_specs(lp):
                                       for f in dataclasses.fields(lp)})
 
 
-def param_shardings(params, mesh: Mesh, memory_kind: str | None = None):
-    """NamedShardings of a whole params pytree: layers Megatron-style, everything else replicated."""
-    def named(spec):
-        return NamedSharding(mesh, spec, memory_kind=memory_kind)
-
-    rep = jax.tree.map(lambda _: named(REPLICATED), dataclasses.replace(params, layers=()))
-    layers = tuple(jax.tree.map(named, layer_specs(lp), is_leaf=lambda s: isinstance(s, P)) for lp in params.layers)
+def param_shardings(params, mesh: Mesh, memory_kind: str | None = None, layers_kind: str | None = None):
+    """NamedShardings of a whole params pytree: layers Megatron-style (in memory kind layers_kind, e.g.
+    pinned_host for streamed weights), everything else replicated."""
+    rep = jax.tree.map(lambda _: NamedSharding(mesh, REPLICATED, memory_kind=memory_kind),
+                       dataclasses.replace(params, layers=()))
+    layers = tuple(jax.tree.map(lambda spec: NamedSharding(mesh, spec, memory_kind=layers_kind or memory_kind),
+                                layer_specs(lp), is_leaf=lambda s: isinstance(s, P)) for lp in params.layers)
     return dataclasses.replace(rep, layers=layers)
 
 
-def shard_params(params, mesh: Mesh, memory_kind: str | None = None):
+def shard_params(params, mesh: Mesh, memory_kind: str | None = None, layers_kind: str | None = None):
     """params placed on the mesh (a no-op for arrays already placed so)."""
-    return jax.device_put(params, param_shardings(params, mesh, memory_kind))
+    return jax.device_put(params, param_shardings(params, mesh, memory_kind, layers_kind))
 
 
 def weight_bytes_per_device(cfg, dtype, params, n: int):
