@@ -185,6 +185,8 @@ def recompute_extent(cfg, lp, x_ext, first_pos, impl="reference"):
     family's recompute_kv (RoPE at each block's positions)."""
     blk = x_ext.shape[1]
     positions = first_pos[:, None] + jnp.arange(blk, dtype=jnp.int32)[None]
+    # tensor parallel: X is stored split along H; every device needs all of it for its heads' K/V
+    x_ext = S.constrain_replicated(x_ext)
     return family(cfg).recompute_kv(cfg, lp, x_ext, positions, impl=impl)
 
 
@@ -618,7 +620,7 @@ class LayerPipeline:
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
                           prefill_workspace_gb=o.prefill_workspace_gb,
                           host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
-                          k_on_device=self.hooks.keys_on_device(self))
+                          k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp)
         if o.offload_weights and M.on_host(model.params.layers):
             mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
         return mem
@@ -682,7 +684,10 @@ class LayerPipeline:
                 gr["pk"].append(pk), gr["pv"].append(pv), gr["px"].append(px)
                 gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, slots, 1))
                 gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, slots, 1))
-                gr["tx"].append(_tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x and tail_x else None)
+                tx = _tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x and tail_x else None
+                if tx is not None and self.mesh is not None:  # split along H, like the X extents it flushes into
+                    tx = jax.device_put(tx, S.x_shardings(tx, self.mesh, "device"))
+                gr["tx"].append(tx)
                 pending.append(gr["tk"][-1])
                 if o.sync_depth and len(pending) > o.sync_depth:  # bound the device copies alive
                     jax.block_until_ready(pending.pop(0))
@@ -738,11 +743,14 @@ class LayerPipeline:
         if self.mesh is None:
             host = M.to_host(pick(True), self.dev) if any(on_host) else pick(True)
             dev = jax.device_put(pick(False), M.device_sharding(self.dev))
-        else:  # K/V by KV head (each device stores and moves its heads' blocks), X replicated (every head's input)
-            kv_s, x_s = S.kv_sharding(self.mesh), S.replicated(self.mesh)
+        else:  # K/V by KV head (each device stores and moves its heads' blocks), X along H (offload/sharding.py)
+            kv_s = S.kv_sharding(self.mesh)
             hp, dp = pick(True), pick(False)
-            host = (M.to_host(hp[:2 * n], kv_s) + M.to_host(hp[2 * n:], x_s)) if any(on_host) else hp
-            dev = (jax.device_put(dp[:2 * n], M.device_sharding(kv_s)) + jax.device_put(dp[2 * n:], M.device_sharding(x_s)))
+            host = (M.to_host(hp[:2 * n], kv_s) + jax.device_put(hp[2 * n:], S.x_shardings(hp[2 * n:], self.mesh,
+                                                                                             self.host_kind))
+                    ) if any(on_host) else hp
+            dev = (jax.device_put(dp[:2 * n], M.device_sharding(kv_s))
+                   + jax.device_put(dp[2 * n:], S.x_shardings(dp[2 * n:], self.mesh, "device")))
         both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host)]
         return tuple(both[:n]), tuple(both[n:2 * n]), tuple(both[2 * n:]), k_dev
 
@@ -967,6 +975,9 @@ class LayerPipeline:
             self._shape_val = LayerShape.of(self.device_config(model), jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
                                             wb.kv_per_layer, host_dtype="int4" if self.int4 else "native",
                                             int4_group_size=self.opts.int4_group_size)
+            if self.tp > 1:  # a device stores and moves 1/N of each activation (split along H)
+                sh = self._shape_val
+                self._shape_val = dataclasses.replace(sh, x_tok=sh.x_tok / self.tp, x_host_tok=sh.x_host_tok / self.tp)
         return self._shape_val
 
     def write_trace(self, path, records):

@@ -9,9 +9,11 @@ jitted with sharded inputs.
 K/V (GPU tails, pool extents in device or pinned host memory, fetched extents) are sharded by KV head
 (axis 1 of ``[B | E, n_kv, S | blk, d]``): each device stores, moves over its own link and attends only
 its heads' blocks. Activation extents (``[E, blk, H]``, what kvpr recomputes K/V from) hold every
-head's input: they are replicated, so each device recomputes its heads' K/V from a whole X with no
-collective, at the cost of N copies in host memory and the whole X crossing every device's link
-(splitting X along H and all-gathering it on the GPUs would move 1/N per link; not built).
+head's input. They are split along H (``X_SPEC``): each device stores and moves 1/N of every X block
+over its own link, and the layer program all-gathers an extent across the devices (NVLink) before each
+device recomputes its heads' K/V from the whole X. Replicating X instead would need no collective but
+would move the whole X over every link: with N >= 2 an MHA activation (H p bytes) would then cost as much
+PCIe as a device's K/V (2 H p / N), and recomputation could never pay.
 
 Pallas kernels cannot be partitioned by XLA: `per_shard` wraps a kernel call in ``jax.shard_map`` over
 the head axis when a mesh with a ``model`` axis is in context (``jax.set_mesh``, entered by the layer
@@ -37,6 +39,7 @@ COLUMN_BIAS = frozenset({"bq", "bk", "bv", "b1", "b_gate", "b_up"})  # [out]
 ROW = frozenset({"wo", "fc2", "w_down"})  # [in, H]: in split; the product is a partial sum (all-reduce)
 
 KV_SPEC = P(None, MODEL)  # [B | E, n_kv, ...]: by KV head
+X_SPEC = P(None, None, MODEL)  # activation extents [E, blk, H] and tails [b, slots, H]: along H
 REPLICATED = P()
 
 
@@ -194,6 +197,14 @@ def kv_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
 
 def replicated(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
     return NamedSharding(mesh, REPLICATED, memory_kind=memory_kind)
+
+
+def x_shardings(tree, mesh: Mesh, memory_kind: str | None = None):
+    """Shardings of activation arrays (an X extent or tail, or an int4 one's codes and scales): split
+    along the last axis (H) where it divides over the mesh, else replicated."""
+    n = size(mesh)
+    return jax.tree.map(lambda a: NamedSharding(mesh, X_SPEC if a.shape[-1] % n == 0 else REPLICATED,
+                                                memory_kind=memory_kind), tree)
 
 
 def to_kind(tree, kind: str):
