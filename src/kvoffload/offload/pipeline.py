@@ -521,7 +521,7 @@ class LayerPipeline:
 
     def scalar(self, n: int):
         if n not in self._scalars:
-            self._scalars[n] = jax.device_put(jnp.int32(n), self.rep)
+            self._scalars[n] = S.put(np.int32(n), self.rep)
         return self._scalars[n]
 
     # -- cost model --------------------------------------------------------------------------
@@ -550,6 +550,11 @@ class LayerPipeline:
             self._sharded_params = {key: S.shard_params(model.params, self.mesh,
                                                         layers_kind=self.host_kind if on_host else None)}
         return self._sharded_params[key]
+
+    def local(self, values):
+        """Small host-made values as the programs take them: as they are on one device (uncommitted), on a
+        mesh replicated over it (under jax.distributed a process's own arrays cannot enter a global program)."""
+        return values if self.mesh is None else S.put(values, self.rep)
 
     def to_device(self, tree):
         """An eager move to device memory: on a mesh each array keeps its sharding (each device moves
@@ -638,9 +643,9 @@ class LayerPipeline:
         rows, layouts = self.plan(model, lengths_np, t_pad, capacity)
         fam_params = without_layers(self.params(model))
         layers = self.layers(model)
-        lengths = jax.device_put(jnp.asarray(lengths_np, jnp.int32), self.rep)  # committed, like a step's outputs
-        if self.mesh is not None:
-            tokens = jax.device_put(tokens, self.rep)
+        lengths = S.put(lengths_np.astype(np.int32), self.rep)  # committed, like a step's outputs
+        if self.mesh is not None:  # every process holds the same prompts (jax.distributed: a global array)
+            tokens = S.put(tokens, self.rep)
         blk = o.block_tokens
         t_blk = -(-t_pad // blk) * blk
         if t_blk != t_pad:  # whole blocks for the gathers below (pad tokens are never attended)
@@ -653,8 +658,9 @@ class LayerPipeline:
             groups.append(dict(rows=(a, z), layout=layout, alloc=alloc, h=_embed(cfg, fam_params, tokens[a:z], positions[a:z]),
                                pk=[], pv=[], px=[], tk=[], tv=[], tx=[],
                                slots=list(self.hooks.init_slots(self, model, layout, z - a)),
-                               srcs=[extent_sources(alloc, layout, e, t_blk // blk) for e in range(layout.num_extents)],
-                               start=jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32)))
+                               srcs=[self.local(extent_sources(alloc, layout, e, t_blk // blk))
+                                     for e in range(layout.num_extents)],
+                               start=self.local(jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32))))
         keep_x = any(len(lay.extents_of("act")) for lay in layouts)  # activations stored somewhere
         tail_x = flush_possible(lengths_np, capacity, blk)  # tails keep X only to flush it into blocks
         slots = tail_slots(lengths_np, capacity, blk)
@@ -699,7 +705,7 @@ class LayerPipeline:
             states.append(GroupState(
                 pool_k=tuple(gr["pk"]), pool_v=tuple(gr["pv"]), pool_x=tuple(gr["px"]),
                 tables=gr["alloc"].device_tables(gr["layout"], self.tables_at), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
-                tail_x=tuple(gr["tx"]), tail_len=jnp.asarray(lens % blk, jnp.int32), prompt_lens=lengths[a:z],
+                tail_x=tuple(gr["tx"]), tail_len=self.local(jnp.asarray(lens % blk, jnp.int32)), prompt_lens=lengths[a:z],
                 slots=tuple(gr["slots"]),
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
                 n_gen=0, since_flush=0))

@@ -316,7 +316,9 @@ class BlockAllocator:
                 count[e, r] += 1
         pos = np.where(self.first_pos >= 0, self.first_pos, 0).astype(np.int32)
         firsts = [pos[layout.start(e):layout.start(e) + layout.size(e)] for e in range(n_ext)]
-        table, cnt, first = jax.device_put((tables, list(count), firsts), where)  # one transfer
+        from kvoffload.offload.sharding import put
+
+        table, cnt, first = put((tables, list(count), firsts), where)  # one transfer
         return BlockTables(table=tuple(table), count=tuple(cnt), first_pos=tuple(first))
 
 

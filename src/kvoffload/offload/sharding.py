@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvoffload.errors import KVOffloadError
@@ -197,6 +198,20 @@ def kv_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
 
 def replicated(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
     return NamedSharding(mesh, REPLICATED, memory_kind=memory_kind)
+
+
+def put(values, where):
+    """Host values (numbers, numpy, arrays of this process) committed to `where` (a device or sharding),
+    in one device_put where this process can address every device; for a sharding that spans other
+    processes (jax.distributed), each process fills its own shards (every process passes the same values)."""
+    if where is None or isinstance(where, jax.Device) or where.is_fully_addressable:
+        return jax.device_put(values, where)
+
+    def one(a):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, where, lambda idx: a[idx])
+
+    return jax.tree.map(one, values)
 
 
 def x_shardings(tree, mesh: Mesh, memory_kind: str | None = None):
