@@ -39,6 +39,8 @@ def _policy_options(args) -> dict:
         opts["trace"] = args.trace
     if args.profile is not None:
         opts["profile"] = args.profile
+    if getattr(args, "tensor_parallel", None) is not None:
+        opts["tensor_parallel"] = args.tensor_parallel
     return opts
 
 
@@ -48,7 +50,8 @@ class PolicyOptionError(KVOffloadError, ValueError):
 
 # the flag that sets each policy option in `kvoffload generate` (others come from --policy-option KEY=VALUE)
 _OPTION_FLAGS = {"schedule": "--schedule", "offload_weights": "--offload-weights", "split_point": "--split-point",
-                 "gpu_batches": "--gpu-batches", "profile": "--profile", "trace": "--trace"}
+                 "gpu_batches": "--gpu-batches", "profile": "--profile", "trace": "--trace",
+                 "tensor_parallel": "--tensor-parallel"}
 
 
 def check_policy_options(name: str, options: dict, flags: dict | None = None):
@@ -167,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-batches", type=int, default=None, help="offload/kvpr column schedule: GPU batches per step")
     g.add_argument("--split-point", type=int, default=None, help="kvpr: force the recompute split point l")
     g.add_argument("--profile", default=None, help="JSON profile written by `kvoffload profile`")
+    g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="full/offload/kvpr: split heads, weights and the host pool over the first N devices")
     g.add_argument("--trace", default=None, help="write a per-step trace (JSON) here")
     g.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="any other policy option")
     g.add_argument("--quiet", action="store_true", help="no progress bars or loading messages")

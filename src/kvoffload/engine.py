@@ -223,10 +223,17 @@ class DecodeProgress:
 
 def _start_progress(seed: int, batch: int, max_new_tokens: int, device) -> DecodeProgress:
     # committed to the logits' device, like a step's outputs, so the second step reuses the first's program
-    return jax.device_put(DecodeProgress(
+    if isinstance(device, jax.sharding.Sharding) and not device.is_fully_addressable:
+        # a mesh spanning processes (jax.distributed): every process makes the same state in its shards
+        return jax.jit(lambda: _progress(seed, batch, max_new_tokens), out_shardings=device)()
+    return jax.device_put(_progress(seed, batch, max_new_tokens), device)
+
+
+def _progress(seed, batch, max_new_tokens):
+    return DecodeProgress(
         key=jax.random.key(seed), tokens=jnp.zeros((batch, max_new_tokens), jnp.int32),
         done=jnp.zeros(batch, bool), step=jnp.zeros((), jnp.int32),
-        nonfinite_step=jnp.full((), -1, jnp.int32), nonfinite_row=jnp.full((), -1, jnp.int32)), device)
+        nonfinite_step=jnp.full((), -1, jnp.int32), nonfinite_row=jnp.full((), -1, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"), donate_argnames=("progress",))
@@ -255,12 +262,22 @@ def _committed(model, arrays):
     return jax.device_put(arrays, device)
 
 
+def _put(values, where):
+    """Host values committed to a device or a sharding (one spanning processes too: offload/sharding.put)."""
+    from kvoffload.offload.sharding import put
+
+    return put(values, where)
+
+
 def _device_of(x):
-    """The one device an array lives on, or None (not a jax array, or sharded over several)."""
+    """The one device an array lives on, or its sharding where it is replicated over several (a
+    tensor-parallel mesh), or None (not a jax array, or split over several)."""
     if not isinstance(x, jax.Array):
         return None
     devices = x.devices()
-    return next(iter(devices)) if len(devices) == 1 else None
+    if len(devices) == 1:
+        return next(iter(devices))
+    return x.sharding if x.sharding.is_fully_replicated else None
 
 
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, policy: str | Policy = "full",
@@ -296,7 +313,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, polic
     device = _device_of(logits)
     end_ids = eos_token_ids(model) if stop_on_eos else []
     # a row stops at an end id; -1 (never sampled) keeps the array non-empty without stop_on_eos
-    end_ids_dev = jax.device_put(jnp.asarray(end_ids or [-1], jnp.int32), device)
+    end_ids_dev = _put(np.asarray(end_ids or [-1], np.int32), device)
     # the token buffer's width is bucketed too, so calls with nearby max_new_tokens share a program
     progress = _start_progress(seed, b, bucket(max_new_tokens, TOKEN_BUCKET), device)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)

@@ -35,6 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvoffload.offload import sharding as _sh
 from kvoffload.pallas import common as _c
 from kvoffload.pallas import decode_attention as _da
 from kvoffload.pallas import paged_attention as _pa
@@ -110,8 +111,10 @@ def decode_attention(q, k, v, lengths, *, scale=None, impl="auto", interpret=Fal
     """
     lengths = jnp.asarray(lengths, jnp.int32)
     scale = None if scale is None else float(scale)
-    if _use_kernel(impl):
-        return _decode_kernel_jit(q, k, v, lengths, scale, interpret)
+    if _use_kernel(impl):  # per device on its heads under a tensor-parallel mesh (XLA cannot split a kernel)
+        heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+        return _sh.per_shard(lambda q_, k_, v_, n_: _decode_kernel_jit(q_, k_, v_, n_, scale, interpret),
+                             (heads, heads, heads, rep), (heads, heads))(q, k, v, lengths)
     return _decode_ref_jit(q, k, v, lengths, scale)
 
 
@@ -145,9 +148,11 @@ def paged_decode_attention(q, k_blocks, v_blocks, block_table, num_blocks, *, sc
     block_table = jnp.asarray(block_table, jnp.int32)
     num_blocks = jnp.asarray(num_blocks, jnp.int32)
     scale = None if scale is None else float(scale)
-    if _use_kernel(impl):
-        return _paged_kernel_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale,
-                                 interpret)
+    if _use_kernel(impl):  # per device on its heads under a tensor-parallel mesh
+        heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+        return _sh.per_shard(lambda q_, k_, v_, t_, n_: _paged_kernel_jit(q_, k_, v_, t_, n_, scale, interpret),
+                             (heads, heads, heads, rep, rep), (heads, heads))(q, k_blocks, v_blocks, block_table,
+                                                                               num_blocks)
     return _paged_ref_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale)
 
 
@@ -293,7 +298,16 @@ def recompute_kv(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, impl="auto"
     # an H200 at OPT-6.7B b64 T=1 that cost ~13 ms of a 22 ms step, where XLA's matmul reads W once.
     profitable = x.shape[1] >= RECOMPUTE_KERNEL_MIN_TOKENS
     if _use_kernel(impl, ok and profitable) and (ok or impl == "kernel"):
-        return _recompute_kernel_diff(x, w_k, b_k, w_v, b_v, cos, sin, n_kv, interpret)
+        # under a tensor-parallel mesh each device recomputes its heads from the whole x (W_K, W_V split
+        # by column, i.e. by head)
+        n = _sh.context_size()
+        col, bias, rep, heads = _sh.P(None, _sh.MODEL), _sh.P(_sh.MODEL), _sh.REPLICATED, _sh.KV_SPEC
+        return _sh.per_shard(
+            lambda x_, wk_, bk_, wv_, bv_, c_, s_: _recompute_kernel_diff(x_, wk_, bk_, wv_, bv_, c_, s_, n_kv // n,
+                                                                           interpret),
+            (rep, col, None if b_k is None else bias, col, None if b_v is None else bias,
+             None if cos is None else rep, None if sin is None else rep), (heads, heads),
+        )(x, w_k, b_k, w_v, b_v, cos, sin)
     return _recompute_ref_jit(x, w_k, b_k, w_v, b_v, cos, sin, n_kv)
 
 

@@ -52,6 +52,11 @@ def host_memory_kind(dev=None) -> tuple[str | None, str]:
 
 
 def host_sharding(dev=None):
+    """Where the host store lives: on dev, or (dev a Sharding, e.g. a tensor-parallel NamedSharding) with
+    that sharding's layout."""
+    if isinstance(dev, jax.sharding.Sharding):
+        kind, _ = host_memory_kind(min(dev.addressable_devices, key=lambda d: d.id))
+        return dev.with_memory_kind(kind) if kind else dev
     dev = dev or default_device()
     kind, _ = host_memory_kind(dev)
     return jax.sharding.SingleDeviceSharding(dev, memory_kind=kind or "device") if kind else \
@@ -59,6 +64,8 @@ def host_sharding(dev=None):
 
 
 def device_sharding(dev=None):
+    if isinstance(dev, jax.sharding.Sharding):  # a sharding's layout in device memory
+        return dev.with_memory_kind("device")
     dev = dev or default_device()
     if "device" in memory_kinds(dev):
         return jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
@@ -92,6 +99,13 @@ def pool_slack_bytes() -> int:
 def to_host(tree, dev=None):
     """Asynchronous copy of a pytree of arrays to the host memory kind (returns at once)."""
     out = jax.device_put(tree, host_sharding(dev))
+    _track(out)
+    return out
+
+
+def to_host_like(tree, kind: str):
+    """Each array of tree moved to host memory kind `kind` keeping its own sharding (tracked like to_host)."""
+    out = jax.device_put(tree, jax.tree.map(lambda a: a.sharding.with_memory_kind(kind), tree))
     _track(out)
     return out
 

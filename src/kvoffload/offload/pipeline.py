@@ -54,6 +54,7 @@ import numpy as np
 from kvoffload import ops
 from kvoffload.models.transformer import family, layer_prefill, layer_prefill_chunked
 from kvoffload.offload import memory as M
+from kvoffload.offload import sharding as S
 from kvoffload.offload.pool import (
     BlockAllocator,
     BlockTables,
@@ -186,6 +187,8 @@ def recompute_extent(cfg, lp, x_ext, first_pos, impl="reference"):
     family's recompute_kv (RoPE at each block's positions)."""
     blk = x_ext.shape[1]
     positions = first_pos[:, None] + jnp.arange(blk, dtype=jnp.int32)[None]
+    # tensor parallel: X is stored split along H; every device needs all of it for its heads' K/V
+    x_ext = S.constrain_replicated(x_ext)
     return family(cfg).recompute_kv(cfg, lp, x_ext, positions, impl=impl)
 
 
@@ -392,7 +395,7 @@ class LayerHooks:
         """Each GPU batch's pool layout (default: `plan_pool`'s extents, then `split_store`)."""
         from kvoffload.plan.memory import plan_pool
 
-        plan = plan_pool(model.config, dtype, [lengths[a:z] for a, z in rows], capacity,
+        plan = plan_pool(pipe.device_config(model), dtype, [lengths[a:z] for a, z in rows], capacity,
                          block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb,
                          host_dtype="int4" if pipe.int4 else "native")
         return [self.split_store(pipe, model, lay, lengths[a:z]) for lay, (a, z) in zip(plan.layouts, rows)]
@@ -441,6 +444,10 @@ class PipelineOptions:
     # it is, dequantized on the GPU. GPU-resident blocks and the GPU tails stay in the model's dtype.
     host_dtype: str = "native"
     int4_group_size: int = 64
+    # tensor parallelism over heads (offload/sharding.py): N devices (the first N of jax.devices()), or a
+    # jax.sharding.Mesh with a 'model' axis; weights, K/V and the host pool split by head over it
+    tensor_parallel: int = 1
+    mesh: Any = None
 
     def __post_init__(self):
         from kvoffload.plan.cost import HOST_DTYPES
@@ -469,6 +476,8 @@ class PipelineOptions:
             self.prefill_chunk_tokens = int(self.prefill_chunk_tokens)
             if self.prefill_chunk_tokens < 1:
                 raise ValueError(f"prefill_chunk_tokens must be >= 1 or None, got {self.prefill_chunk_tokens}")
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise S.TensorParallelError(f"tensor_parallel must be an integer >= 1, got {self.tensor_parallel!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,8 +494,15 @@ class LayerPipeline:
         self.opts = opts
         self.host_pool = host_pool
         self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V/X extents are QuantizedInt4
-        self.dev = M.default_device()
+        # tensor parallelism: None on one device (the single-device path); else the mesh every array is
+        # placed on (self.rep: replicated there) and a device of it that this process drives
+        self.mesh = S.resolve_mesh(opts.tensor_parallel, opts.mesh)
+        self.tp = S.size(self.mesh)
+        self.dev = M.default_device() if self.mesh is None else S.local_device(self.mesh)
+        self.rep = self.dev if self.mesh is None else S.replicated(self.mesh)
+        self.tables_at = None if self.mesh is None else self.rep  # block tables: uncommitted on one device
         self.host_kind, self.host_note = M.host_memory_kind(self.dev)
+        self._sharded_params: dict = {}
         self._cost = None
         self._host_layers: dict = {}
         self.memory_plan = None
@@ -504,7 +520,8 @@ class LayerPipeline:
             def zeros(a):
                 k = (a.shape, str(a.dtype))
                 if k not in self._stand_ins:
-                    self._stand_ins[k] = jnp.zeros(a.shape, a.dtype, device=self.dev)
+                    self._stand_ins[k] = jnp.zeros(a.shape, a.dtype, device=self.dev if self.mesh is None else
+                                                   M.device_sharding(a.sharding))  # K/V by head, X replicated
                 return self._stand_ins[k]
 
             def like(a):  # an int4 extent's stand-in is all-zero codes and scales: it dequantizes to zeros
@@ -515,7 +532,7 @@ class LayerPipeline:
 
     def scalar(self, n: int):
         if n not in self._scalars:
-            self._scalars[n] = jax.device_put(jnp.int32(n), self.dev)
+            self._scalars[n] = S.put(np.int32(n), self.rep)
         return self._scalars[n]
 
     # -- cost model --------------------------------------------------------------------------
@@ -532,16 +549,42 @@ class LayerPipeline:
         """Layers whose weights stay on the GPU although the others stream (resident_layers)."""
         return min(self.opts.resident_layers, model.config.num_layers) if self.opts.offload_weights else 0
 
+    def params(self, model):
+        """The model's parameters as this run places them: as they are on one device; on a mesh sharded
+        Megatron-style (offload/sharding.py; a no-op for parameters already placed so)."""
+        if self.mesh is None:
+            return model.params
+        key = id(model.params)
+        if key not in self._sharded_params:
+            S.check_divisible(model.config, self.tp)
+            on_host = M.on_host(model.params.layers)
+            self._sharded_params = {key: S.shard_params(model.params, self.mesh,
+                                                        layers_kind=self.host_kind if on_host else None)}
+        return self._sharded_params[key]
+
+    def local(self, values):
+        """Small host-made values as the programs take them: as they are on one device (uncommitted), on a
+        mesh replicated over it (under jax.distributed a process's own arrays cannot enter a global program)."""
+        return values if self.mesh is None else S.put(values, self.rep)
+
+    def to_device(self, tree):
+        """An eager move to device memory: on a mesh each array keeps its sharding (each device moves
+        its shard over its own link)."""
+        return M.to_device(tree, self.dev) if self.mesh is None else S.to_kind(tree, "device")
+
+    def to_host(self, tree):
+        return M.to_host(tree, self.dev) if self.mesh is None else M.to_host_like(tree, self.host_kind or "device")
+
     def layers(self, model):
         """Per layer: its weights where the run keeps them (host memory for streamed layers)."""
-        layers = model.params.layers
+        layers = self.params(model).layers
         if not self.opts.offload_weights:
             return layers
         r = self.resident(model)
         key = (id(model.params), r)
         if key not in self._host_layers:
-            streamed = layers[r:] if M.on_host(layers[r:]) else M.to_host(layers[r:], self.dev)
-            kept = M.to_device(layers[:r], self.dev) if r else ()
+            streamed = layers[r:] if M.on_host(layers[r:]) else self.to_host(layers[r:])
+            kept = self.to_device(layers[:r]) if r else ()
             self._host_layers = {key: tuple(kept) + tuple(streamed)}
         return self._host_layers[key]
 
@@ -562,42 +605,58 @@ class LayerPipeline:
                              f"{cfg.hidden_size} activations in groups of int4_group_size={o.int4_group_size}, "
                              f"which must divide both (and they must be even); choose a divisor of "
                              f"{math.gcd(cfg.head_dim, cfg.hidden_size)}")
+        if self.mesh is not None:
+            S.check_divisible(cfg, self.tp)
         rows = self.hooks.group_rows(self, model, lengths, capacity, t_pad=t_pad)
         layouts = self.hooks.pool_layouts(self, model, dtype, rows, lengths, capacity)
         self.memory_plan = self.memory_of(model, layouts, lengths, t_pad, capacity)
         if o.check_memory:
-            check_pool(self.memory_plan, o.host_memory_limit_gb, o.gpu_memory_limit_gb, self.host_pool, self.dev,
-                       what=f"{self.hooks.name} for batch {b} x {capacity} tokens")
+            check_pool(S.machine_plan(self.memory_plan, self.mesh, self.dev.platform), o.host_memory_limit_gb,
+                       o.gpu_memory_limit_gb, self.host_pool, self.dev,
+                       what=f"{self.hooks.name} for batch {b} x {capacity} tokens"
+                       + (f" on {self.tp} devices" if self.mesh is not None else ""))
         return rows, layouts
 
-    def memory_of(self, model, layouts, lengths, t_pad: int, capacity: int):
-        """The memory plan (`plan.memory.pool_memory`) of these layouts for this run's options."""
-        from kvoffload.plan.memory import pool_memory, weight_bytes
+    def device_config(self, model):
+        """The model config one device sees (its share of the heads and MLP): what plans and costs count."""
+        return S.device_config(model.config, self.tp)
 
-        cfg, o = model.config, self.opts
+    def memory_of(self, model, layouts, lengths, t_pad: int, capacity: int):
+        """The memory plan (`plan.memory.pool_memory`) of these layouts for this run's options (per
+        device under tensor parallelism: its heads' K/V and weight shards, activations whole)."""
+        from kvoffload.plan.memory import pool_memory
+
+        cfg, o = self.device_config(model), self.opts
         dtype = model.params.layers[0].wk.dtype
         mem = pool_memory(cfg, dtype, layouts, len(lengths), t_pad, host_pool=self.host_pool,
-                          offload_weights=o.offload_weights, weights=weight_bytes(cfg, dtype, model.params),
+                          offload_weights=o.offload_weights,
+                          weights=S.weight_bytes_per_device(model.config, dtype, model.params, self.tp),
                           inflight=max(o.sync_depth + 1, 2), resident_layers=self.resident(model),
                           tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
                           prefill_workspace_gb=o.prefill_workspace_gb, prefill_chunk_tokens=o.prefill_chunk_tokens,
                           host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
-                          k_on_device=self.hooks.keys_on_device(self))
+                          k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp)
         if o.offload_weights and M.on_host(model.params.layers):
             mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
         return mem
 
     def prefill(self, model, tokens, lengths, capacity):
+        with S.context(self.mesh):  # the mesh in context: per_shard kernels (GPU) trace per device
+            return self._prefill(model, tokens, lengths, capacity)
+
+    def _prefill(self, model, tokens, lengths, capacity):
         cfg = model.config
         o = self.opts
         b, t_pad = tokens.shape
         dtype = model.params.layers[0].wk.dtype
         lengths_np = np.asarray(lengths, np.int64)
         rows, layouts = self.plan(model, lengths_np, t_pad, capacity)
-        fam_params = without_layers(model.params)
+        fam_params = without_layers(self.params(model))
         layers = self.layers(model)
-        lengths = jax.device_put(jnp.asarray(lengths_np, jnp.int32), self.dev)  # committed, like a step's outputs
+        lengths = S.put(lengths_np.astype(np.int32), self.rep)  # committed, like a step's outputs
+        if self.mesh is not None:  # every process holds the same prompts (jax.distributed: a global array)
+            tokens = S.put(tokens, self.rep)
         blk = o.block_tokens
         t_blk = -(-t_pad // blk) * blk
         if t_blk != t_pad:  # whole blocks for the gathers below (pad tokens are never attended)
@@ -610,8 +669,9 @@ class LayerPipeline:
             groups.append(dict(rows=(a, z), layout=layout, alloc=alloc, h=_embed(cfg, fam_params, tokens[a:z], positions[a:z]),
                                pk=[], pv=[], px=[], tk=[], tv=[], tx=[],
                                slots=list(self.hooks.init_slots(self, model, layout, z - a)),
-                               srcs=[extent_sources(alloc, layout, e, t_blk // blk) for e in range(layout.num_extents)],
-                               start=jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32)))
+                               srcs=[self.local(extent_sources(alloc, layout, e, t_blk // blk))
+                                     for e in range(layout.num_extents)],
+                               start=self.local(jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32))))
         keep_x = any(len(lay.extents_of("act")) for lay in layouts)  # activations stored somewhere
         tail_x = flush_possible(lengths_np, capacity, blk)  # tails keep X only to flush it into blocks
         slots = tail_slots(lengths_np, capacity, blk)
@@ -621,7 +681,7 @@ class LayerPipeline:
         depth = 0 if o.prefill_chunk_tokens else o.sync_depth
         pending = []
         for i in range(cfg.num_layers):
-            lp = M.to_device(layers[i], self.dev) if o.offload_weights else layers[i]
+            lp = self.to_device(layers[i]) if o.offload_weights else layers[i]
             for gr in groups:
                 a, z = gr["rows"]
                 outs = []
@@ -644,7 +704,10 @@ class LayerPipeline:
                 gr["pk"].append(pk), gr["pv"].append(pv), gr["px"].append(px)
                 gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, slots, 1))
                 gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, slots, 1))
-                gr["tx"].append(_tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x and tail_x else None)
+                tx = _tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x and tail_x else None
+                if tx is not None and self.mesh is not None:  # split along H, like the X extents it flushes into
+                    tx = jax.device_put(tx, S.x_shardings(tx, self.mesh, "device"))
+                gr["tx"].append(tx)
                 pending.append((gr["tk"][-1], pk, pv, px) if o.prefill_chunk_tokens else gr["tk"][-1])
                 if (o.sync_depth or o.prefill_chunk_tokens) and len(pending) > depth:  # bound the device copies alive
                     jax.block_until_ready(pending.pop(0))
@@ -655,8 +718,8 @@ class LayerPipeline:
             logits.append(_logits(cfg, fam_params, _last_hidden(gr["h"], lengths[a:z])))
             states.append(GroupState(
                 pool_k=tuple(gr["pk"]), pool_v=tuple(gr["pv"]), pool_x=tuple(gr["px"]),
-                tables=gr["alloc"].device_tables(gr["layout"]), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
-                tail_x=tuple(gr["tx"]), tail_len=jnp.asarray(lens % blk, jnp.int32), prompt_lens=lengths[a:z],
+                tables=gr["alloc"].device_tables(gr["layout"], self.tables_at), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
+                tail_x=tuple(gr["tx"]), tail_len=self.local(jnp.asarray(lens % blk, jnp.int32)), prompt_lens=lengths[a:z],
                 slots=tuple(gr["slots"]),
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
                 n_gen=0, since_flush=0))
@@ -696,10 +759,19 @@ class LayerPipeline:
         on_host = [self.host_pool and not layout.on_device(e) for e in range(layout.num_extents)]
         on_host = ([False] * len(on_host) if self.hooks.keys_on_device(self) else on_host) + on_host * 2  # K, V, X
         pick = lambda want: [(a if h == want else None) for a, h in zip(pk + pv + px, on_host)]  # noqa: E731
-        host = M.to_host(pick(True), self.dev) if any(on_host) else pick(True)
-        dev = jax.device_put(pick(False), M.device_sharding(self.dev))
-        both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host)]
         n = layout.num_extents
+        if self.mesh is None:
+            host = M.to_host(pick(True), self.dev) if any(on_host) else pick(True)
+            dev = jax.device_put(pick(False), M.device_sharding(self.dev))
+        else:  # K/V by KV head (each device stores and moves its heads' blocks), X along H (offload/sharding.py)
+            kv_s = S.kv_sharding(self.mesh)
+            hp, dp = pick(True), pick(False)
+            host = (M.to_host(hp[:2 * n], kv_s) + jax.device_put(hp[2 * n:], S.x_shardings(hp[2 * n:], self.mesh,
+                                                                                             self.host_kind))
+                    ) if any(on_host) else hp
+            dev = (jax.device_put(dp[:2 * n], M.device_sharding(kv_s))
+                   + jax.device_put(dp[2 * n:], S.x_shardings(dp[2 * n:], self.mesh, "device")))
+        both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host)]
         return tuple(both[:n]), tuple(both[n:2 * n]), tuple(both[2 * n:]), k_dev
 
     # -- decode ------------------------------------------------------------------------------
@@ -713,12 +785,16 @@ class LayerPipeline:
         return items
 
     def decode_step(self, model, state: DecodeState, tokens):
+        with S.context(self.mesh):
+            return self._decode_step(model, state, tokens)
+
+    def _decode_step(self, model, state: DecodeState, tokens):
         cfg, o = model.config, self.opts
         now = time.perf_counter()
         records = state.records
         if state.step_started is not None and records:
             records = records[:-1] + ({**records[-1], "time_s": now - state.step_started},)
-        fam_params = without_layers(model.params)
+        fam_params = without_layers(self.params(model))
         layers = self.layers(model)
         tokens = jnp.asarray(tokens, jnp.int32)
         groups = list(state.groups)
@@ -746,13 +822,13 @@ class LayerPipeline:
                 if i < resident:  # in GPU memory already
                     weights[i] = [kv, (rest,)]
                 else:
-                    weights[i] = [M.to_device(kv, self.dev), rest]  # W_K / W_V first
+                    weights[i] = [self.to_device(kv), rest]  # W_K / W_V first
                     moved["bytes_w"] += _tree_bytes(layers[i])
             early, late = self.hooks.fetch(self, groups[g], plans[g], i)
-            early_d = jax.device_put(early, M.device_sharding(self.dev)) if early else []
+            early_d = self.to_device(early) if early else []
             if o.offload_weights and not isinstance(weights[i][1], tuple):
-                weights[i][1] = (M.to_device(weights[i][1], self.dev),)
-            late_d = jax.device_put(late, M.device_sharding(self.dev)) if late else []
+                weights[i][1] = (self.to_device(weights[i][1]),)
+            late_d = self.to_device(late) if late else []
             moved["bytes_x"] += _tree_bytes(early)
             moved["bytes_kv"] += _tree_bytes(late)  # as stored: int4 codes and scales
             moved["arrays"] += len(jax.tree.leaves((early, late)))
@@ -859,7 +935,7 @@ class LayerPipeline:
         return dataclasses.replace(
             gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
             pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),
-            tail_len=gr.tail_len - blk, tables=alloc.device_tables(layout), alloc=alloc, since_flush=0,
+            tail_len=gr.tail_len - blk, tables=alloc.device_tables(layout, self.tables_at), alloc=alloc, since_flush=0,
             slots=tuple(layer_slots)), nbytes
 
     def release(self, state: DecodeState, rows) -> DecodeState:
@@ -872,7 +948,7 @@ class LayerPipeline:
                 alloc = gr.alloc.copy()
                 for r in mine:
                     alloc.release(r)
-                gr = dataclasses.replace(gr, alloc=alloc, tables=alloc.device_tables(gr.layout))
+                gr = dataclasses.replace(gr, alloc=alloc, tables=alloc.device_tables(gr.layout, self.tables_at))
             groups.append(gr)
         return dataclasses.replace(state, groups=tuple(groups))
 
@@ -911,16 +987,17 @@ class LayerPipeline:
 
     def shape(self, model):
         from kvoffload.plan.cost import LayerShape
-        from kvoffload.plan.memory import weight_bytes
-
         key = id(model.params)
         if getattr(self, "_shape_key", None) != key:
             lp = model.params.layers[0]
-            wb = weight_bytes(model.config, lp.wk.dtype, model.params)
+            wb = S.weight_bytes_per_device(model.config, lp.wk.dtype, model.params, self.tp)
             self._shape_key = key
-            self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
+            self._shape_val = LayerShape.of(self.device_config(model), jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
                                             wb.kv_per_layer, host_dtype="int4" if self.int4 else "native",
                                             int4_group_size=self.opts.int4_group_size)
+            if self.tp > 1:  # a device stores and moves 1/N of each activation (split along H)
+                sh = self._shape_val
+                self._shape_val = dataclasses.replace(sh, x_tok=sh.x_tok / self.tp, x_host_tok=sh.x_host_tok / self.tp)
         return self._shape_val
 
     def write_trace(self, path, records):
@@ -929,7 +1006,8 @@ class LayerPipeline:
 
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"policy": self.hooks.name, "options": dataclasses.asdict(self.opts),
+            json.dump({"policy": self.hooks.name, "options": {**dataclasses.asdict(dataclasses.replace(self.opts, mesh=None)),
+                                                              "mesh": str(self.opts.mesh)},
                        "cost_model": self.cost.to_json(), "steps": list(records)}, f, indent=1, default=str)
 
 

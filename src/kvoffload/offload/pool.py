@@ -303,8 +303,9 @@ class BlockAllocator:
         return np.bincount(layout.locate(used)[0], minlength=layout.num_extents) if used.size else np.zeros(
             layout.num_extents, np.int64)
 
-    def device_tables(self, layout: PoolLayout) -> "BlockTables":
-        """Per-extent block tables for the attention programs (one upload per change, shared by all layers)."""
+    def device_tables(self, layout: PoolLayout, where=None) -> "BlockTables":
+        """Per-extent block tables for the attention programs (one upload per change, shared by all layers);
+        where: a device or sharding to commit them to (a tensor-parallel mesh: replicated), None: uncommitted."""
         n_ext, n_req = layout.num_extents, len(self.tables)
         tables = [np.zeros((n_req, layout.size(e)), np.int32) for e in range(n_ext)]
         count = np.zeros((n_ext, n_req), np.int32)
@@ -315,7 +316,9 @@ class BlockAllocator:
                 count[e, r] += 1
         pos = np.where(self.first_pos >= 0, self.first_pos, 0).astype(np.int32)
         firsts = [pos[layout.start(e):layout.start(e) + layout.size(e)] for e in range(n_ext)]
-        table, cnt, first = jax.device_put((tables, list(count), firsts))  # one transfer
+        from kvoffload.offload.sharding import put
+
+        table, cnt, first = put((tables, list(count), firsts), where)  # one transfer
         return BlockTables(table=tuple(table), count=tuple(cnt), first_pos=tuple(first))
 
 

@@ -141,7 +141,8 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
-                int4_group_size: int = 64, k_on_device: bool = False, prefill_chunk_tokens: int | None = None) -> MemoryPlan:
+                int4_group_size: int = 64, k_on_device: bool = False, prefill_chunk_tokens: int | None = None,
+                activation_split: int = 1) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
@@ -149,7 +150,10 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     k_on_device: a host pool's K extents live on the GPU and its V extents on the host, read in place by
     the layer program (tokenselect kv=split): nothing is fetched, so no transfer buffers.
     prefill_chunk_tokens: the prefill runs each layer in token chunks (the workspace is a chunk's) and
-    one layer at a time (its K/V, X and their gathered extents are counted once)."""
+    one layer at a time (its K/V, X and their gathered extents are counted once).
+    Tensor parallelism (offload/sharding.py) plans one device: cfg is the config that device sees (its
+    heads and MLP width), weights its shard, and activation_split = N: stored activations (pool and tails)
+    are split along H over N devices (a recompute workspace holds a whole gathered X extent)."""
     from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
     from kvoffload.plan.cost import stored_kv_bytes_per_token, stored_x_bytes_per_token
 
@@ -162,8 +166,8 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
     kv_host_tok = stored_kv_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size)
     kv_host_blk = lambda lay: int(lay.block_tokens * kv_host_tok)  # noqa: E731  (as the host pool stores them)
-    x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p  # noqa: E731
-    x_host_tok = stored_x_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size)
+    x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p // activation_split  # noqa: E731
+    x_host_tok = stored_x_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size) / activation_split
     x_host_blk = lambda lay: int(lay.block_tokens * x_host_tok)  # noqa: E731
     # every extent of every layer, on the host (a host pool) or on the GPU (a device pool, or a
     # device-resident block class)
@@ -188,8 +192,9 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
             side["activation blocks"] += L * x_e
             if side is pool_h:
                 fetch += max(kv_e, x_e)
-            if x_e:  # K/V recomputed from one activation extent at a time
-                rec_ws = max(rec_ws, lay.size(e) * kv_blk(lay))
+            if x_e:  # K/V recomputed from one activation extent at a time (gathered whole when split)
+                rec_ws = max(rec_ws, lay.size(e) * (kv_blk(lay) + (x_blk(lay) * activation_split
+                                                                    if activation_split > 1 else 0)))
         per_layer_fetch = max(per_layer_fetch, fetch)
     host = dict(pool_h) if host_pool else {}
     r = min(int(resident_layers), L) if offload_weights else 0
@@ -197,7 +202,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     g = max(1, len(layouts))
     has_x = any(len(l.extents_of("act")) for l in layouts)
     x_tok = cfg.hidden_size * p if has_x else 0
-    tail_tok = cfg.kv_bytes_per_token * p + (x_tok if tail_x else 0)
+    tail_tok = cfg.kv_bytes_per_token * p + (x_tok // activation_split if tail_x else 0)
     b = -(-batch // g)
     streamed = L - r if offload_weights else 0
     gpu = {

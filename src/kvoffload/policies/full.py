@@ -11,6 +11,7 @@ from kvoffload.policies.layered import LayeredPolicy
 
 @register_policy("full")
 class FullPolicy(LayeredPolicy):
+    supports_tensor_parallel = True
     host_pool = False
 
     def __init__(self, **options):

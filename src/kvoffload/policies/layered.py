@@ -13,6 +13,7 @@ class LayeredPolicy(Policy):
     host_pool = True  # the pool in pinned host memory (False: device memory)
     extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
     host_dtypes: tuple = ("native",)  # the host_dtype values its hooks support (int4: offload, kvpr, hybrid)
+    supports_tensor_parallel: bool = False  # whether its hooks run on a tensor-parallel mesh (full, offload, kvpr)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -33,6 +34,11 @@ class LayeredPolicy(Policy):
                 "(use 'offload', 'kvpr' or 'hybrid')" if not self.host_pool else
                 f"policy {self.name!r} does not support host_dtype={self.options.host_dtype!r} yet (it supports "
                 f"{list(self.host_dtypes)}; int4 host storage runs in 'offload', 'kvpr' and 'hybrid')")
+        if not self.supports_tensor_parallel and (self.options.mesh is not None or self.options.tensor_parallel != 1):
+            from kvoffload.offload.sharding import TensorParallelError
+
+            raise TensorParallelError(f"policy {self.name!r} does not run tensor-parallel yet (tensor_parallel / mesh); "
+                                      "policies 'full', 'offload' and 'kvpr' do")
         self.pipeline = LayerPipeline(self.make_hooks(**hook_opts), self.options, host_pool=self.host_pool)
 
     def make_hooks(self, **hook_options) -> LayerHooks:

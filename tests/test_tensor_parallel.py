@@ -1,0 +1,136 @@
+"""Tensor parallelism over heads (offload/sharding.py): tokens and logits on 2- and 4-way meshes equal
+the single-device run (fp32; logits to all-reduce rounding), the pool and tails live split by head, and
+settings that cannot run are refused. The mesh cases need several devices, which XLA_FLAGS must give
+before jax starts: they run in a subprocess (tests/tp_cases.py) with 4 virtual CPU devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvoffload.models import tiny_random_model
+from kvoffload.offload import sharding as S
+from kvoffload.policies import make_policy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEADS = "P(None, 'model')"
+ALONG_H = "P(None, None, 'model')"
+
+
+def run_cases(cases, devices=4, timeout=600):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    out = subprocess.run([sys.executable, os.path.join(HERE, "tp_cases.py"), json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("CASE ")]
+
+
+def check_equal(res):
+    case = res["case"]
+    assert "error" not in res, res
+    assert res["tokens_equal"], case
+    # Megatron's row-parallel products are summed across devices: logits differ only by that rounding
+    assert res["max_abs"] < 1e-4, (case, res["max_abs"])
+    assert res["pool_k"] == [f"{HEADS}@{'device' if case['policy'] == 'full' else 'pinned_host'}"], res
+    assert res["tail_k"] == [f"{HEADS}@device"] and res["logits"] == ["P()@device"], res
+    if res["pool_x"]:
+        assert res["pool_x"] == [f"{ALONG_H}@pinned_host"] and res["tail_x"] == [f"{ALONG_H}@device"], res
+    # the step programs compile once: the state keeps its shardings from step to step
+    assert not {"jit(layer_step)", "jit(_choose_tokens)", "jit(_embed)"} & set(res["later_compiles"]), res
+
+
+def test_mesh_runs_equal_one_device_and_bad_splits_are_refused():
+    """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split along
+    H, K/V above it fetched by head) equals `full` on one device; tensor_parallel=3 with 8 query heads is
+    refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow test below; a
+    2-way OPT offload run: the two-process test.)"""
+    res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
+                     dict(arch="llama", policy="offload", tp=3)])
+    check_equal(res[0])
+    assert res[0]["pool_x"], "kvpr with split_point=16 stores activations"
+    assert res[1]["error"] == "TensorParallelError"
+    assert "query heads 8" in res[1]["message"] and "not divisible by 3" in res[1]["message"], res[1]
+
+
+SLOW_CASES = [dict(arch=a, policy=p, tp=n, opts=o) for a in ("opt", "llama") for n in (2, 4) for p, o in (
+    ("full", {}), ("offload", {}), ("kvpr", dict(split_point=16)), ("kvpr", {}),
+    ("kvpr", dict(split_point=10**6, schedule="column", gpu_batches=3, offload_weights=True)),
+    ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True)),
+    ("kvpr", dict(split_point=16, host_dtype="int4", int4_group_size=8)),
+)]
+
+
+@pytest.mark.slow
+def test_every_supported_policy_on_2_and_4_way_meshes():
+    for res in run_cases(SLOW_CASES, timeout=3000):
+        check_equal(res)
+
+
+def test_refusals_without_devices():
+    opt = tiny_random_model("opt")
+    with pytest.raises(S.TensorParallelError, match=r"query heads 4, KV heads 4, MLP width 128 .*not divisible by 3"):
+        S.check_divisible(opt.config, 3)
+    llama = tiny_random_model("llama")  # 4 query heads, 2 KV heads
+    with pytest.raises(S.TensorParallelError, match=r"KV heads 2.*\(KV heads not divisible by 4\).*\[1, 2\]"):
+        S.check_divisible(llama.config, 4)
+    for name in ("hybrid", "clo", "tokenselect"):
+        with pytest.raises(S.TensorParallelError, match=f"policy '{name}' does not run tensor-parallel"):
+            make_policy(name, tensor_parallel=2)
+    with pytest.raises(S.TensorParallelError, match="needs 64 devices"):
+        make_policy("full", tensor_parallel=64)
+    with pytest.raises(S.TensorParallelError, match="integer >= 1"):
+        make_policy("offload", tensor_parallel=0)
+
+
+def test_weight_specs_are_megatron_style():
+    for arch in ("opt", "llama"):
+        lp = S.layer_specs(tiny_random_model(arch).params.layers[0])
+        col, row, rep = S.P(None, S.MODEL), S.P(S.MODEL, None), S.P()
+        assert lp.wq == lp.wk == lp.wv == col and lp.wo == row
+        if arch == "opt":
+            assert lp.fc1 == col and lp.fc2 == row and lp.b1 == S.P(S.MODEL) and lp.b2 == rep and lp.bo == rep
+        else:
+            assert lp.w_gate == lp.w_up == col and lp.w_down == row and lp.attn_norm == lp.mlp_norm == rep
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("cases", [
+    [dict(arch="opt", policy="offload", tp=2)],
+    pytest.param([dict(arch="llama", policy="kvpr", tp=2, opts=dict(split_point=16)),
+                  dict(arch="opt", policy="full", tp=2)], marks=pytest.mark.slow),
+])
+def test_two_processes_equal_one(cases):
+    """The same code under jax.distributed, one CPU device per process (gloo collectives), gives the
+    single-process tokens in both processes."""
+    coord = f"localhost:{free_port()}"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+           "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tp_cases.py"), json.dumps(cases), "--coordinator",
+                               coord, "--num-processes", "2", "--process-id", str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, se[-4000:]
+        outs.append([json.loads(line[5:]) for line in so.splitlines() if line.startswith("CASE ")])
+    assert len(outs[0]) == len(outs[1]) == len(cases)
+    for a, b in zip(*outs):
+        check_equal(a)
+        check_equal(b)
+        assert a["tokens"] == b["tokens"]
