@@ -169,7 +169,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     pool_d = {"K/V blocks": 0, "activation blocks": 0}
     per_layer_fetch, rec_ws, deq_ws = 0, 0, 0
     for lay in layouts:
-        fetch = 0
+        moved = 0
         for e in range(lay.num_extents):
             side = pool_h if host_pool and not lay.on_device(e) else pool_d
             kv_e = lay.size(e) * (kv_host_blk(lay) if side is pool_h else kv_blk(lay)) if lay.has("kv", e) else 0
@@ -185,10 +185,10 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
             side["K/V blocks"] += L * kv_e
             side["activation blocks"] += L * x_e
             if side is pool_h:
-                fetch += max(kv_e, x_e)
+                moved += max(kv_e, x_e)
             if x_e:  # K/V recomputed from one activation extent at a time
                 rec_ws = max(rec_ws, lay.size(e) * kv_blk(lay))
-        per_layer_fetch = max(per_layer_fetch, fetch)
+        per_layer_fetch = max(per_layer_fetch, moved)
     host = dict(pool_h) if host_pool else {}
     r = min(int(resident_layers), L) if offload_weights else 0
     host["weights"] = (L - r) * wb.per_layer if offload_weights else 0
