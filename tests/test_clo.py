@@ -320,6 +320,19 @@ def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval)
                 np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
     n_meta = sum(x.size * x.dtype.itemsize for s in gr.slots for x in jax.tree.leaves(s.meta))
     assert c["metadata_gpu_bytes"] == n_meta > 0
+    # the memory plan: no transfer buffers (nothing fetched), the slots counted part by part, held throughout
+    assert plan.gpu["transfer buffers"] == 0 and exact_plan.gpu["transfer buffers"] == 0
+    parts = {"selection cache (query labels, indices, per-head rule)": [], "row buffers (selected K/V rows)": [],
+             "retrieval metadata": []}
+    for s in gr.slots:
+        meta = jax.tree.leaves((s.meta, s.hata_w))
+        rows = jax.tree.leaves((s.v_rows, s.k_rows))
+        parts["retrieval metadata"] += meta
+        parts["row buffers (selected K/V rows)"] += rows
+        parts["selection cache (query labels, indices, per-head rule)"] += [
+            x for x in jax.tree.leaves(s) if not any(x is y for y in meta + rows)]
+    for name, arrays in parts.items():
+        assert plan.gpu[name] == sum(x.nbytes for x in arrays) > 0 and name not in plan.gpu_phase, name
     if retrieval == "hata":
         cfg = model.config
         assert c["hata_w_gpu_bytes"] == cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 128 * 4
