@@ -534,3 +534,26 @@ def test_miss_fetch_is_exactly_the_true_selection_minus_the_guess():
                 want_row = 7.0 if t in hd else flat[t // blk, h, t % blk]
                 np.testing.assert_array_equal(rows[b, h, j], np.broadcast_to(want_row, (d,)))
     assert count[1, 1] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_speculative_prefetch_and_int4_rows():
+    """On the GPU: the speculative program (a guess gathered from pinned_host V before the previous layer's
+    program) and the int4 row gathers compile and run; speculation attends what the plain run attends, and
+    int4 with groups of 2 (exact codes) gives the native run's logits."""
+    from kvoffload.offload import memory as M
+
+    model = tiny_random_model("llama", seed=1)
+    opts = dict(topk=12, num_recent=4, eta=0.5)
+    _, plain, _ = _decode(model, "clo", NEW, speculative_prefetch=False, **opts)
+    pol, got, state = _decode(model, "clo", NEW, **opts)
+    np.testing.assert_allclose(got, plain, atol=1e-5, rtol=0)
+    rate = float(state.records[-1]["guess_hit_rate"])
+    assert np.isnan(rate) or 0 <= rate <= 1
+    assert pol.describe(state)["clo"]["speculative_prefetch"]["v_bytes_fetched_by_guesses"] > 0
+    for retrieval in ("exact", "quest"):
+        _, native, _ = _decode(model, "clo", NEW, retrieval=retrieval, quest_page_tokens=4, **opts)
+        _, q, st = _decode(model, "clo", NEW, retrieval=retrieval, quest_page_tokens=4, host_dtype="int4",
+                           int4_group_size=2, **opts)
+        assert {M.memory_kind_of(a.codes) for layer in st.groups[0].pool_v for a in layer} == {"pinned_host"}
+        np.testing.assert_allclose(q, native, atol=1e-4, rtol=0)
