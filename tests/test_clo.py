@@ -320,6 +320,19 @@ def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval)
                 np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
     n_meta = sum(x.size * x.dtype.itemsize for s in gr.slots for x in jax.tree.leaves(s.meta))
     assert c["metadata_gpu_bytes"] == n_meta > 0
+    # the memory plan: no transfer buffers (nothing fetched), the slots counted part by part, held throughout
+    assert plan.gpu["transfer buffers"] == 0 and exact_plan.gpu["transfer buffers"] == 0
+    parts = {"selection cache (query labels, indices, per-head rule)": [], "row buffers (selected K/V rows)": [],
+             "retrieval metadata": []}
+    for s in gr.slots:
+        meta = jax.tree.leaves((s.meta, s.hata_w))
+        rows = jax.tree.leaves((s.v_rows, s.k_rows))
+        parts["retrieval metadata"] += meta
+        parts["row buffers (selected K/V rows)"] += rows
+        parts["selection cache (query labels, indices, per-head rule)"] += [
+            x for x in jax.tree.leaves(s) if not any(x is y for y in meta + rows)]
+    for name, arrays in parts.items():
+        assert plan.gpu[name] == sum(x.nbytes for x in arrays) > 0 and name not in plan.gpu_phase, name
     if retrieval == "hata":
         cfg = model.config
         assert c["hata_w_gpu_bytes"] == cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 128 * 4
@@ -386,3 +399,161 @@ def test_quest_hata_options():
     model = tiny_random_model("llama", seed=1)
     with pytest.raises(CloOptionError, match="hata_weights not found"):
         _decode(model, "clo", 0, retrieval="hata", hata_weights="/nonexistent/hata")
+
+
+# ------------------------------------------------------------------------------------------------
+# speculative prefetch (issue 11 item 4)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_speculative_prefetch_changes_nothing_attended_and_reports_its_hit_rate():
+    """A small top-k with reuse: the speculative run gives the plain run's logits bit for bit (the rows
+    attended are the true selection's, wherever they came from), fetches fewer V rows in all (rows already
+    held are never gathered again), and every step record carries the guess's hit rate (device values)."""
+    model = tiny_random_model("llama", seed=1)
+    opts = dict(topk=12, num_recent=4, eta=0.5)
+    plain_pol, plain, plain_state = _decode(model, "clo", NEW, speculative_prefetch=False, **opts)
+    pol, got, state = _decode(model, "clo", NEW, **opts)  # on by default
+    np.testing.assert_array_equal(got, plain)
+    c, c0 = pol.describe(state)["clo"], plain_pol.describe(plain_state)["clo"]
+    s = c["speculative_prefetch"]
+    assert "speculative_prefetch" not in c0 and "guess_hit_rate" not in plain_state.records[-1]
+    assert 0 < s["guess_hit_rate"] < 1 and s["guess_hit_rate_per_layer"][0] is None  # layer 0: nothing before it
+    assert s["v_bytes_fetched_by_guesses"] > 0
+    assert c["v_bytes_fetched"] == s["v_bytes_fetched_by_guesses"] + s["v_bytes_fetched_after_guesses"]
+    assert c["v_bytes_fetched"] < c0["v_bytes_fetched"]
+    rates = [float(r["guess_hit_rate"]) for r in state.records]
+    assert len(rates) == NEW and all(0 <= x <= 1 for x in rates)
+    per = np.stack([np.asarray(r["guess_hit_rate_per_layer"]) for r in state.records])
+    assert np.isnan(per[:, 0]).all() and np.allclose(per[:, 1], rates)  # two layers: layer 1's is the step's
+
+
+def test_everything_selected_with_speculation_equals_full_and_guesses_everything(ref):
+    arch, model, want = ref
+    pol, got, state = _decode(model, "clo", NEW, topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False,
+                              speculative_prefetch=True)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    s = pol.describe(state)["clo"]["speculative_prefetch"]
+    assert s["guess_hit_rate"] == 1.0  # everything selected: the guess is the true selection
+    # the layers after the first gather everything through their guesses, nothing after them
+    assert s["v_bytes_fetched_after_guesses"] == pol.describe(state)["clo"]["v_bytes_fetched_per_layer"][0]
+
+
+def _rms_norm_np(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+@pytest.mark.slow  # 23 s (its own compilations); the default suite checks the speculative path end to end above
+def test_guess_of_a_layer_equals_numpy_reference(monkeypatch):
+    """Layer 1's guess at a decode step: the approximate query from layer 0's input hidden state (the h
+    layer 0's program got), through layer 1's RMSNorm, W_Q and RoPE at the new token's position, scores max
+    over the group of q.k / sqrt(d) over the request's pool tokens, the top 8 (float64 NumPy)."""
+    from kvoffload.offload import pipeline as P
+    from kvoffload.policies.clo import CloHooks
+
+    model = tiny_random_model("llama", seed=1)
+    cfg = model.config
+    seen, guesses = [], []
+    real_step, real_spec = P.layer_step, CloHooks.speculate
+
+    def spy_step(cfg_, lp, h, *a, **k):
+        seen.append(np.asarray(h))
+        return real_step(cfg_, lp, h, *a, **k)
+
+    def spy_spec(self, pipe, model_, group, layer, h, positions, slot):
+        out = real_spec(self, pipe, model_, group, layer, h, positions, slot)
+        guesses.append((layer, np.asarray(h), np.asarray(positions), group, out))
+        return out
+
+    monkeypatch.setattr(P, "layer_step", spy_step)
+    monkeypatch.setattr(CloHooks, "speculate", spy_spec)
+    K = 8
+    _decode(model, "clo", 2, topk=K, num_sink=0, num_recent=0, fixed_threshold=2.0, layer0_full=False)
+    assert [g[0] for g in guesses] == [1, 1]  # once per step, for the layer after the first
+    layer, h, pos, group, slot = guesses[-1]
+    np.testing.assert_array_equal(h, seen[-2])  # the input of layer 0 in the same step
+    lp = model.params.layers[1]
+    x = _rms_norm_np(h[:, 0].astype(np.float64), np.asarray(lp.attn_norm, np.float64), cfg.norm_eps)
+    d, H, n_kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q = (x @ np.asarray(lp.wq, np.float64)).reshape(-1, H, d)
+    ang = pos.astype(np.float64)[:, 0, None] * cfg.rope_theta ** (-np.arange(0, d, 2) / d)  # [B, d/2]
+    c, s = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    q = np.concatenate([q[..., :d // 2] * c - q[..., d // 2:] * s, q[..., d // 2:] * c + q[..., :d // 2] * s], -1)
+    keys = np.concatenate([np.asarray(k, np.float64) for k in group.pool_k[1]])  # [blocks, n_kv, blk, d]
+    blk = keys.shape[2]
+    flat = keys.transpose(1, 0, 2, 3).reshape(n_kv, -1, d)
+    held, nv = np.asarray(slot.held), np.asarray(slot.held_valid)
+    for b, ids in enumerate(group.alloc.tables):
+        own = np.zeros(flat.shape[1], bool)
+        for i in ids:
+            own[i * blk:(i + 1) * blk] = True
+        for kv in range(n_kv):
+            score = np.max(q[b, kv * H // n_kv:(kv + 1) * H // n_kv] @ flat[kv].T, axis=0) / np.sqrt(d)
+            want = np.sort(np.argsort(-np.where(own, score, -np.inf), kind="stable")[:min(K, own.sum())])
+            assert nv[b, kv] == len(want), (b, kv)
+            np.testing.assert_array_equal(held[b, kv, :nv[b, kv]], want, err_msg=f"request {b}, KV head {kv}")
+
+
+def test_miss_fetch_is_exactly_the_true_selection_minus_the_guess():
+    """refill_rows: rows of the wanted tokens held in the buffer come from it, only the others are gathered
+    from the host extents, and the gathered set is exactly want minus held (per request and KV head)."""
+    from kvoffload.offload import memory as M
+
+    rng = np.random.default_rng(5)
+    B, n_kv, K, d, blk = 2, 2, 12, 8, 4
+    ext = [rng.normal(size=(s, n_kv, blk, d)).astype(np.float32) for s in (3, 5)]
+    N = 8 * blk
+    flat = np.concatenate(ext)
+
+    def sets(n):
+        idx = np.zeros((B, n_kv, K), np.int32)
+        nv = rng.integers(0, K + 1, size=(B, n_kv)).astype(np.int32)
+        nv[0, 0] = nv[1, 1] = n  # heads with every entry
+        for b in range(B):
+            for h in range(n_kv):
+                idx[b, h, :nv[b, h]] = np.sort(rng.choice(N, nv[b, h], replace=False))
+        return idx, nv
+
+    held, held_nv = sets(K)
+    want, want_nv = sets(K - 2)
+    want[1, 1, :6], want_nv[1, 1] = held[1, 1, :6], 6  # one head wholly held: nothing to gather
+    marker = np.full((B, n_kv, K, d), 7.0, np.float32)  # the buffer: a value no gather gives
+    host = [M.to_host(jnp.asarray(e)) for e in ext]
+    _, _, missing, count = jax.jit(clo_mod.missing_rows)(*map(jnp.asarray, (held, held_nv, want, want_nv)))
+    (rows,), fetched = jax.jit(clo_mod.refill_rows, static_argnums=6)(
+        jnp.asarray(held), jnp.asarray(held_nv), (jnp.asarray(marker),), jnp.asarray(want), jnp.asarray(want_nv),
+        (host,), blk)
+    missing, count, rows, fetched = map(np.asarray, (missing, count, rows, fetched))
+    np.testing.assert_array_equal(fetched, count)
+    for b in range(B):
+        for h in range(n_kv):
+            w, hd = want[b, h, :want_nv[b, h]], set(held[b, h, :held_nv[b, h]])
+            miss = [t for t in w if t not in hd]
+            assert count[b, h] == len(miss) and list(missing[b, h, :count[b, h]]) == miss, (b, h)
+            for j, t in enumerate(w):
+                want_row = 7.0 if t in hd else flat[t // blk, h, t % blk]
+                np.testing.assert_array_equal(rows[b, h, j], np.broadcast_to(want_row, (d,)))
+    assert count[1, 1] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_speculative_prefetch_and_int4_rows():
+    """On the GPU: the speculative program (a guess gathered from pinned_host V before the previous layer's
+    program) and the int4 row gathers compile and run; speculation attends what the plain run attends, and
+    int4 with groups of 2 (exact codes) gives the native run's logits."""
+    from kvoffload.offload import memory as M
+
+    model = tiny_random_model("llama", seed=1)
+    opts = dict(topk=12, num_recent=4, eta=0.5)
+    _, plain, _ = _decode(model, "clo", NEW, speculative_prefetch=False, **opts)
+    pol, got, state = _decode(model, "clo", NEW, **opts)
+    np.testing.assert_allclose(got, plain, atol=1e-5, rtol=0)
+    rate = float(state.records[-1]["guess_hit_rate"])
+    assert np.isnan(rate) or 0 <= rate <= 1
+    assert pol.describe(state)["clo"]["speculative_prefetch"]["v_bytes_fetched_by_guesses"] > 0
+    for retrieval in ("exact", "quest"):
+        _, native, _ = _decode(model, "clo", NEW, retrieval=retrieval, quest_page_tokens=4, **opts)
+        _, q, st = _decode(model, "clo", NEW, retrieval=retrieval, quest_page_tokens=4, host_dtype="int4",
+                           int4_group_size=2, **opts)
+        assert {M.memory_kind_of(a.codes) for layer in st.groups[0].pool_v for a in layer} == {"pinned_host"}
+        np.testing.assert_allclose(q, native, atol=1e-4, rtol=0)

@@ -87,6 +87,9 @@ def test_split_keys_on_device_values_on_host_equals_full(ref):
     assert split_plan.gpu["K/V blocks (GPU-resident)"] == kv_bytes // 2  # K
     assert split_plan.host["K/V blocks"] == kv_bytes - kv_bytes // 2  # V
     assert split_plan.gpu["transfer buffers"] == 0  # nothing fetched
+    # the selection caches (one per layer), counted from their shapes before prefill
+    assert split_plan.gpu["selection cache (queries, indices)"] == sum(
+        x.nbytes for s in gr.slots for x in jax.tree.leaves(s)) > 0
 
 
 def test_split_small_budget_reads_the_selected_values_from_the_host():

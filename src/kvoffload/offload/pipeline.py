@@ -13,7 +13,9 @@ compute dispatched after them), then item n's jitted compute. A policy is a set 
 * ``sources``     -- the layer program's inputs, a structure fixed for the run (so it compiles once);
 * ``attend``      -- a pure function inside the layer's one jitted program: fold the sources (fetched,
   recomputed, GPU-resident) into the attention accumulator, in extent order;
-* ``init_slots``  -- the policy's own state carried from step to step in `GroupState.slots`.
+* ``init_slots``  -- the policy's own state carried from step to step in `GroupState.slots`;
+* ``speculate``   -- before layer i's program, from its input hidden state: may update layer i+1's slots
+  (clo's speculative prefetch: a guessed selection whose rows move while layer i computes).
 
 The pipeline owns what all policies share: weights (resident or streamed, W_K/W_V first), the new
 token's q/k/v and its GPU tail, the tail's flush into the pool, schedules (``row``: each GPU batch through
@@ -27,13 +29,15 @@ tables, folded into an fp32 accumulator with ``ops.merge_attention_into``), then
 runs the same programs over the same pool in device memory, so an offloading policy that moves the
 same blocks gives `full`'s logits bit for bit.
 
-int4 host storage (``host_dtype="int4"``, offload, kvpr, hybrid): every K, V and X extent of a host
+int4 host storage (``host_dtype="int4"``, offload, kvpr, hybrid, clo, tokenselect kv=split): every K, V and X extent of a host
 pool is a ``QuantizedInt4`` (uint8 codes, float32 step and min per group; along d for K/V, along H for
 X), quantized on the GPU on its way to the host (prefill's extents, each flushed block: its three
 arrays written in place), fetched as it is in the same eager ``device_put`` list and dequantized to the
 compute dtype inside the layer program (`native_extent`) before the paged attention or
 `recompute_extent`. GPU-resident extents (hybrid's device classes) and the GPU tails stay in the
-model's dtype: they never cross PCIe, so quantizing them would cost accuracy and save no transfer.
+model's dtype: they never cross PCIe, so quantizing them would cost accuracy and save no transfer; so do
+K extents a policy keeps on the GPU (`keys_on_device`). clo and tokenselect fetch no extent: their layer
+program gathers the selected rows of the quantized extents and dequantizes those rows.
 
 State: `DecodeState` is a pytree (pool arrays, tails, tables) with host bookkeeping (the allocator,
 counters, the step records) as static fields; a step takes it and returns a new one.
@@ -362,6 +366,26 @@ class LayerHooks:
         HATA codes). Default: unchanged."""
         return slot
 
+    def speculate(self, pipe: "LayerPipeline", model, group: GroupState, layer: int, h, positions, slot):
+        """Layer `layer`'s slots after a speculative step dispatched before layer `layer` - 1's program, with h
+        the input hidden state of layer `layer` - 1 and positions the new token's (clo: a guessed selection
+        from an approximate query, its rows fetched while layer `layer` - 1 computes). Default: unchanged."""
+        return slot
+
+    def step_record(self, pipe: "LayerPipeline", groups) -> dict:
+        """What the policy adds to a step's record, from the groups' state after the step (device values,
+        never read on the host here: a step does not wait for the device). Default: nothing."""
+        return {}
+
+    def fetches_extents(self, pipe: "LayerPipeline") -> bool:
+        """Whether decode moves whole host extents (transfer buffers in the memory plan); False where the
+        layer program reads only selected rows of the host pool in place (clo, tokenselect kv=split)."""
+        return True
+
+    def slot_memory(self, pipe: "LayerPipeline", model, layouts, batch: int) -> dict:
+        """GPU bytes of the slots (`init_slots`) by part name, for the memory plan. Default: none."""
+        return {}
+
     def sources(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int, fetched):
         """The layer program's sources: the pool's own arrays for a device pool; for a host pool the
         fetched arrays in place of the extents in use and zero stand-ins for the rest (their tables
@@ -636,7 +660,9 @@ class LayerPipeline:
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
                           prefill_workspace_gb=o.prefill_workspace_gb, prefill_chunk_tokens=o.prefill_chunk_tokens,
                           host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
-                          k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp)
+                          k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp,
+                          fetch=self.hooks.fetches_extents(self),
+                          slots=self.hooks.slot_memory(self, model, layouts, len(lengths)))
         if o.offload_weights and M.on_host(model.params.layers):
             mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
         return mem
@@ -733,6 +759,7 @@ class LayerPipeline:
         n_kv, d = k.shape[1], k.shape[3]
         hdim = x.shape[2] if x is not None else None  # activations kept only where the layout stores them
         used = alloc.used_extents(layout)
+        k_dev_kept = self.hooks.keys_on_device(self)
         pk, pv, px, k_dev = [], [], [], []
         for e in range(layout.num_extents):
             src, valid = srcs[e]
@@ -740,6 +767,7 @@ class LayerPipeline:
             # a host extent as the pool stores it: quantized here, on its way to the host, for int4
             stored = ((lambda a: quantize_blocks(a, self.opts.int4_group_size))
                       if self.int4 and not layout.on_device(e) else (lambda a: a))
+            stored_k = (lambda a: a) if k_dev_kept else stored  # K kept on the GPU: native
             if layout.has("kv", e):
                 if e < used:
                     k_dev.append(gather_kv_extent(k, src, valid, blk))
@@ -747,7 +775,7 @@ class LayerPipeline:
                 else:
                     k_dev.append(jnp.zeros((E, n_kv, blk, d), dtype))
                     pv.append(stored(jnp.zeros((E, n_kv, blk, d), dtype)))
-                pk.append(stored(k_dev[-1]))
+                pk.append(stored_k(k_dev[-1]))
             else:
                 pk.append(None), pv.append(None), k_dev.append(None)
             if layout.has("act", e):
@@ -863,6 +891,9 @@ class LayerPipeline:
             gr, tl = groups[g], tails[g]
             lp = join_layer(weights[i][0], weights[i][1][0]) if o.offload_weights else layers[i]
             with jax.named_scope(f"layer{i}"):
+                if tl["slots"] and i + 1 < cfg.num_layers:  # dispatched before layer i's program, from its input
+                    tl["slots"][i + 1] = self.hooks.speculate(self, model, gr, i + 1, hs[g], positions[g],
+                                                              tl["slots"][i + 1])
                 src = self.hooks.sources(self, gr, plans[g], i, f)
                 slot = tl["slots"][i] if tl["slots"] else None
                 hs[g], tl["k"][i], tl["v"][i], tl["x"][i], slot = layer_step(
@@ -892,6 +923,7 @@ class LayerPipeline:
                 gr, nbytes = self.flush(gr)
                 d2h += nbytes
             new_groups.append(gr)
+        moved.update(self.hooks.step_record(self, new_groups))
         rec = self.record(model, state, plans, moved, d2h)
         return logits, DecodeState(groups=tuple(new_groups), batch=state.batch, step=state.step + 1,
                                    records=records + (rec,), step_started=now)
@@ -908,6 +940,7 @@ class LayerPipeline:
         touched = sorted(set(int(e) for e in ext_of))
         # a slot past the extent's end is dropped: one scatter program per extent size
         slots = {e: np.where(ext_of == e, slot_of, layout.size(e)) for e in touched}
+        keys_dev = self.hooks.keys_on_device(self)
         nbytes = 0
         for i in range(len(tk)):
             bk, tk[i] = _pop_block(tk[i], blk, 1)
@@ -917,7 +950,7 @@ class LayerPipeline:
                 bx, tx[i] = _pop_block(tx[i], blk, 0)
             # int4 host extents: the blocks quantized once per layer, on the GPU, before they move
             quant = (lambda a: quantize_blocks(a, self.opts.int4_group_size)) if self.int4 else (lambda a: a)
-            qk, qv = quant(bk), quant(bv)
+            qk, qv = (bk if keys_dev else quant(bk)), quant(bv)  # K kept on the GPU stays native
             qx = quant(bx) if bx is not None else None
             for e in touched:
                 share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e

@@ -142,13 +142,17 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
                 int4_group_size: int = 64, k_on_device: bool = False, prefill_chunk_tokens: int | None = None,
-                activation_split: int = 1) -> MemoryPlan:
+                activation_split: int = 1, fetch: bool = True, slots: dict | None = None) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
     dequantized on the GPU one extent at a time; GPU-resident blocks stay in the model's dtype).
     k_on_device: a host pool's K extents live on the GPU and its V extents on the host, read in place by
-    the layer program (tokenselect kv=split): nothing is fetched, so no transfer buffers.
+    the layer program (tokenselect kv=split, clo exact); K stays in the model's dtype there (it never
+    crosses PCIe). fetch False: decode moves no whole extent (clo, tokenselect kv=split gather selected rows
+    in place), so no transfer buffers and no extent-sized dequantize workspace. slots: GPU bytes of the
+    policy's per-layer slots by part name (selection caches, row buffers, retrieval metadata), held from
+    prefill to the end of the run.
     prefill_chunk_tokens: the prefill runs each layer in token chunks (the workspace is a chunk's) and
     one layer at a time (its K/V, X and their gathered extents are counted once).
     Tensor parallelism (offload/sharding.py) plans one device: cfg is the config that device sees (its
@@ -175,7 +179,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     pool_d = {"K/V blocks": 0, "activation blocks": 0}
     per_layer_fetch, rec_ws, deq_ws = 0, 0, 0
     for lay in layouts:
-        fetch = 0
+        moved = 0
         for e in range(lay.num_extents):
             side = pool_h if host_pool and not lay.on_device(e) else pool_d
             kv_e = lay.size(e) * (kv_host_blk(lay) if side is pool_h else kv_blk(lay)) if lay.has("kv", e) else 0
@@ -184,18 +188,18 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
             x_e = lay.size(e) * (x_host_blk(lay) if side is pool_h else x_blk(lay)) if lay.has("act", e) else 0
             if side is pool_h and x_e and x_host_tok != cfg.hidden_size * p:
                 deq_ws = max(deq_ws, lay.size(e) * x_blk(lay))  # one fetched X extent, dequantized
-            if side is pool_h and k_on_device:  # K (half of kv_e) on the GPU, V on the host, nothing fetched
-                pool_d["K/V blocks"] += L * kv_e // 2
+            if side is pool_h and k_on_device and kv_e:  # K on the GPU (native), V on the host (as stored)
+                pool_d["K/V blocks"] += L * lay.size(e) * kv_blk(lay) // 2
                 pool_h["K/V blocks"] += L * (kv_e - kv_e // 2)
                 kv_e = 0
             side["K/V blocks"] += L * kv_e
             side["activation blocks"] += L * x_e
             if side is pool_h:
-                fetch += max(kv_e, x_e)
+                moved += max(kv_e, x_e)
             if x_e:  # K/V recomputed from one activation extent at a time (gathered whole when split)
                 rec_ws = max(rec_ws, lay.size(e) * (kv_blk(lay) + (x_blk(lay) * activation_split
                                                                     if activation_split > 1 else 0)))
-        per_layer_fetch = max(per_layer_fetch, fetch)
+        per_layer_fetch = max(per_layer_fetch, moved)
     host = dict(pool_h) if host_pool else {}
     r = min(int(resident_layers), L) if offload_weights else 0
     host["weights"] = (L - r) * wb.per_layer if offload_weights else 0
@@ -212,9 +216,10 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         "logits": b * cfg.vocab_size * 4 * 2,
         # decoding: `inflight` streamed layers' weights and items' fetched blocks alive at once
         "weights in flight": min(inflight, streamed) * wb.per_layer,
-        "transfer buffers": inflight * per_layer_fetch if host_pool else 0,
+        "transfer buffers": inflight * per_layer_fetch if host_pool and fetch else 0,
         "recompute workspace": 2 * rec_ws,
-        "dequantize workspace": deq_ws,
+        "dequantize workspace": deq_ws if fetch else 0,
+        **{k: int(v) for k, v in (slots or {}).items()},
         # prefill of one layer of one GPU batch: its weights (this layer's and the next's), the batch's
         # hidden states and K/V/X, and one row chunk's attention / MLP workspace (token-chunked: one
         # token chunk's, and the layer's K/V/X gathered into extents before they go to the host)

@@ -46,8 +46,27 @@ pinned host memory (`keys_on_device` False), only the metadata on the GPU; the s
 gathered from the host like the V rows, into a second cache buffer (``k_rows``) reused on hits.
 Persistent heads' K/V are NOT placed on the GPU separately: they stay in the host pool (K on the GPU
 for ``exact``) and their whole context's rows are gathered into the cache buffer on each re-selection
-(every flush).
-Out of scope here: speculative prefetch.
+(every flush). The memory plan counts the slots (selection caches, row buffers, metadata).
+
+6. Speculative prefetch (``speculative_prefetch``, default on: exact, it changes where rows come from, never
+   which rows are attended). Before layer l-1's program (`LayerHooks.speculate`, the pipeline's hook), a
+   separate program (``speculate_layer``) takes layer l-1's input hidden state through layer l's input norm,
+   W_Q and RoPE at the new token's positions: an approximate query of layer l. With it, layer l's reuse rule
+   predicts which heads will miss, and for those it selects (the same scoring and top-k as the true query)
+   and gathers the guessed rows into layer l's buffers. The slots then track which tokens the buffers hold
+   (``held``); layer l's own program selects with the true query and gathers only the rows the buffers lack
+   (``refill_rows``: exactly true minus guess for a guessed head; nothing for a hit). The gathers' size is
+   static: the smallest of K/16, K/4 or K rows that holds the most any (request, head) lacks, none when
+   nothing is missing (``gather_missing``). The guess's hit rate (rows of the fresh selections the buffers
+   already held) goes into each step record (device values) and `describe`. On the GPU, whether the guess's
+   host gather overlaps layer l-1's compute depends on where XLA runs a gather from pinned host memory (the
+   probes found the compute stream): the structure is in place, the overlap is to be measured.
+   Indices never leave the device: everything above is inside the two programs.
+
+int4 host storage (``host_dtype="int4"``, issue 13): the host extents (V; for quest / hata also K) are
+``QuantizedInt4``; the gathers take the selected rows' codes and scales (``gather_rows``) and dequantize only
+those rows on the GPU (`native_extent`); K extents kept on the GPU (exact) stay in the model's dtype, and
+the retrieval metadata is computed from the unquantized keys.
 """
 
 from __future__ import annotations
@@ -65,6 +84,8 @@ import numpy as np
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
 from kvoffload.importance.deploy import group_similarity
+from kvoffload.models.transformer import family
+from kvoffload.offload.pipeline import native_extent
 from kvoffload.offload.pool import write_blocks
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
 from kvoffload.policies.base import register_policy
@@ -73,6 +94,7 @@ from kvoffload.policies.tokenselect import (
     NEG_INF,
     SelectionCache,
     TokenSelectHooks,
+    empty_selection,
     choose_tokens,
     gather_rows,
     hit_rates,
@@ -116,6 +138,15 @@ class CloSlots:
     meta: tuple = ()
     hata_w: jax.Array | None = None  # [n_kv, d, r] f32: the layer's HATA projections (hata only)
     k_rows: jax.Array | None = None  # [B, n_kv, K, d]: the selected K rows where K is on the host
+    # speculative prefetch only (None without): the tokens whose rows the buffers hold, in buffer order (the
+    # last selection, or a speculative guess), whether this step's guess was made, and counters
+    held: jax.Array | None = None  # [B, n_kv, K] int32, the first held_valid entries valid (ascending)
+    held_valid: jax.Array | None = None  # [B, n_kv] int32
+    guessed: jax.Array | None = None  # [] bool: a guess was made for this layer this step (cleared by attend)
+    spec_rows_fetched: jax.Array | None = None  # [B, n_kv] int32: rows gathered by the guesses
+    guess_covered: jax.Array | None = None  # [B, n_kv] int32: rows of fresh selections already held
+    guess_needed: jax.Array | None = None  # [B, n_kv] int32: rows of fresh selections after a guess
+    last_guess: jax.Array | None = None  # [2] int32: (covered, needed) of the last step
 
     # what tokenselect's `hit_rates` reads
     hits = property(lambda self: self.selection.hits)
@@ -204,6 +235,73 @@ def aggregate_similarity(cos, weights, how: str):
     return group_similarity(cos, weights[None]) if how == "harmonic" else jnp.min(cos, axis=-1)
 
 
+# ---------------------------------------------------------------------------------------------
+# the row buffer: rows held on the GPU, refilled with only the rows it lacks (speculative prefetch)
+# ---------------------------------------------------------------------------------------------
+
+FETCH_TIERS = (16, 4, 1)  # a refill gathers K/16, K/4 or K rows (the smallest that holds its misses), or none
+
+
+def locate_rows(held, held_valid, want, want_valid):
+    """(present, pos) [B, n_kv, K]: whether each wanted token (the first want_valid entries of want) is among
+    the held ones (the first held_valid entries of held, ascending, as ``choose_tokens`` gives them) and
+    at which entry of held."""
+    Kh, Kw = held.shape[-1], want.shape[-1]
+    keyed = jnp.where(jnp.arange(Kh) < held_valid[..., None], held, jnp.int32(2 ** 30))  # sorted
+    pos = jax.vmap(jnp.searchsorted)(keyed.reshape(-1, Kh), want.reshape(-1, Kw)).reshape(want.shape)
+    pos = jnp.minimum(pos, Kh - 1).astype(jnp.int32)
+    present = (jnp.take_along_axis(keyed, pos, -1) == want) & (jnp.arange(Kw) < want_valid[..., None])
+    return present, pos
+
+
+def missing_rows(held, held_valid, want, want_valid):
+    """(present, pos, missing, count): ``locate_rows`` and the wanted tokens the held ones lack, compacted
+    ([B, n_kv, K]: the first count [B, n_kv] entries, in want's order; the rest 0)."""
+    present, pos = locate_rows(held, held_valid, want, want_valid)
+    K = want.shape[-1]
+    miss = (jnp.arange(K) < want_valid[..., None]) & ~present
+    rank = jnp.cumsum(miss, axis=-1, dtype=jnp.int32) - 1
+    B, n_kv = want.shape[:2]
+    at = (jnp.arange(B)[:, None, None], jnp.arange(n_kv)[None, :, None], jnp.where(miss, rank, K))
+    missing = jnp.zeros_like(want).at[at].set(want, mode="drop")
+    return present, pos, missing, jnp.sum(miss, axis=-1, dtype=jnp.int32)
+
+
+def gather_missing(sources, missing, count, blk, like):
+    """Rows of the tokens missing[..., :max(count)] from each source's extents (host memory, int4 or native:
+    dequantized to like[i]'s dtype), as [B, n_kv, K, d] arrays shaped like `like` (rows past the count
+    undefined). The gather takes the smallest of the FETCH_TIERS sizes that holds max(count) rows (a
+    ``lax.switch``: static shapes), none when nothing is missing."""
+    K = missing.shape[-1]
+    sizes = sorted({max(1, -(-K // t)) for t in FETCH_TIERS})
+
+    def gather(m):
+        def run():
+            out = []
+            for ext, buf in zip(sources, like):
+                rows = native_extent(gather_rows(ext, missing[..., :m], blk), buf.dtype).astype(buf.dtype)
+                out.append(jnp.pad(rows, ((0, 0), (0, 0), (0, K - m), (0, 0))))
+            return tuple(out)
+        return run
+
+    most = jnp.max(count)
+    which = jnp.where(most == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), most)).astype(jnp.int32)
+    return jax.lax.switch(which, [lambda: tuple(jnp.zeros_like(b) for b in like)] + [gather(m) for m in sizes])
+
+
+def refill_rows(held, held_valid, buffers, want, want_valid, sources, blk):
+    """(rows, fetched): the rows of the wanted tokens ([B, n_kv, K, d] per buffer, in want's order) and how
+    many were gathered per (request, KV head). buffers hold the rows of `held` (one per source: V, or K and
+    V); a wanted row already held is taken from its buffer, only the others are gathered from the sources
+    (the host extents): exactly want minus held."""
+    present, pos, missing, count = missing_rows(held, held_valid, want, want_valid)
+    got = gather_missing(sources, missing, count, blk, buffers)
+    rank = jnp.maximum(jnp.cumsum(~present, axis=-1, dtype=jnp.int32) - 1, 0)
+    out = tuple(jnp.where(present[..., None], jnp.take_along_axis(buf, pos[..., None], axis=2),
+                          jnp.take_along_axis(new, rank[..., None], axis=2)) for buf, new in zip(buffers, got))
+    return out, count
+
+
 @dataclasses.dataclass(frozen=True)
 class CloAttend:
     """The policy's `attend` (hashable, static). The per-layer reuse rule comes with the slots."""
@@ -215,9 +313,13 @@ class CloAttend:
     gqa_aggregation: str
     page_size: int = 1  # tokens selected together: 1, quest's page (static_budget of the shared hooks reads it)
     retrieval: str = "exact"
+    speculative: bool = False  # the slots track the rows their buffers hold (CloSlots.held); see `speculate_layer`
 
-    def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
-        keys, values = src.pool.k, src.pool.v
+    def selection_rule(self, q, src, tables, slots: CloSlots):
+        """(reuse [B, n_kv], select): which (request, KV head) keep their cached selection for query q, and
+        a function giving a fresh selection (indices, num_valid) for q (scores, top-k, sinks and recent
+        tokens, persistent heads: everything)."""
+        keys = src.pool.k
         B, H, d = q.shape
         n_kv, blk = keys[0].shape[1], keys[0].shape[2]
         sel = slots.selection
@@ -245,21 +347,51 @@ class CloAttend:
             return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
                                  self.num_sink, self.num_recent, ps)
 
+        return reuse, select
+
+    def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
+        keys, values = src.pool.k, src.pool.v
+        B, H, d = q.shape
+        n_kv, blk = keys[0].shape[1], keys[0].shape[2]
+        sel = slots.selection
+        K = sel.indices.shape[-1]
+        pool_tokens = sum(tables.count) * blk
+        reuse, select = self.selection_rule(q, src, tables, slots)
         indices, num_valid = reuse_or_select(reuse, sel, select)
         hit = reuse[..., None, None]
-        if slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
-            k_sel = gather_rows(keys, indices, blk)
-            fetched = jax.lax.cond(jnp.all(reuse), lambda: slots.v_rows,
-                                   lambda: gather_rows(values, indices, blk).astype(slots.v_rows.dtype))
+        spec = {}
+        if self.speculative:  # the buffers hold the rows of slots.held: gather only the rows they lack
+            if slots.k_rows is None:
+                (v_sel,), fetched = refill_rows(slots.held, slots.held_valid, (slots.v_rows,), indices, num_valid,
+                                                (values,), blk)
+                k_sel, k_rows = native_extent(gather_rows(keys, indices, blk), q.dtype), None
+            else:
+                (k_rows, v_sel), fetched = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows),
+                                                       indices, num_valid, (keys, values), blk)
+                k_sel = k_rows
+            # the guess's coverage of every fresh selection of a layer that was guessed this step
+            fresh = ~reuse & slots.guessed
+            needed = jnp.where(fresh, num_valid, 0)
+            covered = jnp.where(fresh, num_valid - fetched, 0)
+            spec = dict(held=indices, held_valid=num_valid, guessed=jnp.zeros((), bool),
+                        guess_covered=slots.guess_covered + covered, guess_needed=slots.guess_needed + needed,
+                        last_guess=jnp.stack([jnp.sum(covered), jnp.sum(needed)]))
+        elif slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
+            k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
+            fetched_v = jax.lax.cond(jnp.all(reuse), lambda: slots.v_rows,
+                                     lambda: native_extent(gather_rows(values, indices, blk), slots.v_rows.dtype))
             k_rows = None
+            v_sel = jnp.where(hit, slots.v_rows, fetched_v)
         else:  # K on the host too: both gathered from the host on a miss, both buffers reused on hits
-            fetched_k, fetched = jax.lax.cond(
+            fetched_k, fetched_v = jax.lax.cond(
                 jnp.all(reuse), lambda: (slots.k_rows, slots.v_rows),
-                lambda: (gather_rows(keys, indices, blk).astype(slots.k_rows.dtype),
-                         gather_rows(values, indices, blk).astype(slots.v_rows.dtype)))
+                lambda: (native_extent(gather_rows(keys, indices, blk), slots.k_rows.dtype),
+                         native_extent(gather_rows(values, indices, blk), slots.v_rows.dtype)))
             k_rows = jnp.where(hit, slots.k_rows, fetched_k)
             k_sel = k_rows
-        v_sel = jnp.where(hit, slots.v_rows, fetched)
+            v_sel = jnp.where(hit, slots.v_rows, fetched_v)
+        if not self.speculative:
+            fetched = jnp.where(reuse, 0, num_valid)
         slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
         part = ops.sparse_attention(q, k_sel, v_sel.astype(k_sel.dtype), slot_ids, num_valid=num_valid,
                                     impl=attention_impl)
@@ -272,8 +404,43 @@ class CloAttend:
                                  hits=sel.hits + (reuse & cached).astype(jnp.int32), steps=sel.steps + 1,
                                  scored=sel.scored + jnp.any(~reuse).astype(jnp.int32))
         new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows,
-                                  v_rows_fetched=slots.v_rows_fetched + jnp.where(reuse, 0, num_valid))
+                                  v_rows_fetched=slots.v_rows_fetched + fetched, **spec)
         return acc, new
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attend"))
+def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots: CloSlots):
+    """CLO's speculative prefetch for one layer l (issue 11 item 4), dispatched before layer l-1's program:
+    the approximate query of layer l from layer l-1's input hidden state h (layer l's input norm, W_Q and
+    RoPE at the new token's positions), the same reuse rule and selection as the true query's
+    (`CloAttend.selection_rule`) for the heads it predicts to miss, and the guessed rows gathered into
+    layer l's buffers (only those the buffers lack). Returns layer l's slots holding the guess; its
+    program then gathers only what the guess missed (`refill_rows`)."""
+    fam = family(cfg)
+    q = fam.qkv(cfg, lp, fam.attn_input(cfg, lp, h), positions)[0][:, :, 0]
+    keys, values = src.pool.k, src.pool.v
+    blk = keys[0].shape[2]
+    reuse, select = attend.selection_rule(q, src, tables, slots)
+    g_idx, g_nv = jax.lax.cond(jnp.all(reuse), lambda: (slots.held, slots.held_valid), select)
+    g_idx = jnp.where(reuse[..., None], slots.held, g_idx)  # predicted hits keep what they hold
+    g_nv = jnp.where(reuse, slots.held_valid, g_nv)
+    if slots.k_rows is None:
+        (v_rows,), fetched = refill_rows(slots.held, slots.held_valid, (slots.v_rows,), g_idx, g_nv, (values,), blk)
+        k_rows = None
+    else:
+        (k_rows, v_rows), fetched = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows), g_idx,
+                                                g_nv, (keys, values), blk)
+    return dataclasses.replace(slots, v_rows=v_rows, k_rows=k_rows, held=g_idx, held_valid=g_nv,
+                               guessed=jnp.ones((), bool), spec_rows_fetched=slots.spec_rows_fetched + fetched)
+
+
+@jax.jit
+def guess_rates(last_guess):
+    """(hit rate of the step, per layer [L]) from each layer's last_guess (covered, needed): the fraction
+    of the fresh selections' rows the guess had fetched (nan where nothing was selected afresh)."""
+    per = jnp.stack(last_guess).astype(jnp.float32)  # [L, 2]
+    tot = jnp.sum(per, axis=0)
+    return tot[0] / tot[1], per[:, 0] / per[:, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,6 +510,30 @@ class CloHooks(TokenSelectHooks):
     def keys_on_device(self, pipe) -> bool:
         return self.attend.retrieval == "exact"  # quest / hata: only their metadata on the GPU
 
+    def speculate(self, pipe, model, group, layer, h, positions, slot):
+        if not self.attend.speculative:
+            return slot
+        src = self.sources(pipe, group, None, layer, None)  # kv=split: the pool's own arrays, nothing fetched
+        return speculate_layer(model.config, self.attend, pipe.layers(model)[layer], h, positions, src, group.tables,
+                               slot)
+
+    def step_record(self, pipe, groups) -> dict:
+        """With speculative prefetch: the step's guess hit rate (fraction of the fresh selections' rows the
+        guesses had fetched), overall and per layer, as device values (float() them after the step)."""
+        if not self.attend.speculative:
+            return {}
+        per_layer = [sum(gr.slots[i].last_guess for gr in groups) for i in range(len(groups[0].slots))]
+        rate, rates = guess_rates(per_layer)
+        return {"guess_hit_rate": rate, "guess_hit_rate_per_layer": rates}
+
+    def slot_parts(self, slot) -> dict:
+        from kvoffload.policies.tokenselect import _tree_nbytes
+
+        rows = _tree_nbytes((slot.v_rows, slot.k_rows))
+        meta = _tree_nbytes((slot.meta, slot.hata_w))
+        return {"selection cache (query labels, indices, per-head rule)": _tree_nbytes(slot) - rows - meta,
+                "row buffers (selected K/V rows)": rows, "retrieval metadata": meta}
+
     def hata_projections(self, cfg):
         """(W [L, n_kv, d, r] f32, source): trained from hata_weights, else seeded Gaussian (SimHash)."""
         from kvoffload.importance.hata import init_projection, load_projections
@@ -401,19 +592,37 @@ class CloHooks(TokenSelectHooks):
             mask[0] = True
         return mask, report
 
-    def init_slots(self, pipe, model, layout, batch):
+    def slot_maker(self, pipe, model, layout, batch):
+        """As tokenselect's: the host-side rule (thresholds, persistent heads, HATA projections) decided here,
+        the arrays made by the function returned."""
         cfg = model.config
-        H, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        d = cfg.head_dim
         scores, tau, weights, source = head_rule(cfg, self.importance, self.eta, self.p, self.fixed_threshold)
         K_sel = self.static_budget(layout, batch)
         persistent, report = self.persistent_mask(pipe, model, scores, layout, batch, K_sel)
         bound = request_token_bound(layout, batch)
         dtype = model.params.layers[0].wk.dtype
-        retrieval, page = self.attend.retrieval, self.attend.page_size
-        w, w_source = self.hata_projections(cfg) if retrieval == "hata" else (None, None)
+        w, w_source = self.hata_projections(cfg) if self.attend.retrieval == "hata" else (None, None)
+        # one row of V as the host pool stores it (int4: codes and the float32 step and min of each group)
+        row_bytes = d // 2 + 8 * (d // pipe.opts.int4_group_size) if pipe.int4 else d * jnp.dtype(dtype).itemsize
         self.chosen = dict(tau=tau, persistent=persistent, source=source, plan=report, K=K_sel, bound=bound,
-                           v_row_bytes=d * jnp.dtype(dtype).itemsize, hata_source=w_source)
-        blk = layout.block_tokens
+                           v_row_bytes=row_bytes, hata_source=w_source)
+
+        def make():
+            return tuple(self.layer_slots(model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w)
+                         for layer in range(cfg.num_layers))
+        return make
+
+    def init_slots(self, pipe, model, layout, batch):
+        # committed, like a step's outputs
+        return jax.device_put(self.slot_maker(pipe, model, layout, batch)(), pipe.dev)
+
+    def layer_slots(self, model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w):
+        """One layer's CloSlots before the first step."""
+        cfg = model.config
+        H, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dtype = model.params.layers[0].wk.dtype
+        retrieval, page, blk = self.attend.retrieval, self.attend.page_size, layout.block_tokens
 
         def meta_zeros(E):
             if retrieval == "quest":
@@ -422,28 +631,25 @@ class CloHooks(TokenSelectHooks):
                 return (jnp.zeros((E, n_kv, blk, w.shape[-1] // 32), jnp.uint32),)
             return ()
         zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        slots = []
-        for layer in range(cfg.num_layers):
-            K = bound if persistent[layer].any() else K_sel  # a persistent head selects its whole context
-            sel = SelectionCache(query=jnp.zeros((batch, H, d), jnp.float32), indices=zeros((batch, n_kv, K)),
-                                 num_valid=zeros((batch, n_kv)), pool_tokens=jnp.full((batch,), -1, jnp.int32),
-                                 hits=zeros((batch, n_kv)), steps=zeros((batch,)), scored=zeros(()))
-            one = CloSlots(selection=sel, v_rows=jnp.zeros((batch, n_kv, K, d), dtype),
-                           v_rows_fetched=zeros((batch, n_kv)), tau=jnp.asarray(tau[layer], jnp.float32),
-                           weights=jnp.asarray(weights[layer], jnp.float32),
-                           persistent=jnp.asarray(persistent[layer]),
-                           meta=tuple(meta_zeros(layout.size(e)) for e in range(layout.num_extents)) if retrieval != "exact" else (),
-                           hata_w=None if w is None else jnp.asarray(w[layer], jnp.float32),
-                           k_rows=None if retrieval == "exact" else jnp.zeros((batch, n_kv, K, d), dtype))
-            slots.append(jax.device_put(one, pipe.dev))  # committed, like a step's outputs
-        return tuple(slots)
+        K = bound if persistent[layer].any() else K_sel  # a persistent head selects its whole context
+        spec = dict(held=zeros((batch, n_kv, K)), held_valid=zeros((batch, n_kv)), guessed=jnp.zeros((), bool),
+                    spec_rows_fetched=zeros((batch, n_kv)), guess_covered=zeros((batch, n_kv)),
+                    guess_needed=zeros((batch, n_kv)), last_guess=zeros((2,))) if self.attend.speculative else {}
+        return CloSlots(selection=empty_selection(batch, H, n_kv, d, K), v_rows=jnp.zeros((batch, n_kv, K, d), dtype),
+                        v_rows_fetched=zeros((batch, n_kv)), tau=jnp.asarray(tau[layer], jnp.float32),
+                        weights=jnp.asarray(weights[layer], jnp.float32), persistent=jnp.asarray(persistent[layer]),
+                        meta=tuple(meta_zeros(layout.size(e)) for e in range(layout.num_extents))
+                        if retrieval != "exact" else (),
+                        hata_w=None if w is None else jnp.asarray(w[layer], jnp.float32),
+                        k_rows=None if retrieval == "exact" else jnp.zeros((batch, n_kv, K, d), dtype), **spec)
 
 
 @register_policy("clo")
 class CloPolicy(LayeredPolicy):
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
+    host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
     extra_options = ("retrieval", "quest_page_tokens", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
-                     "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full")
+                     "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch")
 
     def __init__(self, **options):
         if options.get("offload_weights"):
@@ -452,7 +658,7 @@ class CloPolicy(LayeredPolicy):
 
     def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=128, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="none",
-                   layer0_full=True):
+                   layer0_full=True, speculative_prefetch=True):
         if retrieval not in RETRIEVALS:
             raise CloOptionError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
         blk = self.options.block_tokens
@@ -475,9 +681,11 @@ class CloPolicy(LayeredPolicy):
         if isinstance(persistent_heads, str) and persistent_heads not in ("none", "plan"):
             raise CloOptionError(f"persistent_heads must be 'none', 'plan' or a list of (layer, kv_head), "
                                  f"got {persistent_heads!r}")
+        if speculative_prefetch not in (True, False):
+            raise CloOptionError(f"speculative_prefetch must be true or false, got {speculative_prefetch!r}")
         attend = CloAttend(token_budget=topk, token_ratio=topk_ratio,
                            num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation,
-                           page_size=page, retrieval=retrieval)
+                           page_size=page, retrieval=retrieval, speculative=bool(speculative_prefetch))
         return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),
                         fixed_threshold=None if fixed_threshold is None else float(fixed_threshold),
                         persistent_heads=persistent_heads, layer0_full=bool(layer0_full),
@@ -509,12 +717,25 @@ class CloPolicy(LayeredPolicy):
             cached = ~h.chosen["persistent"]
             per_head = np.asarray(c["hit_rate_per_layer_head"])
             c["hit_rate_cached_heads"] = float(per_head[cached].mean()) if cached.any() else None
-            rows = sum(np.stack([np.asarray(s.v_rows_fetched).sum(0) for s in gr.slots]) for gr in state.groups)
+            def per_layer_head(field):  # [L, n_kv] summed over requests and GPU batches
+                return sum(np.stack([np.asarray(getattr(s, field)).sum(0) for s in gr.slots]) for gr in state.groups)
+
+            rows = per_layer_head("v_rows_fetched")
+            if a.speculative:  # the rows the guesses gathered, beside those each layer's own program gathered
+                spec = per_layer_head("spec_rows_fetched")
+                covered, needed = per_layer_head("guess_covered"), per_layer_head("guess_needed")
+                c["speculative_prefetch"] = {
+                    "guess_hit_rate": float(covered.sum() / needed.sum()) if needed.sum() else None,
+                    "guess_hit_rate_per_layer": [round(float(x), 4) if n else None for x, n in
+                                                 zip(covered.sum(1) / np.maximum(needed.sum(1), 1), needed.sum(1))],
+                    "v_bytes_fetched_by_guesses": int(spec.sum()) * h.chosen["v_row_bytes"],
+                    "v_bytes_fetched_after_guesses": int(rows.sum()) * h.chosen["v_row_bytes"]}
+                rows = rows + spec
             nbytes = rows.astype(np.int64) * h.chosen["v_row_bytes"]
             c["v_bytes_fetched"] = int(nbytes.sum())
             c["v_bytes_fetched_per_layer"] = [int(x) for x in nbytes.sum(1)]
             c["v_bytes_fetched_cached_heads"] = int(nbytes[cached].sum())
-            if a.retrieval != "exact":  # the same rows of K (same dtype) gathered from the host beside V
+            if a.retrieval != "exact":  # the same rows of K (as stored) gathered from the host beside V
                 c["k_bytes_fetched"] = c["v_bytes_fetched"]
             # GPU-resident retrieval state: the metadata of every extent (slots' meta) and HATA's W
             slots = [s for gr in state.groups for s in gr.slots]

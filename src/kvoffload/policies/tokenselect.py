@@ -8,7 +8,9 @@ extent's mode is "dev": the pool's own arrays go to the layer program as they ar
 the GPU and the gather reads only the selected V rows from the host arrays inside the layer program
 (`gather_rows`: indices moved to host memory space, the gather there, the rows moved to the device).
 Half of `kv=gpu`'s GPU KV bytes. The rows move inside the program, so the step records count no
-bytes_kv for them (they move nothing the pipeline issues).
+bytes_kv for them (they move nothing the pipeline issues). With ``host_dtype="int4"`` the V extents are
+stored quantized (issue 13; K stays native on the GPU): the gather takes the selected rows' codes and
+scales and dequantizes only those rows on the GPU.
 
 Per layer, inside the layer's one jitted program (`TokenSelectAttend`), for each request and KV head:
 
@@ -53,7 +55,7 @@ import numpy as np
 
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
-from kvoffload.offload.pipeline import LayerHooks, PoolSources
+from kvoffload.offload.pipeline import LayerHooks, PoolSources, native_extent
 from kvoffload.pallas.sparse_attention import expand_indices
 from kvoffload.policies import extrapolation
 from kvoffload.policies.base import register_policy
@@ -186,18 +188,24 @@ def gather_rows(extents, indices, blk):
     """[B, n_kv, K, d] in device memory: rows of the pool's token space (indices [B, n_kv, K]) from the
     extents [E_e, n_kv, blk, d] (block-id order); one gather per extent, each row taken from its own.
     An extent in host memory (kv=split's V) is gathered where it is (JAX requires the indices in the
-    operand's memory space) and only the gathered rows are moved to the device."""
+    operand's memory space) and only the gathered rows are moved to the device. An int4 extent
+    (``QuantizedInt4``: codes, step, min, each [E_e, n_kv, blk, .]) gives the rows as stored (a
+    QuantizedInt4 of [B, n_kv, K, .] arrays): the caller dequantizes only those (`native_extent`)."""
     block, off = indices // blk, indices % blk
     head = jnp.arange(indices.shape[1], dtype=jnp.int32)[None, :, None]
     out, start = None, 0
     for x in extents:
-        E = x.shape[0]
+        E = jax.tree.leaves(x)[0].shape[0]
         at = (jnp.clip(block - start, 0, E - 1), jnp.broadcast_to(head, block.shape), off)
-        if jax.typeof(x).memory_space == jax.memory.Space.Host:
-            rows = jax.device_put(x[jax.device_put(at, jax.memory.Space.Host)], jax.memory.Space.Device)
-        else:
-            rows = x[at]
-        out = rows if out is None else jnp.where(((block >= start) & (block < start + E))[..., None], rows, out)
+
+        def take(a):
+            if jax.typeof(a).memory_space == jax.memory.Space.Host:
+                return jax.device_put(a[jax.device_put(at, jax.memory.Space.Host)], jax.memory.Space.Device)
+            return a[at]
+
+        rows = jax.tree.map(take, x)
+        inside = ((block >= start) & (block < start + E))[..., None]
+        out = rows if out is None else jax.tree.map(lambda r, o: jnp.where(inside, r, o), rows, out)
         start += E
     return out
 
@@ -268,8 +276,8 @@ class TokenSelectAttend:
 
         indices, num_valid = reuse_or_select(reuse, slots, select)
 
-        k_sel = gather_rows(keys, indices, blk)
-        v_sel = gather_rows(values, indices, blk)
+        k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
+        v_sel = native_extent(gather_rows(values, indices, blk), q.dtype)  # int4 host V: the rows dequantized
         slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
         part = ops.sparse_attention(q, k_sel, v_sel, slot_ids, num_valid=num_valid, impl=attention_impl)
         acc = ops.merge_attention_into(acc, part)
@@ -285,6 +293,19 @@ class TokenSelectAttend:
 # ---------------------------------------------------------------------------------------------
 # hooks and policy
 # ---------------------------------------------------------------------------------------------
+
+
+def empty_selection(batch, H, n_kv, d, K) -> SelectionCache:
+    """A selection cache that has selected nothing yet (pool_tokens -1: the first step selects)."""
+    zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    return SelectionCache(query=jnp.zeros((batch, H, d), jnp.float32), indices=zeros((batch, n_kv, K)),
+                          num_valid=zeros((batch, n_kv)), pool_tokens=jnp.full((batch,), -1, jnp.int32),
+                          hits=zeros((batch, n_kv)), steps=zeros((batch,)), scored=zeros(()))
+
+
+def _tree_nbytes(tree) -> int:
+    """Bytes of a pytree's arrays (or their shapes, from eval_shape)."""
+    return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
 
 
 def request_token_bound(layout, batch: int) -> int:
@@ -306,6 +327,24 @@ class TokenSelectHooks(LayerHooks):
     def keys_on_device(self, pipe) -> bool:
         return self.split
 
+    def fetches_extents(self, pipe) -> bool:
+        return not self.split  # kv=split reads the selected rows in place; kv=gpu: a device pool
+
+    def slot_parts(self, slot) -> dict:
+        """GPU bytes of one layer's slots by part name (the memory plan's entries)."""
+        return {"selection cache (queries, indices)": _tree_nbytes(slot)}
+
+    def slot_memory(self, pipe, model, layouts, batch):
+        """The slots' bytes, from their shapes (``jax.eval_shape`` of `slot_maker`'s function: nothing
+        allocated), for GPU batches of equal size (the default `group_rows`)."""
+        b = -(-batch // max(1, len(layouts)))
+        out: dict = {}
+        for layout in layouts:
+            for one in jax.eval_shape(self.slot_maker(pipe, model, layout, b)):
+                for k, v in self.slot_parts(one).items():
+                    out[k] = out.get(k, 0) + v
+        return out
+
     def plan_group(self, pipe, model, group):
         plan = super().plan_group(pipe, model, group)
         if not self.split:
@@ -325,16 +364,20 @@ class TokenSelectHooks(LayerHooks):
         ps = a.page_size
         return max(ps, min(-(-k // ps) * ps, bound))
 
-    def init_slots(self, pipe, model, layout, batch):
+    def slot_maker(self, pipe, model, layout, batch):
+        """A function of no arguments making the slots' arrays (every host-side decision taken before), so
+        that `init_slots` runs it and `slot_memory` takes its shapes."""
         cfg = model.config
         K = self.static_budget(layout, batch)
-        H, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        one = SelectionCache(query=jnp.zeros((batch, H, d), jnp.float32), indices=zeros((batch, n_kv, K)),
-                             num_valid=zeros((batch, n_kv)), pool_tokens=jnp.full((batch,), -1, jnp.int32),
-                             hits=zeros((batch, n_kv)), steps=zeros((batch,)), scored=zeros(()))
-        one = jax.device_put(one, pipe.dev)  # committed, like a step's outputs (no recompilation)
-        return tuple(one for _ in range(cfg.num_layers))
+
+        def make():
+            one = empty_selection(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, K)
+            return tuple(one for _ in range(cfg.num_layers))
+        return make
+
+    def init_slots(self, pipe, model, layout, batch):
+        # committed, like a step's outputs (no recompilation)
+        return jax.device_put(self.slot_maker(pipe, model, layout, batch)(), pipe.dev)
 
     def sources(self, pipe, group, plan, layer, fetched):
         if self.split:  # the pool's arrays as they are, as for a device pool (no zero stand-ins: nothing fetched)
@@ -381,8 +424,10 @@ class TokenSelectPolicy(LayeredPolicy):
         if options.get("offload_weights"):
             raise TokenSelectOptionError("policy 'tokenselect' keeps the weights on the device; "
                                          "offload_weights is not supported")
-        # kv=split: a host pool (V extents in pinned host memory, K extents on the device, see the hooks)
+        # kv=split: a host pool (V extents in pinned host memory, K extents on the device, see the hooks);
+        # its V extents may be stored as int4 (the selected rows dequantized on the GPU)
         self.host_pool = options.get("kv", "gpu") == "split"
+        self.host_dtypes = ("native", "int4") if self.host_pool else ("native",)
         super().__init__(**options)
 
     def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
