@@ -185,8 +185,8 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
 def gather_rows(extents, indices, blk):
     """[B, n_kv, K, d] in device memory: rows of the pool's token space (indices [B, n_kv, K]) from the
     extents [E_e, n_kv, blk, d] (block-id order); one gather per extent, each row taken from its own.
-    An extent in host memory (kv=split's V) is gathered where it is (JAX requires the indices in the
-    operand's memory space) and only the gathered rows are moved to the device."""
+    An extent in host memory (kv=split's V) goes to ``ops.gather_block_rows``: on the GPU a kernel reads
+    only the selected rows in place (XLA's gather of a host operand would run as host compute)."""
     block, off = indices // blk, indices % blk
     head = jnp.arange(indices.shape[1], dtype=jnp.int32)[None, :, None]
     out, start = None, 0
@@ -194,7 +194,7 @@ def gather_rows(extents, indices, blk):
         E = x.shape[0]
         at = (jnp.clip(block - start, 0, E - 1), jnp.broadcast_to(head, block.shape), off)
         if jax.typeof(x).memory_space == jax.memory.Space.Host:
-            rows = jax.device_put(x[jax.device_put(at, jax.memory.Space.Host)], jax.memory.Space.Device)
+            rows = ops.gather_block_rows(x, block - start, off)
         else:
             rows = x[at]
         out = rows if out is None else jnp.where(((block >= start) & (block < start + E))[..., None], rows, out)
