@@ -94,13 +94,15 @@ def test_zero_copy_probe_failure_falls_back_inside_a_trace(monkeypatch):
 
 
 def _host_compute(hlo: str) -> list[str]:
-    """Lines of compiled HLO that compute on host memory: a gather (or any op but the kernel call,
-    parameters and copies) reading an S(5) (host memory space) operand, or XLA's host compute marker."""
+    """Lines of compiled HLO that compute on or move host memory: a gather, elementwise op or copy with
+    an S(5) (host memory space) operand or result (the kernel's custom call and parameters may have
+    one), or XLA's host compute marker. A copy of the whole extent to the device would show here."""
     bad = []
     for line in hlo.splitlines():
         if 'compute_type="host"' in line or "host_compute" in line:
             bad.append(line)
-        elif re.search(r"S\(5\)", line) and re.search(r"\b(gather|select|add|compare|dynamic-slice)\(", line):
+        elif re.search(r"S\(5\)", line) and re.search(r"\b(gather|select|add|compare|dynamic-slice|copy|copy-start)\(",
+                                                     line):
             bad.append(line)
     return bad
 

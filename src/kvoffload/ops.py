@@ -459,10 +459,11 @@ def zero_copy_gather_supported() -> bool:
 
 
 def _gather_path(x, use_kernel, interpret) -> str:
-    if jax.typeof(x).memory_space != jax.memory.Space.Host:
+    kind = _c.memory_kind(x)  # None while tracing: the aval's memory space says
+    if jax.typeof(x).memory_space != jax.memory.Space.Host and kind not in ("pinned_host", "unpinned_host"):
         return "kernel" if use_kernel else "reference"
     # a traced host operand is taken as pinned (the pool's kind on a GPU); the GPU cannot read pageable memory
-    pinned = _c.memory_kind(x) in (None, "pinned_host")
+    pinned = kind in (None, "pinned_host")
     if use_kernel and not interpret and pinned and zero_copy_gather_supported():
         return "kernel_zero_copy"
     # interpret mode cannot index host memory: the whole extent moves to the device (tests only)
