@@ -13,6 +13,7 @@ and bench_kernels.md to --out (default $OUT or .).
 Targets (issue 3): decode attention (Llama-3-8B layer: 32 q heads, 8 kv heads, d 128, bf16)
 at 32K-128K, batch 1-8: >= 70% of HBM roofline and >= 1.5x faster than XLA; sparse
 attention over 10% of 128K read from pinned_host: >= 80% of host->GPU bandwidth;
+the row gather (gather) of 10% of 128K rows per KV head from a pinned_host extent likewise;
 recompute_kv at >= 70% of matmul rate for batch*tokens >= 8192.
 """
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload.pallas import decode_attention as _da
+from kvoffload.pallas import gather as _ga
 from kvoffload.pallas import paged_attention as _pa
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
@@ -346,6 +348,57 @@ def bench_sparse(ceil, quick):
                                 error=f"{type(e).__name__}: {e}"[:1000]))
 
 
+def bench_gather(ceil, quick):
+    """Row gather (tokenselect kv=split's V rows, clo's K/V rows) of 10% of a 128K context per KV
+    head, Llama-3-8B layer (8 KV heads, d 128, bf16), from one extent [E, 8, 64, 128] of the
+    pool in pinned_host memory: the zero-copy kernel against the host->GPU rate, the same
+    kernel on a device extent, and the fallback (XLA's gather where the extent lives: host
+    compute on a GPU). Selections: scattered sorted rows, and runs of 16 tokens."""
+    n_kv, d, blk, S = 8, 128, 64, (1024 if TINY else 131072)
+    E = S // blk
+    dev = jax.devices()[0]
+    hs = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    x = rand(jax.random.PRNGKey(21), (E, n_kv, blk, d), jnp.bfloat16)
+    xh = jax.device_put(x, hs)
+    jax.block_until_ready(xh)
+    rng = np.random.default_rng(0)
+    for B, run in ((1, 1), (1, 16)) if quick else ((1, 1), (1, 16), (4, 1)):
+        K = S // 10 // run * run
+        starts = [np.sort(rng.permutation(S // run)[:K // run]) * run for _ in range(B * n_kv)]
+        tok = np.stack([(st[:, None] + np.arange(run)).reshape(-1) for st in starts]).reshape(B, n_kv, K)
+        block = jnp.asarray(tok // blk, jnp.int32)
+        off = jnp.asarray(tok % blk, jnp.int32)
+        args = (block, off)
+        make = lambda **kw: jax.jit(lambda x, b, o: _ga.gather_rows_kernel(x, b, o, **kw))  # noqa: E731
+        f = make()
+        ref = jax.jit(_ga.gather_rows_reference)
+        bytes_ = B * n_kv * K * d * 2  # the rows read (and written once to the device)
+        tag = f"B{B} 10% of 128K rows{'' if run == 1 else f' in runs of {run}'} kv8 d128 bf16"
+        t_dev, t_ref = timeit(f, x, *args), timeit(ref, x, *args)
+        record("gather_rows", f"device extent {tag}", t_dev, t_ref, bytes_, 0, ceil,
+               extra=dict(exact=bool(jnp.array_equal(f(x, *args), ref(x, *args)))))
+        try:
+            t_host = timeit(f, xh, *args, warmup=2)
+            exact = bool(jnp.array_equal(f(xh, *args), ref(x, *args)))
+            t_b, best = _sweep("gather pinned_host", make, (xh, *args),
+                               [dict(block_k=k, num_warps=w) for k in (16, 32, 64)
+                                for w in (2, 4, 8)], t_host)
+            fb = jax.jit(_ga.gather_rows_reference_host)
+            t_fb = timeit(fb, xh, *args, iters=2, warmup=1, reps=3)
+            full = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Device))  # whole extent
+            t_full = timeit(lambda x: ref(full(x), *args), xh, iters=2, warmup=1, reps=3)
+            record("gather_rows", f"pinned_host zero-copy {tag}", t_host, None, bytes_, 0, ceil,
+                   target=">=80% of h2d bandwidth", bound="h2d",
+                   extra=dict(exact=exact, best_us=t_b * 1e6, best_params=best,
+                              best_GBps=bytes_ / t_b / 1e9, h2d_GBps=ceil["h2d_GBps"],
+                              fallback_host_gather_us=t_fb * 1e6,
+                              whole_extent_copy_then_gather_us=t_full * 1e6))
+        except Exception as e:  # noqa: BLE001
+            print("zero-copy gather failed:", type(e).__name__, str(e)[:500], flush=True)
+            RESULTS.append(dict(kernel="gather_rows", config=f"pinned_host {tag}",
+                                error=f"{type(e).__name__}: {e}"[:1000]))
+
+
 def bench_recompute(ceil, quick):
     H, n_kv, d = (256 if TINY else 4096), 8, 128
     for B, T in ([(1, 64)] if TINY else [(1, 8192), (4, 4096)] if not quick else [(1, 8192)]):
@@ -502,7 +555,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--only", default=None, help="comma list of: decode,paged,int4,sparse,"
-                    "recompute,scores,quest,hata,tokenselect")
+                    "gather,recompute,scores,quest,hata,tokenselect")
     ap.add_argument("--no-sweep", action="store_true", help="skip launch-parameter sweeps")
     args = ap.parse_args()
     global NO_SWEEP
@@ -513,11 +566,12 @@ def main():
         for mod, name in ((_da, "decode_attention_kernel"), (_q, "decode_attention_int4_kernel"),
                           (_pa, "paged_decode_attention_kernel"),
                           (_sa, "sparse_attention_kernel"), (_rc, "recompute_kv_kernel"),
+                          (_ga, "gather_rows_kernel"),
                           (_tk, "topk_scores_exact_kernel"), (_tk, "quest_page_scores_kernel"),
                           (_tk, "hata_scores_kernel"), (_tk, "tokenselect_scores_kernel")):
             setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
     ceil = ceilings()
-    benches = dict(decode=bench_decode, paged=bench_paged, sparse=bench_sparse,
+    benches = dict(decode=bench_decode, paged=bench_paged, sparse=bench_sparse, gather=bench_gather,
                    recompute=bench_recompute, int4=bench_int4, scores=bench_scores,
                    quest=bench_quest, hata=bench_hata, tokenselect=bench_tokenselect)
     only = args.only.split(",") if args.only else list(benches)

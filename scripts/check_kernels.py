@@ -144,7 +144,7 @@ def lower_only_checks():
     from jax._src.pallas.triton import pallas_call_registration as reg
     from kvoffload.pallas import decode_attention as _da, quant as _q, recompute as _rc
     from kvoffload.pallas import paged_attention as _pa
-    from kvoffload.pallas import sparse_attention as _sa, topk as _tk
+    from kvoffload.pallas import gather as _ga, sparse_attention as _sa, topk as _tk
 
     def cuda_rule(ctx, *a, **p):
         mc = dataclasses.replace(ctx.module_context, platforms=("cuda",))
@@ -189,6 +189,11 @@ def lower_only_checks():
                 cases.append((f"hata r{r} {pcnt} {tag}", lambda a, b, L, n, pcnt=pcnt:
                               _tk.hata_scores_kernel(a, b, L, k_norm=n, popcount=pcnt),
                               (qc, kc, L, jnp.ones((B, n_kv, S), jnp.float32))))
+        for E, blk, K in ((S // 16 + 3, 16, 37), (S // 24 + 1, 24, 300), (5, 64, 1)):
+            xb = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), dt)
+            bo = jnp.asarray(rng.integers(0, blk, (B, n_kv, K)), jnp.int32)
+            cases.append((f"gather E{E} blk{blk} K{K} {tag}",
+                          lambda x, b: _ga.gather_rows_kernel(x, b, b, poison=True), (xb, bo)))
         if d in (64, 128):
             kq = _q.quantize_int4(k.astype(jnp.float32), 64)
             cases.append((f"int4 {tag}", lambda q, a, L: _q.decode_attention_int4_kernel(

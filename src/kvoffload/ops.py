@@ -24,6 +24,9 @@ Conventions
   [..., r // 32]; bit j = 1 where (x @ W)_j > 0, stored in word j // 32 at bit
   position j % 32 (LSB first): word_w = sum_i bit_{32w+i} << i. ``hata_encode``
   writes this format; codes produced elsewhere (the HATA trainer) must match it.
+* Row gather: ``gather_block_rows(x, block, offset)`` takes rows x[block, head, offset] of one extent
+  x [E, n_kv, blk, d] (device or host memory) into [B, n_kv, K, d] device memory; 0 where block is
+  outside [0, E).
 * int4: group-wise asymmetric (FlexGen) along the last dim, group 64 by default;
   packed split-half: byte j = code[j] | code[j + D//2] << 4. See ``quantize_int4``.
 """
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 from kvoffload.offload import sharding as _sh
 from kvoffload.pallas import common as _c
 from kvoffload.pallas import decode_attention as _da
+from kvoffload.pallas import gather as _ga
 from kvoffload.pallas import paged_attention as _pa
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
@@ -64,7 +68,8 @@ __all__ = [
     "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk",
     "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
-    "QuantizedInt4", "decode_attention_int4", "kernel_default",
+    "QuantizedInt4", "decode_attention_int4", "kernel_default", "gather_block_rows",
+    "gather_block_rows_path", "zero_copy_gather_supported",
 ]
 
 _IMPLS = ("auto", "kernel", "reference")
@@ -430,3 +435,86 @@ def decode_attention_int4(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *, s
     if _use_kernel(impl, ok) and (ok or impl == "kernel"):
         return _int4_kernel_jit(q, kq, vq, lengths, scale, interpret)
     return _int4_ref_jit(q, kq, vq, lengths, scale)
+
+
+# ----------------------------------------------------------------------------
+# row gather from an extent (host or device memory)
+# ----------------------------------------------------------------------------
+
+_LAST_GATHER_PATH = {"path": None}
+
+
+def gather_block_rows_path():
+    """Which path the last ``gather_block_rows`` call (or trace) took: 'kernel_zero_copy' (Pallas
+    kernel reading a host extent in place), 'kernel' (device extent), 'kernel_device_copy' (interpret
+    mode: the host extent copied to the device first), 'reference', 'reference_host_gather' (XLA's
+    gather run where the host extent lives: host compute on a GPU), or None."""
+    return _LAST_GATHER_PATH["path"]
+
+
+@functools.lru_cache(maxsize=None)
+def zero_copy_gather_supported() -> bool:
+    """Whether the compiled gather kernel reads a pinned_host operand here (GPU only): one small
+    gather run once, checked against the reference, the answer cached. Safe to call while tracing."""
+    dev = jax.devices()[0]
+    if not _c.on_gpu() or "pinned_host" not in {m.kind for m in dev.addressable_memories()}:
+        return False
+    try:
+        with jax.ensure_compile_time_eval():
+            x = jnp.arange(3 * 2 * 16 * 80, dtype=jnp.float32).reshape(3, 2, 16, 80)
+            block = jnp.array([[[2, 0, -1, 3, 1]] * 2], jnp.int32)
+            offset = jnp.array([[[15, 3, 0, 0, 7]] * 2], jnp.int32)
+            want = _ga.gather_rows_reference(x, block, offset)
+            xh = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+            got = jax.jit(_ga.gather_rows_kernel)(xh, block, offset)
+            return bool(jnp.array_equal(got, want))
+    except Exception:  # the lowering or the runtime refused a host operand: XLA's gather instead
+        return False
+
+
+def _gather_path(x, use_kernel, interpret) -> str:
+    kind = _c.memory_kind(x)  # None while tracing: the aval's memory space says
+    if jax.typeof(x).memory_space != jax.memory.Space.Host and kind not in ("pinned_host", "unpinned_host"):
+        return "kernel" if use_kernel else "reference"
+    # a traced host operand is taken as pinned (the pool's kind on a GPU); the GPU cannot read pageable memory
+    pinned = kind in (None, "pinned_host")
+    if use_kernel and not interpret and pinned and zero_copy_gather_supported():
+        return "kernel_zero_copy"
+    # interpret mode cannot index host memory: the whole extent moves to the device (tests only)
+    return "kernel_device_copy" if use_kernel and interpret else "reference_host_gather"
+
+
+def _gather_block_rows(x, block, offset, path, interpret, block_k):
+    if path == "reference":
+        return _ga.gather_rows_reference(x, block, offset)
+    if path == "reference_host_gather":
+        return _ga.gather_rows_reference_host(x, block, offset)
+    if path == "kernel_device_copy":
+        x = jax.device_put(x, jax.memory.Space.Device)
+    return _ga.gather_rows_kernel(x, block, offset, interpret=interpret, block_k=block_k)
+
+
+_gather_jit = jax.jit(_gather_block_rows, static_argnames=("path", "interpret", "block_k"))
+
+
+def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k=None):
+    """Rows of one block extent: out[b, h, i] = x[block[b, h, i], h, offset[b, h, i]].
+
+    x [E, n_kv, blk, d] (device or host memory; any dtype), or a
+    ``QuantizedInt4`` extent (its codes and group scales gathered alike: a QuantizedInt4 of rows
+    comes back, ``dequantize_int4`` it on the device); block, offset [B, n_kv, K] int32. Returns
+    [B, n_kv, K, d] in device memory; rows whose block is outside [0, E) or offset outside
+    [0, blk) are 0. A pinned_host extent on the GPU is read in place by the kernel (only the K rows
+    cross PCIe; ``zero_copy_gather_supported``); elsewhere XLA gathers where the extent lives and moves
+    the rows. Works eagerly and under jit; ``gather_block_rows_path()`` tells which path ran.
+    """
+    block = jnp.asarray(block, jnp.int32)
+    offset = jnp.asarray(offset, jnp.int32)
+    if isinstance(x, QuantizedInt4):
+        parts = [gather_block_rows(a, block, offset, impl=impl, interpret=interpret, block_k=block_k)
+                 for a in (x.codes, x.step, x.mn)]
+        return QuantizedInt4(*parts, group_size=x.group_size)
+    path = _gather_path(x, _use_kernel(impl), interpret)
+    _LAST_GATHER_PATH["path"] = path
+    call = _gather_block_rows if isinstance(x, jax.core.Tracer) else _gather_jit
+    return call(x, block, offset, path, bool(interpret), block_k)

@@ -6,6 +6,11 @@ from kvoffload.pallas.decode_attention import (  # noqa: F401
     decode_attention_reference,
     merge_attention,
 )
+from kvoffload.pallas.gather import (  # noqa: F401
+    gather_rows_kernel,
+    gather_rows_reference,
+    gather_rows_reference_host,
+)
 from kvoffload.pallas.paged_attention import (  # noqa: F401
     empty_attention,
     merge_attention_into,
@@ -40,7 +45,7 @@ from kvoffload.pallas.topk import (  # noqa: F401
 __all__ = [
     "decode_attention_kernel", "decode_attention_reference", "merge_attention",
     "paged_decode_attention_kernel", "paged_decode_attention_reference", "merge_attention_into",
-    "empty_attention",
+    "empty_attention", "gather_rows_kernel", "gather_rows_reference", "gather_rows_reference_host",
     "QuantizedInt4", "decode_attention_int4_kernel", "decode_attention_int4_reference",
     "dequantize_int4", "pack_int4", "quantize_int4", "unpack_int4",
     "recompute_kv_kernel", "recompute_kv_reference",

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload.pallas import decode_attention as _da
+from kvoffload.pallas import gather as _ga
 from kvoffload.pallas import paged_attention as _pa
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
@@ -570,6 +571,57 @@ def check_int4_decode(B=3, n_kv=2, G=4, S=150, d=128, group_size=64, dtype="floa
                    errs, TOL[dtype])
 
 
+def check_gather(B=2, n_kv=2, E=5, blk=24, d=80, K=37, dtype="float32", mode="reference", seed=0,
+                 host=False, **kw):
+    """Rows x[block, head, offset] of one extent vs NumPy indexing, exactly (a gather does no
+    arithmetic): random x (never zeros; dtype uint8: int4 codes 1..255), blocks drawn from
+    [-2, E + 3) so some rows are outside the extent (must come back 0), random offsets.
+    host=True: the extent in pinned_host memory, gathered inside a jit (the zero-copy path)."""
+    rng = np.random.default_rng(seed)
+    if dtype == "uint8":
+        x64 = rng.integers(1, 256, (E, n_kv, blk, d)).astype(np.float64)
+        x = jnp.asarray(x64, jnp.uint8)
+    else:
+        x, x64 = _rand(rng, (E, n_kv, blk, d), dtype)
+    block = rng.integers(-2, E + 3, (B, n_kv, K)).astype(np.int32)
+    block[0, 0, 0] = E - 1  # the last block and (below) a row outside, whatever the draw
+    block[-1, -1, -1] = E
+    offset = rng.integers(0, blk, (B, n_kv, K)).astype(np.int32)
+    inside = (block >= 0) & (block < E)
+    want = np.where(inside[..., None],
+                    x64[np.clip(block, 0, E - 1), np.arange(n_kv)[None, :, None], offset], 0.0)
+    if host:
+        dev = jax.devices()[0]
+        x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    args = (x, jnp.asarray(block), jnp.asarray(offset))
+    if mode == "reference":
+        fn = _ga.gather_rows_reference_host if host else _ga.gather_rows_reference
+        out = jax.jit(fn)(*args)
+    else:
+        out = jax.jit(lambda *a: _ga.gather_rows_kernel(*a, interpret=(mode == "interpret"),
+                                                       poison=True, **kw))(*args)
+    got = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    bad = float(np.mean(got != want)) if got.shape == want.shape else float("inf")
+    r = _result(f"gather E{E} blk{blk} B{B} kv{n_kv} K{K} d{d} {dtype}{' host' if host else ''}", mode,
+                dict(err_mismatch=bad), 1e-12)
+    r["ok"] = r["ok"] and out.dtype == x.dtype and str(getattr(out.sharding, "memory_kind", "device")) == "device"
+    return r
+
+
+def gather_cases(full=False):
+    """Row gather: every head dim x K (1, 37, 300) x dtype over odd extents (E 5 / 13, blk 24 / 16),
+    int4 codes and group scales, and a tile size other than the default."""
+    shapes = [(d, K, dt) for d in HEAD_DIMS for K in (1, 37, 300) for dt in DTYPES]
+    if not full:
+        shapes = [(64, 1, "bfloat16"), (80, 37, "float32"), (96, 300, "bfloat16"), (128, 37, "bfloat16")]
+    cases = [(check_gather, dict(d=d, K=K, dtype=dt, E=(5, 13)[i % 2], blk=(24, 16)[i % 2]))
+             for i, (d, K, dt) in enumerate(shapes)]
+    cases += [(check_gather, dict(d=64, K=37, dtype="uint8")),  # int4 codes [..., d / 2]
+              (check_gather, dict(d=2, K=37, dtype="float32")),  # int4 group scales [..., d / group]
+              (check_gather, dict(B=1, n_kv=3, d=128, K=300, block_k=16))]
+    return cases
+
+
 # ----------------------------------------------------------------------------
 # suites
 # ----------------------------------------------------------------------------
@@ -642,6 +694,7 @@ def kernel_cases(full=False):
                          [(d, gs, dt, g) for d in (64, 128) for gs in (32, 64) for dt in DTYPES
                           for g in (1, 4, 7)]):
         cases.append((check_int4_decode, dict(d=d, group_size=gs, dtype=dt, G=g)))
+    cases += gather_cases(full)
     return cases
 
 
@@ -664,7 +717,7 @@ def paged_cases(full=False):
 
 
 def reference_cases(full=False):
-    launch = ("num_splits", "block_s", "block_p", "block_v", "popcount")
+    launch = ("num_splits", "block_s", "block_p", "block_v", "popcount", "block_k")
     cases = [(fn, kw) for fn, kw in kernel_cases(full) if not any(a in kw for a in launch)]
     if not full:  # the default run: two shapes per reference (the kernels cover all)
         picked, count = [], {}
@@ -741,11 +794,16 @@ def gpu_cases():
                                 lengths=[5000, 1, 4097, 0]))
     add(check_tokenselect, dict(B=1, n_kv=8, G=4, d=128, dtype="bfloat16", S=8192,
                                 shared=True))
+    for fn, kw in gather_cases(full=True):
+        add(fn, kw)
+    for d in HEAD_DIMS:  # the extent in pinned_host memory: the kernel reads it in place
+        add(check_gather, dict(d=d, K=300, dtype="bfloat16", E=13, blk=16, host=True))
+    add(check_gather, dict(B=2, n_kv=8, E=40, blk=64, d=128, K=2000, dtype="bfloat16", host=True))
     return cases
 
 
 KERNEL_FNS = (check_decode, check_paged, check_sparse, check_recompute, check_scores_exact,
-              check_int4_decode, check_quest, check_hata, check_tokenselect)
+              check_int4_decode, check_quest, check_hata, check_tokenselect, check_gather)
 
 
 def run_case(fn, kw, mode):

@@ -187,9 +187,9 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
 def gather_rows(extents, indices, blk):
     """[B, n_kv, K, d] in device memory: rows of the pool's token space (indices [B, n_kv, K]) from the
     extents [E_e, n_kv, blk, d] (block-id order); one gather per extent, each row taken from its own.
-    An extent in host memory (kv=split's V) is gathered where it is (JAX requires the indices in the
-    operand's memory space) and only the gathered rows are moved to the device. An int4 extent
-    (``QuantizedInt4``: codes, step, min, each [E_e, n_kv, blk, .]) gives the rows as stored (a
+    An extent in host memory (kv=split's V) goes to ``ops.gather_block_rows``: on the GPU a kernel reads
+    only the selected rows in place (XLA's gather of a host operand would run as host compute). An int4
+    extent (``QuantizedInt4``: codes, step, min, each [E_e, n_kv, blk, .]) gives the rows as stored (a
     QuantizedInt4 of [B, n_kv, K, .] arrays): the caller dequantizes only those (`native_extent`)."""
     block, off = indices // blk, indices % blk
     head = jnp.arange(indices.shape[1], dtype=jnp.int32)[None, :, None]
@@ -197,13 +197,10 @@ def gather_rows(extents, indices, blk):
     for x in extents:
         E = jax.tree.leaves(x)[0].shape[0]
         at = (jnp.clip(block - start, 0, E - 1), jnp.broadcast_to(head, block.shape), off)
-
-        def take(a):
-            if jax.typeof(a).memory_space == jax.memory.Space.Host:
-                return jax.device_put(a[jax.device_put(at, jax.memory.Space.Host)], jax.memory.Space.Device)
-            return a[at]
-
-        rows = jax.tree.map(take, x)
+        if jax.typeof(jax.tree.leaves(x)[0]).memory_space == jax.memory.Space.Host:
+            rows = ops.gather_block_rows(x, block - start, off)
+        else:
+            rows = jax.tree.map(lambda a: a[at], x)
         inside = ((block >= start) & (block < start + E))[..., None]
         out = rows if out is None else jax.tree.map(lambda r, o: jnp.where(inside, r, o), rows, out)
         start += E

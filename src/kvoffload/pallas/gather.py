@@ -1,0 +1,100 @@
+"""Row gather from one block extent: rows x[block, head, offset] -> [B, n_kv, K, d] in device memory.
+
+x [E, n_kv, blk, d] is one extent of the block pool (any memory kind, any dtype: bf16/fp32 K/V, the
+uint8 codes and float32 group scales of an int4 extent); block, offset [B, n_kv, K] int32 name, per
+(request, KV head), K rows by block id and offset inside the block. A row whose block is outside
+[0, E) (or whose offset is outside [0, blk)) comes back as 0: a caller spreading a token space over
+several extents gathers from each with ``block - first block id`` and keeps each row from its own.
+
+The kernel gathers by pointer arithmetic, so x may be an array in ``pinned_host`` memory: on the GPU
+with JAX's Triton lowering the host pointer reaches the kernel and only the selected rows cross PCIe
+(zero-copy, as ``sparse_attention``'s reads), where XLA's own gather of a host operand inside a jit
+turns into host compute. Tiles are powers of two (Triton rejects others; interpret mode does not
+check): the row tile block_k (16-64 rows, masked past K) by next_pow2(d) columns (masked past d).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvoffload.pallas.common import cdiv, load, next_pow2, pallas_call, triton_params
+
+DEFAULT_BLOCK_K = 64
+
+
+def _rows_ok(block, offset, E, blk):
+    return (block >= 0) & (block < E) & (offset >= 0) & (offset < blk)
+
+
+def gather_rows_reference(x, block, offset):
+    """Pure-jnp gather (x in device memory or, on CPU, anywhere JAX can index it)."""
+    E, n_kv, blk, _ = x.shape
+    head = jnp.arange(n_kv, dtype=jnp.int32)[None, :, None]
+    at = (jnp.clip(block, 0, E - 1), jnp.broadcast_to(head, block.shape), jnp.clip(offset, 0, blk - 1))
+    rows = x[at]
+    return jnp.where(_rows_ok(block, offset, E, blk)[..., None], rows, jnp.zeros((), x.dtype))
+
+
+def _gather_kernel(block_ref, offset_ref, x_ref, o_ref, *, E, blk, d, dp, K, block_k):
+    # block_ref, offset_ref [K] (this (b, h)); x_ref [E, blk, d] (head h); o_ref [K, d]
+    from jax.experimental.pallas import triton as plgpu
+
+    rows = pl.program_id(2) * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    row_in = rows < K
+    blocks = load(block_ref.at[rows], mask=row_in, other=-1)
+    offs = load(offset_ref.at[rows], mask=row_in, other=0)
+    ok = row_in & _rows_ok(blocks, offs, E, blk)
+    cols = jnp.arange(dp, dtype=jnp.int32)
+    col_ok = cols < d
+    at = (jnp.clip(blocks, 0, E - 1)[:, None], jnp.clip(offs, 0, blk - 1)[:, None], cols[None, :])
+    vals = load(x_ref.at[at], mask=ok[:, None] & col_ok[None, :], other=0)
+    # rows past K and columns past d are never written (masked); the rest, 0 where the row is not x's
+    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], vals, mask=row_in[:, None] & col_ok[None, :])
+
+
+def gather_tiles(K: int, d: int, block_k: int | None = None) -> tuple[int, int]:
+    """Power-of-two tiles (rows, padded columns) of the gather kernel for K rows of d columns."""
+    block_k = DEFAULT_BLOCK_K if block_k is None else int(block_k)
+    if block_k < 1 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two, got {block_k}")
+    return min(block_k, max(16, next_pow2(K))), max(16, next_pow2(d))
+
+
+def gather_rows_kernel(x, block, offset, *, interpret=False, block_k=None, num_warps=4, num_stages=1,
+                       poison=False):
+    """Pallas (Triton) gather; same semantics as ``gather_rows_reference``. Returns device memory."""
+    E, n_kv, blk, d = x.shape
+    B, n_kv_i, K = block.shape
+    if n_kv_i != n_kv or offset.shape != block.shape:
+        raise ValueError(f"block {block.shape} and offset {offset.shape} must be [B, n_kv={n_kv}, K]")
+    block_k, dp = gather_tiles(K, d, block_k)
+    kernel = functools.partial(_gather_kernel, E=E, blk=blk, d=d, dp=dp, K=K, block_k=block_k)
+    return pallas_call(
+        kernel, poison=poison,
+        grid=(B, n_kv, cdiv(K, block_k)),
+        in_specs=[
+            pl.BlockSpec((None, None, K), lambda b, h, t: (b, h, 0)),
+            pl.BlockSpec((None, None, K), lambda b, h, t: (b, h, 0)),
+            pl.BlockSpec((E, None, blk, d), lambda b, h, t: (0, h, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, n_kv, K, d), x.dtype),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kvo_gather_rows",
+    )(block.astype(jnp.int32), offset.astype(jnp.int32), x)
+
+
+def gather_rows_reference_host(x, block, offset):
+    """``gather_rows_reference`` of an x in host memory inside a jit: XLA requires the indices in the
+    operand's memory space, so they move to the host, XLA gathers there and only the rows move to
+    the device. On a GPU XLA runs that gather as host (CPU) compute: slow, the fallback only."""
+    E, n_kv, blk, _ = x.shape
+    head = jnp.arange(n_kv, dtype=jnp.int32)[None, :, None]
+    at = (jnp.clip(block, 0, E - 1), jnp.broadcast_to(head, block.shape), jnp.clip(offset, 0, blk - 1))
+    rows = jax.device_put(x[jax.device_put(at, jax.memory.Space.Host)], jax.memory.Space.Device)
+    return jnp.where(_rows_ok(block, offset, E, blk)[..., None], rows, jnp.zeros((), x.dtype))
