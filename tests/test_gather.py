@@ -99,7 +99,7 @@ def _host_compute(hlo: str) -> list[str]:
     one), or XLA's host compute marker. A copy of the whole extent to the device would show here."""
     bad = []
     for line in hlo.splitlines():
-        if 'compute_type="host"' in line or "host_compute" in line:
+        if 'compute_type="host"' in line or re.search(r"\bhost_compute\b", line):  # not inside a longer name
             bad.append(line)
         elif re.search(r"S\(5\)", line) and re.search(r"\b(gather|select|add|compare|dynamic-slice|copy|copy-start)\(",
                                                      line):

@@ -34,6 +34,7 @@ Conventions
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -459,17 +460,26 @@ def zero_copy_gather_supported() -> bool:
     dev = jax.devices()[0]
     if not _c.on_gpu() or "pinned_host" not in {m.kind for m in dev.addressable_memories()}:
         return False
-    try:
-        with jax.ensure_compile_time_eval():
+
+    def probe():
+        try:
             x = jnp.arange(3 * 2 * 16 * 80, dtype=jnp.float32).reshape(3, 2, 16, 80)
             block = jnp.array([[[2, 0, -1, 3, 1]] * 2], jnp.int32)
             offset = jnp.array([[[15, 3, 0, 0, 7]] * 2], jnp.int32)
             want = _ga.gather_rows_reference(x, block, offset)
             xh = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
             got = jax.jit(_ga.gather_rows_kernel)(xh, block, offset)
-            return bool(jnp.array_equal(got, want))
-    except Exception:  # the lowering or the runtime refused a host operand: XLA's gather instead
-        return False
+            answer.append(bool(jnp.array_equal(got, want)))
+        except Exception:  # the lowering or the runtime refused a host operand: XLA's gather instead
+            answer.append(False)
+
+    # JAX's trace state is per thread: a fresh thread runs the probe eagerly even when the caller is
+    # tracing a jit (ensure_compile_time_eval would evaluate the kernel's program_id eagerly and fail)
+    answer: list[bool] = []
+    worker = threading.Thread(target=probe)
+    worker.start()
+    worker.join()
+    return bool(answer and answer[0])
 
 
 def _gather_path(x, use_kernel, interpret) -> str:
