@@ -83,17 +83,16 @@ def main(argv=None) -> int:
         last_step = {k: last[k] for k in ("used_extents", "recompute_extents", "recompute_tokens") if k in last}
         print(f"[bf16] {name}: {time.perf_counter() - t:.1f} s; last step: {last_step}", flush=True)
         res[f"{name}_last_step"] = last_step
-    full_t, full_l = runs["full"]
-    for name in [n for n in runs if n != "full"]:
-        t_, l_ = runs[name]
-        same_tokens = [a == b for a, b in zip(t_, full_t)]
-        res[name] = {"samples_with_full_tokens": int(sum(same_tokens)), "samples": len(prompts),
-                     "logits_bit_identical": bool(np.array_equal(l_, full_l)),
-                     "max_abs_logit_diff": float(np.abs(l_ - full_l).max()),
-                     "first_token_agreement": float(np.mean([a[0] == b[0] for a, b in zip(t_, full_t)]))}
-        print(f"[bf16] {name} vs full: {res[name]}", flush=True)
-    with open(os.path.join(args.out, "bf16_exact.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        if name != "full":  # compared and written as each policy ends: a run cut short keeps what it checked
+            (full_t, full_l), (t_, l_) = runs["full"], runs[name]
+            same_tokens = [a == b for a, b in zip(t_, full_t)]
+            res[name] = {"samples_with_full_tokens": int(sum(same_tokens)), "samples": len(prompts),
+                         "logits_bit_identical": bool(np.array_equal(l_, full_l)),
+                         "max_abs_logit_diff": float(np.abs(l_ - full_l).max()),
+                         "first_token_agreement": float(np.mean([a[0] == b[0] for a, b in zip(t_, full_t)]))}
+            print(f"[bf16] {name} vs full: {res[name]}", flush=True)
+        with open(os.path.join(args.out, "bf16_exact.json"), "w") as f:
+            json.dump(res, f, indent=1)
     failed = []
     for name in [n for n in runs if n != "full"]:
         if name == "offload":

@@ -6,7 +6,7 @@ from attending fewer tokens. Placement ``kv=split``: a host pool whose K extents
 memory (`LayerHooks.keys_on_device`) and V extents in pinned host memory; nothing is fetched (every
 extent's mode is "dev": the pool's own arrays go to the layer program as they are), the vote reads K on
 the GPU and the gather reads only the selected V rows from the host arrays inside the layer program
-(`gather_rows`: indices moved to host memory space, the gather there, the rows moved to the device).
+(`gather_rows` -> `ops.gather_block_rows`: on the GPU a Pallas kernel reads the rows in place over PCIe).
 Half of `kv=gpu`'s GPU KV bytes. The rows move inside the program, so the step records count no
 bytes_kv for them (they move nothing the pipeline issues). With ``host_dtype="int4"`` the V extents are
 stored quantized (issue 13; K stays native on the GPU): the gather takes the selected rows' codes and
