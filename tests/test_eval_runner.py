@@ -84,6 +84,7 @@ def test_ruler_two_policies_end_to_end(model, two_policies, tmp_path):
     for r in recs:
         assert set(r) >= {"task", "length", "policy", "index", "score", "pred", "outputs", "prompt_sha"}
         assert r["prompt_tokens"] + r["new_tokens"] <= r["length"]
+        assert "selection" not in r  # no selection cache, no statistics
     # same samples for both policies, and a renamed full policy gives the same answers
     by = {}
     for r in recs:
@@ -94,6 +95,7 @@ def test_ruler_two_policies_end_to_end(model, two_policies, tmp_path):
     rows = [r for r in res.summary if r["task"] == "average"]
     assert len(rows) == 4
     assert f"| Δ {SECOND} |" in res.table and "+0.00" in res.table
+    assert "hit_rate" not in rows[0] and "selection cache" not in res.table
     for f in ("ruler_summary.md", "ruler_summary.csv", "ruler_summary.json", "ruler_plot.png"):
         assert (tmp_path / f).stat().st_size > 0, f
     assert (tmp_path / "ruler_plot.png").read_bytes()[:4] == b"\x89PNG"
@@ -117,8 +119,8 @@ def test_resume_and_failing_policy(model, two_policies, tmp_path):
     calls = []
 
     def flaky(model, prompts, max_new_tokens, policy="full", **kw):
-        calls.append(policy)
-        if policy == SECOND:
+        calls.append(policy.name)  # the runner passes the policy built
+        if policy.name == SECOND:
             raise RuntimeError("boom")
         return generate(model, prompts, 4, policy=policy, **kw)
 
@@ -131,6 +133,68 @@ def test_resume_and_failing_policy(model, two_policies, tmp_path):
     res2 = run_ruler(model, generate_fn=flaky, resume=True, **kw)
     assert calls == [SECOND]  # full's samples were kept; the failed policy is retried
     assert [r["pred"] for r in res2.records] == [r["pred"] for r in res.records]
+
+
+@pytest.mark.parametrize("spec", [
+    "clo:topk=64,num_recent=16,eta=0.5",  # speculative prefetch on (the default): a guess hit rate too
+    pytest.param("tokenselect:token_budget=96,num_recent=16,cache_threshold=0.5", marks=pytest.mark.slow),
+])
+def test_ruler_records_selection_hit_rates(model, spec, tmp_path):
+    """clo and tokenselect: each sample's record holds its batch's selection-cache statistics, those of
+    describe(state) at the end of that batch's own decode; the summary averages them per task x length x
+    policy, in the JSON and in a Markdown table of their own. (`full` records none: the end-to-end test.)"""
+    from kvoffload.engine import CAPACITY_BUCKET, bucket, pad_prompts
+
+    described = []  # (policy name, prompts, describe(final state)) per engine call
+
+    def generate_and_describe(model, prompts, max_new_tokens, policy, **kw):
+        """Greedy decode of 4 tokens through the policy as given, described at the end."""
+        tokens, lengths = pad_prompts(prompts)
+        logits, state = policy.prefill(model, tokens, lengths, bucket(tokens.shape[1] + 4, CAPACITY_BUCKET))
+        out = [np.asarray(logits).argmax(-1)]
+        for _ in range(3):
+            logits, state = policy.decode_step(model, state, out[-1].astype(np.int32))
+            out.append(np.asarray(logits).argmax(-1))
+        described.append((policy.name, [list(p) for p in prompts], policy.describe(state)))
+        return np.stack(out, 1).tolist()
+
+    res = run_ruler(model, tasks=["niah_single_1"], lengths=[1024], policies=spec, num_samples=2, batch_size=2,
+                    out_dir=tmp_path, progress=None, plot=False, generate_fn=generate_and_describe)
+    assert not res.errors and len(described) == 1  # one batch of 2
+    name, prompts, d = described[0]
+    recs = load_records(tmp_path / "ruler_results.jsonl")
+    assert len(recs) == 2 and {r["prompt_sha"] for r in recs} == {_sha_of(p) for p in prompts}
+    want = d["clo"] if name == "clo" else d["selection"]
+    for r in recs:
+        got = r["selection"]
+        assert got["decode_steps"] == 3 and 0 <= got["hit_rate"] <= 1
+        assert got["hit_rate"] == want["hit_rate"] and got["hit_rate_per_layer"] == want["hit_rate_per_layer"]
+        if name == "clo":
+            assert got["hit_rate_cached_heads"] == want["hit_rate_cached_heads"]
+            assert got["guess_hit_rate"] == want["speculative_prefetch"]["guess_hit_rate"]
+            assert 0 < got["guess_hit_rate"] <= 1
+            assert got["bytes_fetched_per_step"] == want["v_bytes_fetched"] / 3 > 0
+        else:  # tokenselect (kv=gpu) fetches nothing and guesses nothing
+            assert set(got) == {"decode_steps", "hit_rate", "hit_rate_per_layer"}
+    assert recs[0]["selection"] == recs[1]["selection"]  # the batch's, in each of its samples
+    assert recs[0]["selection"]["hit_rate"] > 0  # the cache was reused: a rate that can be wrong
+    row, = res.summary
+    assert row["hit_rate"] == want["hit_rate"]
+    md = (tmp_path / "ruler_summary.md").read_text()
+    assert "selection cache — hit rate" in md and res.table in md
+    cols = f"| hit % {spec} | guess hit % {spec} | KiB/step {spec} |" if name == "clo" else f"| hit % {spec} |"
+    assert f"| task | length {cols}" in md
+    line = md.splitlines()[md.splitlines().index(f"| task | length {cols}") + 2]
+    assert line.startswith(f"| niah_single_1 | 1024 | {100 * want['hit_rate']:.1f} |")
+    summary = json.loads((tmp_path / "ruler_summary.json").read_text())["summary"]
+    assert summary[0]["hit_rate"] == row["hit_rate"]
+    assert ("guess_hit_rate" in summary[0]) == (name == "clo")
+
+
+def _sha_of(ids):
+    from kvoffload.eval.runner import _sha
+
+    return _sha(ids)
 
 
 def test_perplexity_runner(model, two_policies, tmp_path):

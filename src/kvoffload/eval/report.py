@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["summarize", "format_table", "write_report", "plot_scores", "load_records"]
+__all__ = ["summarize", "format_table", "format_selection_table", "write_report", "plot_scores", "load_records"]
 
 _HIGHER_IS_BETTER = {"ruler": True, "longbench": True, "ppl": False}
 AVERAGE = "average"
@@ -49,6 +49,7 @@ def summarize(records: Sequence[dict], benchmark: str) -> list[dict]:
         scores = [float(r["score"]) for r in rs]
         row = {"task": task, "length": length, "policy": policy, "n": len(rs),
                "score": float(np.mean(scores)), "seconds": float(sum(r.get("seconds", 0.0) for r in rs))}
+        row.update(_selection_means(rs))
         if benchmark == "ppl":
             tokens = sum(r["tokens"] for r in rs)
             nll = sum(r["nll"] * r["tokens"] for r in rs) / max(tokens, 1)
@@ -61,11 +62,31 @@ def summarize(records: Sequence[dict], benchmark: str) -> list[dict]:
             for row in rows:
                 by_lp[(row["length"], row["policy"])].append(row["score"])
             for (length, policy), sc in by_lp.items():
-                rows.append({"task": AVERAGE, "length": length, "policy": policy, "n": len(sc),
-                             "score": float(np.mean(sc)), "seconds": float(sum(
-                                 r["seconds"] for r in rows if r["length"] == length and r["policy"] == policy
-                                 and r["task"] != AVERAGE)), "tasks": len(sc)})
+                per_task = [r for r in rows if r["length"] == length and r["policy"] == policy and r["task"] != AVERAGE]
+                avg = {"task": AVERAGE, "length": length, "policy": policy, "n": len(sc),
+                       "score": float(np.mean(sc)), "seconds": float(sum(r["seconds"] for r in per_task)),
+                       "tasks": len(sc)}
+                for k in SELECTION_COLUMNS:  # the tasks' means, each task weighing the same (as the score)
+                    vals = [r[k] for r in per_task if k in r]
+                    if vals:
+                        avg[k] = float(np.mean(vals))
+                rows.append(avg)
     return rows
+
+
+# the per-sample ``selection`` statistics (kvoffload.eval.runner.selection_stats) a summary row averages
+SELECTION_COLUMNS = ("hit_rate", "guess_hit_rate", "bytes_fetched_per_step")
+
+
+def _selection_means(records: Sequence[dict]) -> dict:
+    """Means over the records of their ``selection`` statistics (each sample carries its batch's), for the
+    ones some record has a value of; nothing for a policy that reports none."""
+    out = {}
+    for k in SELECTION_COLUMNS:
+        vals = [r["selection"][k] for r in records if (r.get("selection") or {}).get(k) is not None]
+        if vals:
+            out[k] = float(np.mean(vals))
+    return out
 
 
 def _fmt(v: float, benchmark: str) -> str:
@@ -108,6 +129,34 @@ def format_table(summary: Sequence[dict], benchmark: str, baseline: str = "full"
             deltas.append("-" if d is None else f"{d:+.2f}")
         name = f"**{task}**" if task == AVERAGE else task
         lines.append("| " + " | ".join([name, str(length), n] + vals + deltas) + " |")
+    hits = format_selection_table(summary)
+    return "\n".join(lines) + ("\n\n" + hits if hits else "")
+
+
+def format_selection_table(summary: Sequence[dict]) -> str:
+    """Markdown table of the selection-cache statistics of the policies that report them (clo, tokenselect):
+    per task and length, each such policy's mean hit rate, clo's guess hit rate (speculative prefetch) and
+    the bytes gathered from the host per decode step, where present. "" when no policy reports them."""
+    policies, keys, cell = _pivot(summary)
+    titles = {"hit_rate": "hit %", "guess_hit_rate": "guess hit %", "bytes_fetched_per_step": "KiB/step"}
+    cols = [(p, k) for p in policies for k in SELECTION_COLUMNS
+            if any(k in r for r in summary if r["policy"] == p)]
+    if not cols:
+        return ""
+
+    def fmt(r, k):
+        if r is None or k not in r:
+            return "-"
+        return f"{r[k] / 1024:.1f}" if k == "bytes_fetched_per_step" else f"{100 * r[k]:.1f}"
+
+    head = ["task", "length"] + [f"{titles[k]} {p}" for p, k in cols]
+    lines = ["selection cache — hit rate (% of layer x KV-head looks that reused the cached selection), "
+             "guess hit rate of speculative prefetch, KiB gathered from the host per decode step", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["--:"] * len(cols)) + "|"]
+    for task, length in keys:
+        name = f"**{task}**" if task == AVERAGE else task
+        lines.append("| " + " | ".join([name, str(length)] + [fmt(cell.get((task, length, p)), k) for p, k in cols])
+                     + " |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,10 @@ length); per-sample results go to ``{benchmark}_results.jsonl`` as they are made
 are written by :mod:`kvoffload.eval.report` at the end. The policy list is open:
 any name in ``kvoffload.policies.available_policies()`` works, with options
 (``topk:k=256,sink=4``), and a policy may appear several times under different
-options.
+options. Policies with a selection cache (``clo``, ``tokenselect``) add to each record its engine
+call's reuse statistics under ``selection`` (:func:`selection_stats`; the same for every sample of a
+batch), which the summary averages. A ``generate_fn`` given in place of the engine's is called as
+``generate_fn(model, prompts, max_new_tokens, policy=<built Policy>, temperature=0.0, stop_on_eos=True)``.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from typing import Any, Callable, Sequence, TextIO
 import numpy as np
 
 from kvoffload.errors import KVOffloadError
+from kvoffload.policies import Policy, make_policy
 
 __all__ = [
     "PolicySpec",
     "parse_policies",
     "parse_lengths",
     "EvalResult",
+    "selection_stats",
     "run_ruler",
     "run_longbench",
     "run_perplexity",
@@ -331,22 +336,81 @@ def _max_positions(model) -> int:
     return int(model.config.max_position_embeddings)
 
 
+def selection_stats(described: dict) -> dict | None:
+    """The selection-cache reuse in a policy's ``describe(state)`` (clo, tokenselect), in short; None for a
+    policy that reports none. ``hit_rate``: the fraction of (step, layer, KV head) looks that reused the
+    cached selection, over the run's decode steps; ``hit_rate_per_layer``; ``hit_rate_cached_heads`` (clo:
+    without its persistent heads); ``guess_hit_rate`` (clo with speculative prefetch: the fraction of the
+    fresh selections' rows its guesses had fetched); ``bytes_fetched_per_step`` (K and V rows gathered
+    from the host, per decode step, where the policy counts them). Rates are None when nothing was decoded
+    past the prefill (no selection ran)."""
+    sel = next((v for v in described.values() if isinstance(v, dict) and "hit_rate" in v), None)
+    if sel is None:
+        return None
+    steps = int(described.get("last_step", {}).get("step", -1)) + 1  # the decode steps the state went through
+    out = {"decode_steps": steps, "hit_rate": sel["hit_rate"] if steps else None,
+           "hit_rate_per_layer": sel["hit_rate_per_layer"] if steps else None}
+    if "hit_rate_cached_heads" in sel:
+        out["hit_rate_cached_heads"] = sel["hit_rate_cached_heads"] if steps else None
+    if "speculative_prefetch" in sel:
+        out["guess_hit_rate"] = sel["speculative_prefetch"]["guess_hit_rate"]
+    fetched = [sel[k] for k in ("v_bytes_fetched", "k_bytes_fetched") if k in sel]
+    if fetched:
+        out["bytes_fetched_per_step"] = sum(fetched) / steps if steps else None
+    return out
+
+
+class _KeepsLastState(Policy):
+    """A built policy that keeps the state its last prefill or decode step returned, so that what the run
+    did (``describe(state)``: selection-cache hits, bytes fetched) can be read after ``generate`` returns.
+    Everything else (``extrapolates``, ``release``, ...) is the policy's own."""
+
+    def __init__(self, policy: Policy):
+        self.policy, self.name, self.state = policy, policy.name, None
+
+    def __getattr__(self, attr):
+        if attr == "policy":  # not set yet: no recursion
+            raise AttributeError(attr)
+        return getattr(self.policy, attr)
+
+    def prefill(self, model, tokens, lengths, capacity):
+        logits, self.state = self.policy.prefill(model, tokens, lengths, capacity)
+        return logits, self.state
+
+    def decode_step(self, model, state, tokens):
+        logits, self.state = self.policy.decode_step(model, state, tokens)
+        return logits, self.state
+
+    def describe(self, state=None) -> dict:
+        return self.policy.describe(state)
+
+    def selection_stats(self) -> dict | None:
+        """:func:`selection_stats` of the last run; lets its state (the KV cache) go."""
+        state, self.state = self.state, None
+        return None if state is None else selection_stats(self.policy.describe(state))
+
+
 def _generate_group(model, items: list[dict], spec: PolicySpec, generate_fn, batch_size: int,
-                    on_done: Callable[[dict, list[int], float], None]):
-    """Greedy generation for items (dicts with prompt_ids, max_new_tokens), batched by max_new_tokens."""
+                    on_done: Callable[[dict, list[int], float, dict], None]):
+    """Greedy generation for items (dicts with prompt_ids, max_new_tokens), batched by max_new_tokens.
+    on_done(item, new_ids, seconds, extra): extra holds the batch's ``selection`` statistics (the same for
+    every item of the batch; :func:`selection_stats`) where the policy reports them."""
     i = 0
     while i < len(items):
         batch = [items[i]]
         while (len(batch) < batch_size and i + len(batch) < len(items)
                and items[i + len(batch)]["max_new_tokens"] == batch[0]["max_new_tokens"]):
             batch.append(items[i + len(batch)])
+        # built here, as generate would from the name, and kept, to read its state after the run
+        pol = _KeepsLastState(make_policy(spec.name, **spec.options_dict))
         t0 = time.time()
-        outs = generate_fn(model, [b["prompt_ids"] for b in batch], batch[0]["max_new_tokens"],
-                           policy=spec.name, policy_options=spec.options_dict or None,
+        outs = generate_fn(model, [b["prompt_ids"] for b in batch], batch[0]["max_new_tokens"], policy=pol,
                            temperature=0.0, stop_on_eos=True)
         dt = (time.time() - t0) / len(batch)
+        stats = pol.selection_stats()
+        extra = {"selection": stats} if stats else {}
         for b, o in zip(batch, outs):
-            on_done(b, [int(t) for t in o], dt)
+            on_done(b, [int(t) for t in o], dt, extra)
         i += len(batch)
 
 
@@ -459,12 +523,12 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
                 items = all_items[(task, L)]
                 for spec in specs:
                     def run(todo, emit, spec=spec):
-                        def on_done(it, new_ids, dt):
+                        def on_done(it, new_ids, dt, extra):
                             s = it["sample"]
                             pred = tok.decode(new_ids, skip_special_tokens=True)
                             emit(it, {"score": ruler.score_sample(s.metric, pred, s.outputs), "metric": s.metric,
                                       "pred": pred, "outputs": s.outputs, "prompt_tokens": len(s.prompt_ids),
-                                      "new_tokens": len(new_ids), "seconds": round(dt, 3), "seed": seed})
+                                      "new_tokens": len(new_ids), "seconds": round(dt, 3), "seed": seed, **extra})
 
                         _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
 
@@ -532,13 +596,13 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                                   "sha": _sha(ids)})
                 for spec in specs:
                     def run(todo, emit, spec=spec, ds=ds):
-                        def on_done(it, new_ids, dt):
+                        def on_done(it, new_ids, dt, extra):
                             s = it["sample"]
                             pred = tok.decode(new_ids, skip_special_tokens=True)
                             emit(it, {"_id": s.id, "score": lb.score_sample(ds, pred, s.answers, s.all_classes),
                                       "pred": pred, "answers": s.answers, "all_classes": s.all_classes,
                                       "sample_length": s.length, "prompt_tokens": len(it["prompt_ids"]),
-                                      "new_tokens": len(new_ids), "seconds": round(dt, 3)})
+                                      "new_tokens": len(new_ids), "seconds": round(dt, 3), **extra})
 
                         _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
 

@@ -25,8 +25,9 @@ class Policy:
         """tokens [B] (the tokens just chosen) -> (next logits [B, V], new state)."""
         raise NotImplementedError
 
-    def describe(self) -> dict:
-        """What the policy did (e.g. split points, bytes moved); shown in traces and eval reports."""
+    def describe(self, state=None) -> dict:
+        """What the policy did (e.g. split points, bytes moved); shown in traces and eval reports. state: the
+        last state of a run (what `prefill` / `decode_step` returned), for what that run did."""
         return {"policy": self.name}
 
 
