@@ -155,6 +155,7 @@ def test_schedule_shape():
     assert float(f(10)) < 0.02 and float(f(90)) < 0.02
 
 
+@pytest.mark.slow  # 10 s
 def test_checkpoint_resume_reproduces_state(model, pdata, tmp_path):
     a_dir, b_dir = str(tmp_path / "a"), str(tmp_path / "b")
     full = ktrain.train_importance(model, _tcfg(a_dir), data=pdata, quiet=True)

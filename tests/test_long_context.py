@@ -19,7 +19,7 @@ from kvoffload.policies import make_policy
 TOL = dict(atol=2e-5, rtol=1e-5)
 
 
-@pytest.fixture(scope="module", params=["llama", "opt"])
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.slow), "opt"])  # llama: 9 s
 def model(request):
     return tiny_random_model(request.param, seed=2)
 

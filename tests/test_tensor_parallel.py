@@ -105,6 +105,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 25-60 s: two processes each compile the step (run with -m slow)
 @pytest.mark.parametrize("cases", [
     [dict(arch="opt", policy="offload", tp=2)],
     pytest.param([dict(arch="llama", policy="kvpr", tp=2, opts=dict(split_point=16)),

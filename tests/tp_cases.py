@@ -1,5 +1,5 @@
 """Tensor-parallel cases run in a fresh process with several (virtual CPU) devices: each case generates
-with a policy on an N-way mesh and with `full` on one device, and prints one JSON line per case (tokens
+with a policy on an N-way mesh and with `full` on one device (an int4 case: the same policy on one device), and prints one JSON line per case (tokens
 equal, largest logit difference, where the pool and tails live, compilations after the warm-up).
 
 Not a test module: tests/test_tensor_parallel.py launches it with
@@ -38,9 +38,13 @@ def run_case(case, refs):
 
     arch, policy, n, opts = case["arch"], case["policy"], case["tp"], case.get("opts", {})
     model = model_of(arch)
-    if arch not in refs:
-        refs[arch] = generate(model, PROMPTS, NEW, policy="full", policy_options=BASE, return_logits=True)
-    want, want_logits = refs[arch]
+    # the reference: `full` on one device; a lossy store (int4) is compared with itself on one device
+    lossy = opts.get("host_dtype", "native") != "native"
+    key = (arch, policy, json.dumps(opts, sort_keys=True)) if lossy else arch
+    if key not in refs:
+        refs[key] = generate(model, PROMPTS, NEW, policy=policy if lossy else "full",
+                             policy_options={**BASE, **opts} if lossy else BASE, return_logits=True)
+    want, want_logits = refs[key]
     out = dict(case=case)
     try:
         pol = make_policy(policy, **{**BASE, **opts, "tensor_parallel": n})

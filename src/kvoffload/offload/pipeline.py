@@ -419,7 +419,10 @@ class LayerHooks:
         """Each GPU batch's pool layout (default: `plan_pool`'s extents, then `split_store`)."""
         from kvoffload.plan.memory import plan_pool
 
-        plan = plan_pool(pipe.device_config(model), dtype, [lengths[a:z] for a, z in rows], capacity,
+        # the whole model's config, not one device's: under tensor parallelism the extents then hold the
+        # same blocks as on one device (same split units, same programs over the same blocks), each device
+        # moving its heads' share of every extent
+        plan = plan_pool(model.config, dtype, [lengths[a:z] for a, z in rows], capacity,
                          block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb,
                          host_dtype="int4" if pipe.int4 else "native")
         return [self.split_store(pipe, model, lay, lengths[a:z]) for lay, (a, z) in zip(plan.layouts, rows)]
