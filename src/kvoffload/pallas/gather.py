@@ -30,13 +30,21 @@ def _rows_ok(block, offset, E, blk):
     return (block >= 0) & (block < E) & (offset >= 0) & (offset < blk)
 
 
-def gather_rows_reference(x, block, offset):
-    """Pure-jnp gather (x in device memory or, on CPU, anywhere JAX can index it)."""
+def _row_index(x, block, offset):
+    """x's index of every row (clipped inside x; `_rows_ok` says which rows are really x's)."""
     E, n_kv, blk, _ = x.shape
     head = jnp.arange(n_kv, dtype=jnp.int32)[None, :, None]
-    at = (jnp.clip(block, 0, E - 1), jnp.broadcast_to(head, block.shape), jnp.clip(offset, 0, blk - 1))
-    rows = x[at]
+    return jnp.clip(block, 0, E - 1), jnp.broadcast_to(head, block.shape), jnp.clip(offset, 0, blk - 1)
+
+
+def _zero_outside(x, block, offset, rows):
+    E, _, blk, _ = x.shape
     return jnp.where(_rows_ok(block, offset, E, blk)[..., None], rows, jnp.zeros((), x.dtype))
+
+
+def gather_rows_reference(x, block, offset):
+    """Pure-jnp gather (x in device memory or, on CPU, anywhere JAX can index it)."""
+    return _zero_outside(x, block, offset, x[_row_index(x, block, offset)])
 
 
 def _gather_kernel(block_ref, offset_ref, x_ref, o_ref, *, E, blk, d, dp, K, block_k):
@@ -93,8 +101,5 @@ def gather_rows_reference_host(x, block, offset):
     """``gather_rows_reference`` of an x in host memory inside a jit: XLA requires the indices in the
     operand's memory space, so they move to the host, XLA gathers there and only the rows move to
     the device. On a GPU XLA runs that gather as host (CPU) compute: slow, the fallback only."""
-    E, n_kv, blk, _ = x.shape
-    head = jnp.arange(n_kv, dtype=jnp.int32)[None, :, None]
-    at = (jnp.clip(block, 0, E - 1), jnp.broadcast_to(head, block.shape), jnp.clip(offset, 0, blk - 1))
-    rows = jax.device_put(x[jax.device_put(at, jax.memory.Space.Host)], jax.memory.Space.Device)
-    return jnp.where(_rows_ok(block, offset, E, blk)[..., None], rows, jnp.zeros((), x.dtype))
+    at = jax.device_put(_row_index(x, block, offset), jax.memory.Space.Host)
+    return _zero_outside(x, block, offset, jax.device_put(x[at], jax.memory.Space.Device))

@@ -361,14 +361,8 @@ class CloAttend:
         hit = reuse[..., None, None]
         spec = {}
         if self.speculative:  # the buffers hold the rows of slots.held: gather only the rows they lack
-            if slots.k_rows is None:
-                (v_sel,), fetched = refill_rows(slots.held, slots.held_valid, (slots.v_rows,), indices, num_valid,
-                                                (values,), blk)
-                k_sel, k_rows = native_extent(gather_rows(keys, indices, blk), q.dtype), None
-            else:
-                (k_rows, v_sel), fetched = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows),
-                                                       indices, num_valid, (keys, values), blk)
-                k_sel = k_rows
+            k_rows, v_sel, fetched = refill_buffers(slots, indices, num_valid, keys, values, blk)
+            k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype) if k_rows is None else k_rows
             # the guess's coverage of every fresh selection of a layer that was guessed this step
             fresh = ~reuse & slots.guessed
             needed = jnp.where(fresh, num_valid, 0)
@@ -408,6 +402,18 @@ class CloAttend:
         return acc, new
 
 
+def refill_buffers(slots: CloSlots, indices, num_valid, keys, values, blk):
+    """(k_rows or None, v_rows, fetched [B, n_kv]): the row buffers made to hold the rows of indices,
+    gathering only those the buffers (slots.held) lack; K rows too where K is buffered (quest/hata)."""
+    if slots.k_rows is None:
+        (v_rows,), fetched = refill_rows(slots.held, slots.held_valid, (slots.v_rows,), indices, num_valid,
+                                         (values,), blk)
+        return None, v_rows, fetched
+    (k_rows, v_rows), fetched = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows), indices,
+                                            num_valid, (keys, values), blk)
+    return k_rows, v_rows, fetched
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attend"))
 def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots: CloSlots):
     """CLO's speculative prefetch for one layer l (issue 11 item 4), dispatched before layer l-1's program:
@@ -424,12 +430,7 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
     g_idx, g_nv = jax.lax.cond(jnp.all(reuse), lambda: (slots.held, slots.held_valid), select)
     g_idx = jnp.where(reuse[..., None], slots.held, g_idx)  # predicted hits keep what they hold
     g_nv = jnp.where(reuse, slots.held_valid, g_nv)
-    if slots.k_rows is None:
-        (v_rows,), fetched = refill_rows(slots.held, slots.held_valid, (slots.v_rows,), g_idx, g_nv, (values,), blk)
-        k_rows = None
-    else:
-        (k_rows, v_rows), fetched = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows), g_idx,
-                                                g_nv, (keys, values), blk)
+    k_rows, v_rows, fetched = refill_buffers(slots, g_idx, g_nv, keys, values, blk)
     return dataclasses.replace(slots, v_rows=v_rows, k_rows=k_rows, held=g_idx, held_valid=g_nv,
                                guessed=jnp.ones((), bool), spec_rows_fetched=slots.spec_rows_fetched + fetched)
 

@@ -192,15 +192,11 @@ def gather_rows(extents, indices, blk):
     extent (``QuantizedInt4``: codes, step, min, each [E_e, n_kv, blk, .]) gives the rows as stored (a
     QuantizedInt4 of [B, n_kv, K, .] arrays): the caller dequantizes only those (`native_extent`)."""
     block, off = indices // blk, indices % blk
-    head = jnp.arange(indices.shape[1], dtype=jnp.int32)[None, :, None]
     out, start = None, 0
     for x in extents:
         E = jax.tree.leaves(x)[0].shape[0]
-        at = (jnp.clip(block - start, 0, E - 1), jnp.broadcast_to(head, block.shape), off)
-        if jax.typeof(jax.tree.leaves(x)[0]).memory_space == jax.memory.Space.Host:
-            rows = ops.gather_block_rows(x, block - start, off)
-        else:
-            rows = jax.tree.map(lambda a: a[at], x)
+        host = jax.typeof(jax.tree.leaves(x)[0]).memory_space == jax.memory.Space.Host
+        rows = ops.gather_block_rows(x, block - start, off, impl="auto" if host else "reference")  # device: XLA's
         inside = ((block >= start) & (block < start + E))[..., None]
         out = rows if out is None else jax.tree.map(lambda r, o: jnp.where(inside, r, o), rows, out)
         start += E
