@@ -45,6 +45,7 @@ def _ref(arch):
 CASES = [
     ("opt", dict(act_share=0.0, gpu_blocks=0)),  # KV-only
     ("llama", dict(act_share=1.0, gpu_blocks=0)),  # ACT-only
+    ("opt", dict(act_share=1.0, gpu_blocks=0)),  # ACT-only, MHA: logits bit-identical to full's
     pytest.param("opt", dict(act_share=0.4, gpu_blocks=6), marks=pytest.mark.slow),  # (as the llama case)
     ("llama", dict(act_share=0.4, gpu_blocks=6)),  # hybrid with GPU-resident ACT blocks
     ("opt", dict(act_share=0.7, gpu_blocks=0, mini_batch_gb=1e-6)),  # one request per mini-batch (zig-zag over 3)
@@ -58,7 +59,28 @@ def test_matches_full(arch, opts):
     model, want, want_logits = _ref(arch)
     got, logits = generate(model, PROMPTS, NEW, policy="hybrid", policy_options={**BASE, **opts}, return_logits=True)
     assert got == want, (arch, opts)
-    np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
+    if opts.get("act_share") == 0.0 or (arch == "opt" and opts.get("act_share") == 1.0):
+        # one class holds the context in extents of full's blocks: the same partial sums in the same order.
+        # (LLaMA ACT-only: XLA CPU's dot rounds these tiny shapes differently with the row count, an extent's
+        # recompute vs the prompt's prefill; at the real model's shapes it is exact, the slow test below)
+        np.testing.assert_array_equal(logits, want_logits)
+    else:  # classes interleave a request's blocks, so attention merges them in another order
+        np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_act_only_is_bit_identical_to_full_on_the_real_model():
+    """SmolLM2 (GQA: an ACT block is 3x a K block) with its whole context in ACT blocks, recomputed every
+    step: the extents hold full's blocks, so the logits are full's bit for bit (fp32)."""
+    from kvoffload.models import load_model
+
+    model = load_model(None, dtype="float32")
+    ids = np.random.default_rng(0).integers(100, 40000, size=1300).tolist()
+    prompts, pool = [ids[:700], ids[300:1300]], dict(extent_mb=0.125)
+    _, want = generate(model, prompts, 4, policy="full", policy_options=pool, return_logits=True, stop_on_eos=False)
+    _, got = generate(model, prompts, 4, policy="hybrid", policy_options={**pool, "act_share": 1.0, "gpu_blocks": 0},
+                      return_logits=True, stop_on_eos=False)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _run(model, steps=6, **opts):

@@ -355,7 +355,7 @@ def buffer_capacities(rates: BlockRates, buffer_bytes: float, act_share_host: fl
 def hybrid_layout(cfg, dtype_bytes: int, lengths, capacity: int, classes, *, block_tokens: int,
                   extent_mb: float):
     """A classed PoolLayout for one GPU batch: per class, prompt extents (its prompt blocks split
-    evenly, about extent_mb MiB each) and generated extents (whole lockstep flushes, so a flush whose
+    evenly, each as many blocks as extent_mb MiB of K) and generated extents (whole lockstep flushes, so a flush whose
     blocks fall in one class is one contiguous run), prompt extents of every class first."""
     from kvoffload.offload.pool import PoolLayout, extent_blocks_for
 
@@ -366,8 +366,10 @@ def hybrid_layout(cfg, dtype_bytes: int, lengths, capacity: int, classes, *, blo
     prompt = lens // blk
     at_prompt = request_blocks(classes, prompt)
     at_end = request_blocks(classes, prompt + flushes)
-    block_bytes = [blk * (cfg.num_kv_heads * cfg.head_dim if c.kind == "kv" else cfg.hidden_size) * dtype_bytes
-                   for c in classes]
+    # extents of every class hold as many blocks as a K extent of extent_mb MiB (the pool's unit, as in
+    # offload / kvpr): a request's blocks then fall into the same groups as under `full`, so attention
+    # merges the same partial sums in the same order (bit-identical logits when one class holds the context)
+    block_bytes = [blk * cfg.num_kv_heads * cfg.head_dim * dtype_bytes for _ in classes]
     sizes, owner, n_prompt = [], [], 0
     for phase in ("prompt", "gen"):
         for c in range(len(classes)):
