@@ -194,6 +194,9 @@ def lower_only_checks():
             bo = jnp.asarray(rng.integers(0, blk, (B, n_kv, K)), jnp.int32)
             cases.append((f"gather E{E} blk{blk} K{K} {tag}",
                           lambda x, b: _ga.gather_rows_kernel(x, b, b, poison=True), (xb, bo)))
+            xh = jnp.asarray(rng.standard_normal((E, blk, 4 * d + 8)), dt)  # headless (X rows), ragged column tile
+            cases.append((f"gather headless E{E} blk{blk} K{K} {tag}",
+                          lambda x, b: _ga.gather_rows_kernel(x, b, b, poison=True), (xh, bo[:, 0])))
         if d in (64, 128):
             kq = _q.quantize_int4(k.astype(jnp.float32), 64)
             cases.append((f"int4 {tag}", lambda q, a, L: _q.decode_attention_int4_kernel(

@@ -3,6 +3,7 @@ reused, the per-head thresholds and GQA aggregation against the paper's formulas
 cache's reuse rule around tau (and its V-row buffer), persistent heads, a small top-k, options
 (CPU, tiny random models, fp32)."""
 
+import dataclasses
 import json
 import math
 
@@ -520,7 +521,7 @@ def test_miss_fetch_is_exactly_the_true_selection_minus_the_guess():
     marker = np.full((B, n_kv, K, d), 7.0, np.float32)  # the buffer: a value no gather gives
     host = [M.to_host(jnp.asarray(e)) for e in ext]
     _, _, missing, count = jax.jit(clo_mod.missing_rows)(*map(jnp.asarray, (held, held_nv, want, want_nv)))
-    (rows,), fetched = jax.jit(clo_mod.refill_rows, static_argnums=6)(
+    (rows,), fetched, _ = jax.jit(clo_mod.refill_rows, static_argnums=6)(
         jnp.asarray(held), jnp.asarray(held_nv), (jnp.asarray(marker),), jnp.asarray(want), jnp.asarray(want_nv),
         (host,), blk)
     missing, count, rows, fetched = map(np.asarray, (missing, count, rows, fetched))
@@ -557,3 +558,168 @@ def test_gpu_speculative_prefetch_and_int4_rows():
                            int4_group_size=2, **opts)
         assert {M.memory_kind_of(a.codes) for layer in st.groups[0].pool_v for a in layer} == {"pinned_host"}
         np.testing.assert_allclose(q, native, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# store=act (issue 13 item 2): activations X in the host pool, the selected tokens' K/V recomputed
+# ------------------------------------------------------------------------------------------------
+
+
+def _profile(tmp_path, intercepts=True):
+    """A cost profile with the GPU defaults' rates (the CPU's make recomputation look slow), optionally
+    without per-call intercepts (which decide for the tiny models' few rows)."""
+    from kvoffload.plan.cost import CostModel, Linear
+
+    fits = CostModel.default("gpu").to_json()
+    if not intercepts:
+        fits = {k: ([0.0, v[1]] if isinstance(v, list) else v) for k, v in fits.items()}
+    path = str(tmp_path / "gpu_profile.json")
+    with open(path, "w") as f:
+        json.dump({"fits": fits, "device": "test"}, f)
+    return path
+
+
+def test_store_act_everything_selected_equals_full(ref):
+    """Everything selected, never reused, exact keys on the GPU: V recomputed from the X rows of the host pool
+    (LLaMA: RoPE at each token's own position for K where K is recomputed; OPT's X carries its positions)."""
+    from kvoffload.offload import memory as M
+
+    arch, model, want = ref
+    pol, got, state = _decode(model, "clo", NEW, topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False, store="act",
+                              speculative_prefetch=False)
+    assert (got.argmax(-1) == want.argmax(-1)).all(), arch
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    gr = state.groups[0]
+    assert gr.since_flush == NEW - BLOCK and gr.used_extents > 1  # the flushed blocks' X too
+    assert all(v is None for layer in gr.pool_v for v in layer)  # no V stored: X in its place
+    assert {M.memory_kind_of(a) for layer in gr.pool_x for a in layer} == {pol.pipeline.host_kind}
+    assert {M.memory_kind_of(a) for layer in gr.pool_k for a in layer} == {"device"}
+    c = pol.describe(state)["clo"]
+    assert c["store_per_layer"] == ["act"] * model.config.num_layers and c["v_bytes_fetched"] == 0
+    assert c["x_bytes_fetched"] > 0
+    plan = pol.pipeline.memory_plan
+    assert plan.host["K/V blocks"] == 0 and plan.host["activation blocks"] > 0
+    assert plan.gpu["activation-row recompute workspace"] > 0
+
+
+def test_store_act_opt_quest_reads_half_the_bytes_of_kv():
+    """MHA (OPT), K and V on the host (quest), everything selected, never reused: each step reads the X rows
+    of the heads' union (every pool token of the request), half the bytes of the same (token, head) K and V
+    rows; the host pool holds X only, half of store=kv's K/V. (Its logits against `full`:
+    test_store_act_everything_selected_equals_full's OPT case and test_store_act_small_topk_equals_store_kv,
+    both slow.)"""
+    model = tiny_random_model("opt", seed=1)
+    cfg = model.config
+    assert 2 * cfg.hidden_size == cfg.kv_bytes_per_token  # MHA: an activation is half its K/V
+    pol, got, state = _decode(model, "clo", NEW, store="act", retrieval="quest", quest_page_tokens=4, topk_ratio=1.0,
+                              fixed_threshold=2.0, layer0_full=False, speculative_prefetch=False)
+    assert np.isfinite(got).all()
+    gr = state.groups[0]
+    assert all(k is None and v is None for e in range(gr.layout.num_extents) for k, v in
+               zip((layer[e] for layer in gr.pool_k), (layer[e] for layer in gr.pool_v)))  # X only on the host
+    act = pol.describe(state)["clo"]
+    assert act["k_bytes_fetched"] == act["v_bytes_fetched"] == 0
+    head_rows = sum(int(np.asarray(s.v_rows_fetched).sum()) for s in gr.slots)  # (token, head) rows wanted
+    assert act["x_rows_fetched"] * cfg.num_kv_heads == head_rows > 0  # the union: every head wants every token
+    kv_bytes = head_rows * 2 * cfg.head_dim * 4  # their K and V rows (fp32)
+    assert act["x_bytes_fetched"] == act["x_rows_fetched"] * cfg.hidden_size * 4 == kv_bytes // 2
+    plan = pol.pipeline.memory_plan
+    assert plan.host["K/V blocks"] == 0 and plan.host["activation blocks"] > 0
+    # every block's X, in every layer: half of what its K and V would take
+    x_bytes = cfg.num_layers * gr.layout.num_blocks * BLOCK * cfg.hidden_size * 4
+    assert plan.host["activation blocks"] == x_bytes == cfg.num_layers * gr.layout.num_blocks * BLOCK * \
+        cfg.kv_bytes_per_token * 4 // 2
+
+
+def test_store_auto_picks_per_layer_from_the_cost_model(tmp_path):
+    """auto: act where the X rows of the union plus their recomputation beat the K/V rows (MHA, K on the host,
+    everything selected); kv for GQA (an activation is as large as its K/V) and where K stays on the GPU (exact:
+    only V crosses, the size of X for MHA); and per layer: OPT-6.7B-shaped at a 10% top-k, the persistent
+    layer 0 (the whole context: union = every head's rows) takes act, the others' 32 independent selections
+    make a union near the whole context, so they keep K/V rows."""
+    from kvoffload.config import ModelConfig
+    from kvoffload.plan.cost import CostModel, LayerShape, Linear
+    from kvoffload.plan.split import choose_row_store, expected_union
+
+    opt, llama = tiny_random_model("opt", seed=1), tiny_random_model("llama", seed=1)
+    flat = _profile(tmp_path, intercepts=False)
+    pol, _, state = _decode(opt, "clo", 0, retrieval="hata", topk_ratio=1.0, store="auto", profile=flat)
+    c = pol.describe(state)["clo"]
+    assert c["store_per_layer"] == ["act", "act"] and all(r.startswith("act: X rows of") for r in c["store_reasons"])
+    assert all(v is None for layer in state.groups[0].pool_v for v in layer)
+    pol, _, state = _decode(opt, "clo", 0, topk_ratio=1.0, store="auto", profile=flat)  # exact
+    c = pol.describe(state)["clo"]
+    assert c["store_per_layer"] == ["kv", "kv"] and "only V crosses" in c["store_reasons"][0]
+    assert all(x is None for layer in state.groups[0].pool_x for x in layer)
+    pol, _, state = _decode(llama, "clo", 0, retrieval="quest", topk_ratio=1.0, store="auto", profile=flat)
+    c = pol.describe(state)["clo"]
+    assert c["store_per_layer"] == ["kv", "kv"] and "GQA" in c["store_reasons"][0]
+
+    # the decision itself at OPT-6.7B's shape (H 4096, 32 heads of 128, bf16), 32K tokens, b=1
+    cfg = ModelConfig(family="opt", model_type="opt", vocab_size=50272, hidden_size=4096, intermediate_size=16384,
+                      num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, max_position_embeddings=32768)
+    shape, cost = LayerShape.of(cfg, 2), CostModel.default("gpu")
+    N, K = 32768, 3277
+    # bf16 at 400 TFLOP/s and 50 GB/s: recomputing a token's K/V (4 H^2 flops) costs what its other 8 KB take
+    # to cross, so the whole context is a wash; at a faster recompute (or a slower link) act wins
+    whole = choose_row_store(cost, shape, k_on_device=False, kv_tokens=N, x_tokens=N)
+    assert abs(whole.act_s - whole.kv_s) < 0.05 * whole.kv_s
+    fast = dataclasses.replace(cost, recompute=Linear(cost.recompute.intercept, 1 / 800e12))
+    whole = choose_row_store(fast, shape, k_on_device=False, kv_tokens=N, x_tokens=N)
+    assert whole.store == "act" and whole.act_s < 0.8 * whole.kv_s
+    sparse = choose_row_store(cost, shape, k_on_device=False, kv_tokens=K, x_tokens=expected_union(K, N, 32, 68))
+    assert sparse.store == "kv" and expected_union(K, N, 32, 68) > 0.9 * N
+    assert choose_row_store(cost, shape, k_on_device=True, kv_tokens=N, x_tokens=N).store == "kv"
+    assert expected_union(K, N, 1) == pytest.approx(K) and expected_union(N, N, 32) == pytest.approx(N)
+
+
+def test_store_options_are_checked():
+    with pytest.raises(CloOptionError, match="store must be one of"):
+        make_policy("clo", store="x")
+    from kvoffload.policies.tokenselect import TokenSelectOptionError
+
+    with pytest.raises(TokenSelectOptionError, match="store must be one of"):
+        make_policy("tokenselect", kv="split", store="both")
+    with pytest.raises(TokenSelectOptionError, match="applies to kv=split"):
+        make_policy("tokenselect", store="act")
+
+
+@pytest.mark.slow  # the speculative path's own compilations (~20 s)
+def test_store_act_with_speculation_equals_full(ref):
+    arch, model, want = ref
+    pol, got, state = _decode(model, "clo", NEW, topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False, store="act",
+                              retrieval="hata")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert pol.describe(state)["clo"]["x_bytes_fetched"] > 0
+
+
+@pytest.mark.slow
+def test_store_act_small_topk_equals_store_kv():
+    """A real top-k (per-head selections that differ, reuse on): store=act attends the same rows as store=kv,
+    recomputed from the union of the heads' X rows; int4 X (groups of 2: exact codes) too."""
+    model = tiny_random_model("opt", seed=1)
+    for retrieval in ("exact", "quest"):
+        opts = dict(retrieval=retrieval, quest_page_tokens=4, topk=12, num_recent=4, eta=0.5)
+        _, want, _ = _decode(model, "clo", NEW, **opts)
+        pol, got, state = _decode(model, "clo", NEW, store="act", **opts)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+        _, got4, _ = _decode(model, "clo", NEW, store="act", host_dtype="int4", int4_group_size=2, **opts)
+        np.testing.assert_allclose(got4, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_store_act_matches_store_kv():
+    """On the GPU: X extents in pinned_host memory, their selected rows read by the headless zero-copy gather
+    kernel inside the layer program (and the speculative program), K/V recomputed; store=act attends what
+    store=kv attends (whole context and a small top-k with reuse, MHA, quest and exact)."""
+    from kvoffload.offload import memory as M
+
+    model = tiny_random_model("opt", seed=1)
+    for opts in (dict(topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False), dict(topk=12, num_recent=4, eta=0.5)):
+        for retrieval in ("exact", "quest"):
+            o = dict(retrieval=retrieval, quest_page_tokens=4, **opts)
+            _, want, _ = _decode(model, "clo", NEW, **o)
+            pol, got, state = _decode(model, "clo", NEW, store="act", **o)
+            assert {M.memory_kind_of(a) for layer in state.groups[0].pool_x for a in layer} == {"pinned_host"}
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+            assert ops.gather_block_rows_path() == "kernel_zero_copy"

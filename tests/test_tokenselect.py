@@ -92,6 +92,26 @@ def test_split_keys_on_device_values_on_host_equals_full(ref):
         x.nbytes for s in gr.slots for x in jax.tree.leaves(s)) > 0
 
 
+def test_split_store_act_equals_full(ref):
+    """kv=split with store=act at the whole-context budget (MHA, OPT; LLaMA's RoPE case runs in test_clo): V
+    recomputed from the X rows the host pool holds in its place, `full`'s tokens; every step reads the union
+    of the heads' selections (every pool token), one X row per token."""
+    arch, model, want = ref
+    if arch != "opt":
+        pytest.skip("store=act on LLaMA (RoPE positions) is checked in test_clo")
+    pol, got, state = _decode(model, "tokenselect", NEW, token_budget=10**6, cache_threshold=1.5, kv="split",
+                              store="act")
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    gr = state.groups[0]
+    assert all(v is None for layer in gr.pool_v for v in layer)
+    assert {M.memory_kind_of(a) for layer in gr.pool_x for a in layer} == {M.host_memory_kind()[0]}
+    sel = pol.describe(state)["selection"]
+    assert sel["store_per_layer"] == ["act"] * model.config.num_layers
+    rows = sum(int(np.asarray(s.x_rows).sum()) for s in gr.slots)
+    assert sel["x_rows_fetched"] == rows > 0 and sel["x_bytes_fetched"] == rows * model.config.hidden_size * 4
+
+
 def test_split_small_budget_reads_the_selected_values_from_the_host():
     """A small budget: kv=split selects and attends exactly as kv=gpu (the same program, V read from host
     memory); the gather of host rows takes only the selected rows."""

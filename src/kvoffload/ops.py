@@ -26,7 +26,7 @@ Conventions
   writes this format; codes produced elsewhere (the HATA trainer) must match it.
 * Row gather: ``gather_block_rows(x, block, offset)`` takes rows x[block, head, offset] of one extent
   x [E, n_kv, blk, d] (device or host memory) into [B, n_kv, K, d] device memory; 0 where block is
-  outside [0, E).
+  outside [0, E). A headless extent x [E, blk, H] (activations) takes block, offset [B, K] -> [B, K, H].
 * int4: group-wise asymmetric (FlexGen) along the last dim, group 64 by default;
   packed split-half: byte j = code[j] | code[j + D//2] << 4. See ``quantize_int4``.
 """
@@ -295,9 +295,12 @@ def recompute_kv(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, impl="auto"
 
     x [B, T, H]; w_k, w_v [H, n_kv*d]; b_k, b_v [n_kv*d] or None; cos, sin [B, T, d//2]
     or None (no RoPE). RoPE is HF split-half: rot = [x1*cos - x2*sin, x2*cos + x1*sin].
-    Returns k, v each [B, n_kv, T, d] (cache layout) in x.dtype, fp32 accumulation.
+    Returns k, v each [B, n_kv, T, d] (cache layout) in x.dtype, fp32 accumulation. w_k None: V alone
+    (k None; the reference's matmul: no family puts RoPE on V), where K is at hand already.
     """
     n_kv = int(n_kv)
+    if w_k is None:
+        return _recompute_ref_jit(x, None, None, w_v, b_v, None, None, n_kv)
     ok = _rc.recompute_kv_supported(x, w_k, n_kv)
     # "auto" takes the kernel only for blocks of stored tokens: it tiles over tokens, so with a few
     # tokens per sequence (a decode step's new token) it re-reads W_K/W_V per sequence; measured on
@@ -510,8 +513,8 @@ _gather_jit = jax.jit(_gather_block_rows, static_argnames=("path", "interpret", 
 def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k=None):
     """Rows of one block extent: out[b, h, i] = x[block[b, h, i], h, offset[b, h, i]].
 
-    x [E, n_kv, blk, d] (device or host memory; any dtype), or a
-    ``QuantizedInt4`` extent (its codes and group scales gathered alike: a QuantizedInt4 of rows
+    x [E, n_kv, blk, d] (device or host memory; any dtype), a headless extent x [E, blk, d] (an
+    activation extent: block, offset [B, K], rows [B, K, d]), or a ``QuantizedInt4`` extent (its codes and group scales gathered alike: a QuantizedInt4 of rows
     comes back, ``dequantize_int4`` it on the device); block, offset [B, n_kv, K] int32. Returns
     [B, n_kv, K, d] in device memory; rows whose block is outside [0, E) or offset outside
     [0, blk) are 0. A pinned_host extent on the GPU is read in place by the kernel (only the K rows

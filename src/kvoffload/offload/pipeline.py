@@ -352,6 +352,12 @@ class LayerHooks:
         kv=split: keys scored on the GPU, the selected values read in place by the layer program)."""
         return False
 
+    def layer_parts(self, pipe: "LayerPipeline", layer: int) -> tuple | None:
+        """Which of its extents' parts layer `layer` stores, of "k", "v", "x", where the layout holds that
+        kind (clo / tokenselect kv=split with store=act: X in place of V, or of K and V, per layer); None:
+        every part the layout says. Fixed at prefill (`pool_layouts` runs first)."""
+        return None
+
     def init_slots(self, pipe: "LayerPipeline", model, layout: PoolLayout, batch: int) -> tuple:
         """The policy's own state, one pytree per layer (per-request / per-head: selections, cached
         queries, GPU cache buffers), carried in the group's state from step to step; `attend` gets its
@@ -665,6 +671,7 @@ class LayerPipeline:
                           host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
                           k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp,
                           fetch=self.hooks.fetches_extents(self),
+                          layer_parts=[self.hooks.layer_parts(self, i) for i in range(cfg.num_layers)],
                           slots=self.hooks.slot_memory(self, model, layouts, len(lengths)))
         if o.offload_weights and M.on_host(model.params.layers):
             mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
@@ -724,7 +731,8 @@ class LayerPipeline:
                     gr["h"], k, v = (jnp.concatenate([o_[j] for o_ in outs], 0) for j in range(3))
                     x = jnp.concatenate([o_[3] for o_ in outs], 0) if keep_x else None
                 del outs
-                pk, pv, px, k_dev = self._extents_from_prefill(gr["layout"], gr["srcs"], gr["alloc"], k, v, x, dtype)
+                pk, pv, px, k_dev = self._extents_from_prefill(gr["layout"], gr["srcs"], gr["alloc"], k, v, x, dtype,
+                                                               self.hooks.layer_parts(self, i))
                 if gr["slots"]:
                     for e, ke in enumerate(k_dev):
                         if ke is not None:
@@ -733,7 +741,9 @@ class LayerPipeline:
                 gr["pk"].append(pk), gr["pv"].append(pv), gr["px"].append(px)
                 gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, slots, 1))
                 gr["tv"].append(_tail_from_prompt(v, gr["start"], blk, slots, 1))
-                tx = _tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_x and tail_x else None
+                parts = self.hooks.layer_parts(self, i)
+                keep_tx = keep_x and tail_x and (parts is None or "x" in parts)  # X only where the layer stores it
+                tx = _tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_tx else None
                 if tx is not None and self.mesh is not None:  # split along H, like the X extents it flushes into
                     tx = jax.device_put(tx, S.x_shardings(tx, self.mesh, "device"))
                 gr["tx"].append(tx)
@@ -755,9 +765,11 @@ class LayerPipeline:
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
         return logits, DecodeState(groups=tuple(states), batch=b)
 
-    def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype):
+    def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype, parts=None):
         """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty; and the
-        K extents as computed in device memory, before quantization and placement (for `keys_written`)."""
+        K extents as computed in device memory, before quantization and placement (for `keys_written`).
+        parts: the layer's stored parts (`LayerHooks.layer_parts`; None: all the layout holds)."""
+        keeps = (lambda part: parts is None or part in parts)  # noqa: E731
         blk = layout.block_tokens
         n_kv, d = k.shape[1], k.shape[3]
         hdim = x.shape[2] if x is not None else None  # activations kept only where the layout stores them
@@ -779,9 +791,10 @@ class LayerPipeline:
                     k_dev.append(jnp.zeros((E, n_kv, blk, d), dtype))
                     pv.append(stored(jnp.zeros((E, n_kv, blk, d), dtype)))
                 pk.append(stored_k(k_dev[-1]))
+                pk[-1], pv[-1] = (pk[-1] if keeps("k") else None), (pv[-1] if keeps("v") else None)
             else:
                 pk.append(None), pv.append(None), k_dev.append(None)
-            if layout.has("act", e):
+            if layout.has("act", e) and keeps("x"):
                 px.append(stored(gather_act_extent(x, src, valid, blk) if e < used else jnp.zeros((E, blk, hdim), dtype)))
             else:
                 px.append(None)
@@ -959,12 +972,15 @@ class LayerPipeline:
                 share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
                 if layout.has("kv", e):
                     wk, wv = (bk, bv) if layout.on_device(e) else (qk, qv)
-                    pk[i][e] = write_stored_blocks(pk[i][e], wk, slots[e])
-                    pv[i][e] = write_stored_blocks(pv[i][e], wv, slots[e])
-                    nbytes += int((_tree_bytes(wk) + _tree_bytes(wv)) * share)
+                    if pk[i][e] is not None:  # a layer may store X in place of K and / or V (layer_parts)
+                        pk[i][e] = write_stored_blocks(pk[i][e], wk, slots[e])
+                        nbytes += int(_tree_bytes(wk) * share)
+                    if pv[i][e] is not None:
+                        pv[i][e] = write_stored_blocks(pv[i][e], wv, slots[e])
+                        nbytes += int(_tree_bytes(wv) * share)
                     if layer_slots:
                         layer_slots[i] = self.hooks.keys_written(self, layer_slots[i], e, bk, slots[e])
-                if layout.has("act", e) and bx is not None:
+                if layout.has("act", e) and bx is not None and px[i][e] is not None:
                     wx = bx if layout.on_device(e) else qx
                     px[i][e] = write_stored_blocks(px[i][e], wx, slots[e])
                     nbytes += int(_tree_bytes(wx) * share)

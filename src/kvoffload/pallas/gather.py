@@ -11,6 +11,10 @@ with JAX's Triton lowering the host pointer reaches the kernel and only the sele
 (zero-copy, as ``sparse_attention``'s reads), where XLA's own gather of a host operand inside a jit
 turns into host compute. Tiles are powers of two (Triton rejects others; interpret mode does not
 check): the row tile block_k (16-64 rows, masked past K) by next_pow2(d) columns (masked past d).
+
+A headless extent x [E, blk, d] (an activation extent: one row of H values per token, no heads) takes
+block, offset [B, K] and gives [B, K, d]; its wide rows are read in column tiles of HEADLESS_COL_TILE
+(the grid's second axis, which walks heads for a K/V extent), so a tile stays block_k x 128 as for K/V.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from jax.experimental import pallas as pl
 from kvoffload.pallas.common import cdiv, load, next_pow2, pallas_call, triton_params
 
 DEFAULT_BLOCK_K = 64
+HEADLESS_COL_TILE = 128  # columns per program for a headless extent's rows (H values: thousands)
 
 
 def _rows_ok(block, offset, E, blk):
@@ -32,13 +37,15 @@ def _rows_ok(block, offset, E, blk):
 
 def _row_index(x, block, offset):
     """x's index of every row (clipped inside x; `_rows_ok` says which rows are really x's)."""
-    E, n_kv, blk, _ = x.shape
-    head = jnp.arange(n_kv, dtype=jnp.int32)[None, :, None]
+    E, blk = x.shape[0], x.shape[-2]
+    if x.ndim == 3:  # headless [E, blk, d]: block, offset [B, K]
+        return jnp.clip(block, 0, E - 1), jnp.clip(offset, 0, blk - 1)
+    head = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :, None]
     return jnp.clip(block, 0, E - 1), jnp.broadcast_to(head, block.shape), jnp.clip(offset, 0, blk - 1)
 
 
 def _zero_outside(x, block, offset, rows):
-    E, _, blk, _ = x.shape
+    E, blk = x.shape[0], x.shape[-2]
     return jnp.where(_rows_ok(block, offset, E, blk)[..., None], rows, jnp.zeros((), x.dtype))
 
 
@@ -47,8 +54,9 @@ def gather_rows_reference(x, block, offset):
     return _zero_outside(x, block, offset, x[_row_index(x, block, offset)])
 
 
-def _gather_kernel(block_ref, offset_ref, x_ref, o_ref, *, E, blk, d, dp, K, block_k):
-    # block_ref, offset_ref [K] (this (b, h)); x_ref [E, blk, d] (head h); o_ref [K, d]
+def _gather_kernel(block_ref, offset_ref, x_ref, o_ref, *, E, blk, d, dp, K, block_k, headless=False):
+    # block_ref, offset_ref [K] (this (b, h), or this b for a headless extent); x_ref [E, blk, d] (head h,
+    # or the whole headless extent: the grid's axis 1 then picks a tile of dp columns); o_ref [K, d]
     from jax.experimental.pallas import triton as plgpu
 
     rows = pl.program_id(2) * block_k + jnp.arange(block_k, dtype=jnp.int32)
@@ -56,7 +64,7 @@ def _gather_kernel(block_ref, offset_ref, x_ref, o_ref, *, E, blk, d, dp, K, blo
     blocks = load(block_ref.at[rows], mask=row_in, other=-1)
     offs = load(offset_ref.at[rows], mask=row_in, other=0)
     ok = row_in & _rows_ok(blocks, offs, E, blk)
-    cols = jnp.arange(dp, dtype=jnp.int32)
+    cols = (pl.program_id(1) * dp if headless else 0) + jnp.arange(dp, dtype=jnp.int32)
     col_ok = cols < d
     at = (jnp.clip(blocks, 0, E - 1)[:, None], jnp.clip(offs, 0, blk - 1)[:, None], cols[None, :])
     vals = load(x_ref.at[at], mask=ok[:, None] & col_ok[None, :], other=0)
@@ -75,6 +83,9 @@ def gather_tiles(K: int, d: int, block_k: int | None = None) -> tuple[int, int]:
 def gather_rows_kernel(x, block, offset, *, interpret=False, block_k=None, num_warps=4, num_stages=1,
                        poison=False):
     """Pallas (Triton) gather; same semantics as ``gather_rows_reference``. Returns device memory."""
+    if x.ndim == 3:
+        return _gather_rows_headless_kernel(x, block, offset, interpret=interpret, block_k=block_k,
+                                            num_warps=num_warps, num_stages=num_stages, poison=poison)
     E, n_kv, blk, d = x.shape
     B, n_kv_i, K = block.shape
     if n_kv_i != n_kv or offset.shape != block.shape:
@@ -94,6 +105,32 @@ def gather_rows_kernel(x, block, offset, *, interpret=False, block_k=None, num_w
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kvo_gather_rows",
+    )(block.astype(jnp.int32), offset.astype(jnp.int32), x)
+
+
+def _gather_rows_headless_kernel(x, block, offset, *, interpret, block_k, num_warps, num_stages, poison):
+    """The gather of a headless extent x [E, blk, d] (block, offset [B, K] -> [B, K, d]): the same kernel
+    with the grid's axis 1 over column tiles of HEADLESS_COL_TILE instead of heads."""
+    E, blk, d = x.shape
+    B, K = block.shape
+    if offset.shape != block.shape:
+        raise ValueError(f"block {block.shape} and offset {offset.shape} must both be [B, K]")
+    block_k, _ = gather_tiles(K, d, block_k)
+    dc = min(HEADLESS_COL_TILE, max(16, next_pow2(d)))
+    kernel = functools.partial(_gather_kernel, E=E, blk=blk, d=d, dp=dc, K=K, block_k=block_k, headless=True)
+    return pallas_call(
+        kernel, poison=poison,
+        grid=(B, cdiv(d, dc), cdiv(K, block_k)),
+        in_specs=[
+            pl.BlockSpec((None, K), lambda b, c, t: (b, 0)),
+            pl.BlockSpec((None, K), lambda b, c, t: (b, 0)),
+            pl.BlockSpec((E, blk, d), lambda b, c, t: (0, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, K, d), lambda b, c, t: (b, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, K, d), x.dtype),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kvo_gather_rows_headless",
     )(block.astype(jnp.int32), offset.astype(jnp.int32), x)
 
 

@@ -28,18 +28,20 @@ def apply_rope_split_half(x, cos, sin):
 
 
 def recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv):
-    """Pure-jnp reference. x [B, T, H] -> k, v [B, n_kv, T, d] in x.dtype."""
+    """Pure-jnp reference. x [B, T, H] -> k, v [B, n_kv, T, d] in x.dtype (w_k None: V alone, k None)."""
     B, T, H = x.shape
-    d = w_k.shape[1] // n_kv
+    d = w_v.shape[1] // n_kv
     prec = jax.lax.Precision.HIGHEST
-    k = jnp.einsum("bth,hn->btn", x, w_k, preferred_element_type=jnp.float32, precision=prec)
     v = jnp.einsum("bth,hn->btn", x, w_v, preferred_element_type=jnp.float32, precision=prec)
-    if b_k is not None:
-        k = k + b_k.astype(jnp.float32)
     if b_v is not None:
         v = v + b_v.astype(jnp.float32)
-    k = k.reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
     v = v.reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+    if w_k is None:
+        return None, v.astype(x.dtype)
+    k = jnp.einsum("bth,hn->btn", x, w_k, preferred_element_type=jnp.float32, precision=prec)
+    if b_k is not None:
+        k = k + b_k.astype(jnp.float32)
+    k = k.reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
     if cos is not None:
         c = cos.astype(jnp.float32)[:, None]
         s = sin.astype(jnp.float32)[:, None]

@@ -142,7 +142,8 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
                 int4_group_size: int = 64, k_on_device: bool = False, prefill_chunk_tokens: int | None = None,
-                activation_split: int = 1, fetch: bool = True, slots: dict | None = None) -> MemoryPlan:
+                activation_split: int = 1, fetch: bool = True, slots: dict | None = None,
+                layer_parts=None) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
@@ -152,7 +153,9 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     crosses PCIe). fetch False: decode moves no whole extent (clo, tokenselect kv=split gather selected rows
     in place), so no transfer buffers and no extent-sized dequantize workspace. slots: GPU bytes of the
     policy's per-layer slots by part name (selection caches, row buffers, retrieval metadata), held from
-    prefill to the end of the run.
+    prefill to the end of the run. layer_parts: per layer, the parts ("k", "v", "x") it stores where the
+    layout holds them, or None (all; `LayerHooks.layer_parts`: clo / tokenselect store=act keep X in place
+    of V, or of K and V).
     prefill_chunk_tokens: the prefill runs each layer in token chunks (the workspace is a chunk's) and
     one layer at a time (its K/V, X and their gathered extents are counted once).
     Tensor parallelism (offload/sharding.py) plans one device: cfg is the config that device sees (its
@@ -178,6 +181,8 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     pool_h = {"K/V blocks": 0, "activation blocks": 0}
     pool_d = {"K/V blocks": 0, "activation blocks": 0}
     per_layer_fetch, rec_ws, deq_ws = 0, 0, 0
+    parts = [None] * L if layer_parts is None else list(layer_parts)
+    n_k, n_v, n_x = (sum(1 for p_ in parts if p_ is None or part in p_) for part in "kvx")  # layers storing each
     for lay in layouts:
         moved = 0
         for e in range(lay.num_extents):
@@ -189,14 +194,14 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
             if side is pool_h and x_e and x_host_tok != cfg.hidden_size * p:
                 deq_ws = max(deq_ws, lay.size(e) * x_blk(lay))  # one fetched X extent, dequantized
             if side is pool_h and k_on_device and kv_e:  # K on the GPU (native), V on the host (as stored)
-                pool_d["K/V blocks"] += L * lay.size(e) * kv_blk(lay) // 2
-                pool_h["K/V blocks"] += L * (kv_e - kv_e // 2)
+                pool_d["K/V blocks"] += n_k * (lay.size(e) * kv_blk(lay) // 2)
+                pool_h["K/V blocks"] += n_v * (kv_e - kv_e // 2)
                 kv_e = 0
-            side["K/V blocks"] += L * kv_e
-            side["activation blocks"] += L * x_e
+            side["K/V blocks"] += n_k * (kv_e // 2) + n_v * (kv_e - kv_e // 2)
+            side["activation blocks"] += n_x * x_e
             if side is pool_h:
                 moved += max(kv_e, x_e)
-            if x_e:  # K/V recomputed from one activation extent at a time (gathered whole when split)
+            if x_e and fetch:  # K/V recomputed from one activation extent at a time (gathered whole when split)
                 rec_ws = max(rec_ws, lay.size(e) * (kv_blk(lay) + (x_blk(lay) * activation_split
                                                                     if activation_split > 1 else 0)))
         per_layer_fetch = max(per_layer_fetch, moved)

@@ -53,3 +53,58 @@ def choose_split(cost: CostModel, shape: LayerShape, work_of: Callable[[int], Se
         reason = (f"recompute {best} extents from X: predicted {times[best] * 1e3:.3f} ms/layer vs "
                   f"{times[candidates[0]] * 1e3:.3f} ms at {candidates[0]}")
     return SplitPlan(best, times[best], reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# top-k over activations (clo, tokenselect kv=split with store=auto): per layer, K/V rows or X rows
+# ---------------------------------------------------------------------------------------------
+
+
+def expected_union(k: float, n: float, heads: int, forced: float = 0.0) -> float:
+    """Expected tokens in the union of `heads` selections of k of n tokens each: the `forced` ones (sinks,
+    recent tokens) common to every head, the rest drawn independently. Real heads agree more than
+    independent ones, so this is an upper estimate of the X rows a re-selection reads."""
+    n, k, forced = float(n), min(float(k), float(n)), min(float(forced), float(k))
+    if n <= forced:
+        return n
+    return forced + (n - forced) * (1.0 - (1.0 - (k - forced) / (n - forced)) ** heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStorePlan:
+    store: str  # "kv": the layer's host pool holds K/V (or V) rows; "act": activations X, K/V recomputed
+    reason: str
+    kv_s: float  # predicted seconds of one re-selection's rows fetched as K/V (V) rows
+    act_s: float  # as X rows plus their recomputation (inf where X cannot pay)
+
+
+def choose_row_store(cost: CostModel, shape: LayerShape, *, k_on_device: bool, kv_tokens: float,
+                     x_tokens: float) -> RowStorePlan:
+    """KV or ACT for one layer of a selective policy (clo, tokenselect kv=split), from the cost model's rates.
+
+    A re-selection reads its rows inside the layer program (a zero-copy gather on the compute stream: no
+    overlap), so the two ways cost transfer + compute, not their max: K/V rows of kv_tokens tokens (the
+    heads' selected (token, head) rows / n_kv; V alone where K stays on the GPU for scoring), or X rows of
+    the x_tokens tokens in the union of the heads' selections (X is per token, shared by every head) plus
+    their K/V (V) recomputed. Per token an activation (h p) is half of its K/V (2 n_kv d p) for MHA, the
+    size of its V alone, and larger than both for GQA with n_kv d < h / 2."""
+    row_tok = shape.kv_host_tok / 2 if k_on_device else shape.kv_host_tok
+    bytes_kv, bytes_x = kv_tokens * row_tok, x_tokens * shape.x_host_tok
+    t_kv = cost.h2d(bytes_kv)
+    if shape.x_host_tok >= row_tok:
+        if not k_on_device:
+            why = no_recompute_reason(shape)
+        else:
+            why = (f"no recompute: an activation ({shape.x_host_tok:.0f} B/token) is at least as large as the token's "
+                   f"V rows of every head ({row_tok:.0f} B/token; K stays on the GPU for scoring, only V crosses"
+                   f"{', GQA' if shape.x_tok > shape.kv_tok / 2 else ''}), so fetching X can only add PCIe bytes; "
+                   "no activations stored")
+        return RowStorePlan("kv", "kv: " + why, t_kv, float("inf"))
+    t_rec = cost.recompute(x_tokens * shape.recompute_flops_tok * (0.5 if k_on_device else 1.0))
+    t_act = cost.h2d(bytes_x) + t_rec
+    what = "V rows" if k_on_device else "K/V rows"
+    detail = (f"X rows of {x_tokens:.0f} tokens (the union of the heads' selections) {bytes_x / 1e6:.3f} MB + "
+              f"recompute {t_rec * 1e3:.3f} ms = {t_act * 1e3:.3f} ms vs {what} of {kv_tokens:.0f} tokens "
+              f"{bytes_kv / 1e6:.3f} MB = {t_kv * 1e3:.3f} ms per re-selection")
+    store = "act" if t_act < t_kv else "kv"
+    return RowStorePlan(store, f"{store}: {detail}", t_kv, t_act)

@@ -92,6 +92,7 @@ from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.tokenselect import (
     NEG_INF,
+    HostRows,
     SelectionCache,
     TokenSelectHooks,
     empty_selection,
@@ -99,8 +100,10 @@ from kvoffload.policies.tokenselect import (
     gather_rows,
     hit_rates,
     owned_blocks,
+    pool_block_tokens,
     query_cosines,
     request_token_bound,
+    check_store,
     reuse_or_select,
     selection_budget,
     selection_size,
@@ -267,39 +270,40 @@ def missing_rows(held, held_valid, want, want_valid):
     return present, pos, missing, jnp.sum(miss, axis=-1, dtype=jnp.int32)
 
 
-def gather_missing(sources, missing, count, blk, like):
-    """Rows of the tokens missing[..., :max(count)] from each source's extents (host memory, int4 or native:
-    dequantized to like[i]'s dtype), as [B, n_kv, K, d] arrays shaped like `like` (rows past the count
-    undefined). The gather takes the smallest of the FETCH_TIERS sizes that holds max(count) rows (a
-    ``lax.switch``: static shapes), none when nothing is missing."""
+def gather_missing(sources: HostRows, missing, count, blk, like):
+    """(rows, x_rows): rows of the tokens missing[..., :max(count)] from the layer's host side (`HostRows`: each
+    buffer's extents, int4 or native, dequantized to like[i]'s dtype; or recomputed from X rows, x_rows [B] of
+    them read), as [B, n_kv, K, d] arrays shaped like `like` (rows past the count undefined). The gather takes
+    the smallest of the FETCH_TIERS sizes that holds max(count) rows (a ``lax.switch``: static shapes), none
+    when nothing is missing."""
     K = missing.shape[-1]
     sizes = sorted({max(1, -(-K // t)) for t in FETCH_TIERS})
 
     def gather(m):
         def run():
-            out = []
-            for ext, buf in zip(sources, like):
-                rows = native_extent(gather_rows(ext, missing[..., :m], blk), buf.dtype).astype(buf.dtype)
-                out.append(jnp.pad(rows, ((0, 0), (0, 0), (0, K - m), (0, 0))))
-            return tuple(out)
+            rows, x_rows = sources(missing[..., :m], jnp.minimum(count, m), tuple(b.dtype for b in like), blk)
+            return tuple(jnp.pad(r, ((0, 0), (0, 0), (0, K - m), (0, 0))) for r in rows), x_rows
         return run
 
     most = jnp.max(count)
     which = jnp.where(most == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), most)).astype(jnp.int32)
-    return jax.lax.switch(which, [lambda: tuple(jnp.zeros_like(b) for b in like)] + [gather(m) for m in sizes])
+    none = lambda: (tuple(jnp.zeros_like(b) for b in like), jnp.zeros(count.shape[:1], jnp.int32))  # noqa: E731
+    return jax.lax.switch(which, [none] + [gather(m) for m in sizes])
 
 
 def refill_rows(held, held_valid, buffers, want, want_valid, sources, blk):
-    """(rows, fetched): the rows of the wanted tokens ([B, n_kv, K, d] per buffer, in want's order) and how
-    many were gathered per (request, KV head). buffers hold the rows of `held` (one per source: V, or K and
-    V); a wanted row already held is taken from its buffer, only the others are gathered from the sources
-    (the host extents): exactly want minus held."""
+    """(rows, fetched, x_rows): the rows of the wanted tokens ([B, n_kv, K, d] per buffer, in want's order), how
+    many were fetched per (request, KV head) and the X rows read per request (store=act). buffers hold the rows
+    of `held` (one per part: V, or K and V); a wanted row already held is taken from its buffer, only the others
+    come from the sources (a `HostRows`, or per buffer the host extents to gather from): exactly want minus held."""
+    if not isinstance(sources, HostRows):
+        sources = HostRows(extents=tuple(sources))
     present, pos, missing, count = missing_rows(held, held_valid, want, want_valid)
-    got = gather_missing(sources, missing, count, blk, buffers)
+    got, x_rows = gather_missing(sources, missing, count, blk, buffers)
     rank = jnp.maximum(jnp.cumsum(~present, axis=-1, dtype=jnp.int32) - 1, 0)
     out = tuple(jnp.where(present[..., None], jnp.take_along_axis(buf, pos[..., None], axis=2),
                           jnp.take_along_axis(new, rank[..., None], axis=2)) for buf, new in zip(buffers, got))
-    return out, count
+    return out, count, x_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +325,8 @@ class CloAttend:
         tokens, persistent heads: everything)."""
         keys = src.pool.k
         B, H, d = q.shape
-        n_kv, blk = keys[0].shape[1], keys[0].shape[2]
         sel = slots.selection
+        n_kv, blk = sel.indices.shape[1], pool_block_tokens(src.pool)
         K = sel.indices.shape[-1]  # the whole pool bound in a layer with persistent heads
         pool_tokens = sum(tables.count) * blk
         context = pool_tokens + src.tail_len + 1
@@ -350,18 +354,22 @@ class CloAttend:
         return reuse, select
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
-        keys, values = src.pool.k, src.pool.v
+        keys = src.pool.k
         B, H, d = q.shape
-        n_kv, blk = keys[0].shape[1], keys[0].shape[2]
         sel = slots.selection
+        n_kv, blk = sel.indices.shape[1], pool_block_tokens(src.pool)
         K = sel.indices.shape[-1]
         pool_tokens = sum(tables.count) * blk
         reuse, select = self.selection_rule(q, src, tables, slots)
         indices, num_valid = reuse_or_select(reuse, sel, select)
         hit = reuse[..., None, None]
+        # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
+        rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl)
+        miss_nv = jnp.where(reuse, 0, num_valid)  # the hit heads' rows come from the buffers
+        no_x = jnp.zeros((B,), jnp.int32)
         spec = {}
         if self.speculative:  # the buffers hold the rows of slots.held: gather only the rows they lack
-            k_rows, v_sel, fetched = refill_buffers(slots, indices, num_valid, keys, values, blk)
+            k_rows, v_sel, fetched, x_rows = refill_buffers(slots, indices, num_valid, rows, blk)
             k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype) if k_rows is None else k_rows
             # the guess's coverage of every fresh selection of a layer that was guessed this step
             fresh = ~reuse & slots.guessed
@@ -372,15 +380,14 @@ class CloAttend:
                         last_guess=jnp.stack([jnp.sum(covered), jnp.sum(needed)]))
         elif slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
             k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
-            fetched_v = jax.lax.cond(jnp.all(reuse), lambda: slots.v_rows,
-                                     lambda: native_extent(gather_rows(values, indices, blk), slots.v_rows.dtype))
+            (fetched_v,), x_rows = jax.lax.cond(jnp.all(reuse), lambda: ((slots.v_rows,), no_x),
+                                                lambda: rows(indices, miss_nv, (slots.v_rows.dtype,), blk))
             k_rows = None
             v_sel = jnp.where(hit, slots.v_rows, fetched_v)
-        else:  # K on the host too: both gathered from the host on a miss, both buffers reused on hits
-            fetched_k, fetched_v = jax.lax.cond(
-                jnp.all(reuse), lambda: (slots.k_rows, slots.v_rows),
-                lambda: (native_extent(gather_rows(keys, indices, blk), slots.k_rows.dtype),
-                         native_extent(gather_rows(values, indices, blk), slots.v_rows.dtype)))
+        else:  # K on the host too: both from the host on a miss, both buffers reused on hits
+            (fetched_k, fetched_v), x_rows = jax.lax.cond(
+                jnp.all(reuse), lambda: ((slots.k_rows, slots.v_rows), no_x),
+                lambda: rows(indices, miss_nv, (slots.k_rows.dtype, slots.v_rows.dtype), blk))
             k_rows = jnp.where(hit, slots.k_rows, fetched_k)
             k_sel = k_rows
             v_sel = jnp.where(hit, slots.v_rows, fetched_v)
@@ -396,22 +403,24 @@ class CloAttend:
         new_sel = SelectionCache(query=jnp.where(keep_q, sel.query, q.astype(jnp.float32)), indices=indices,
                                  num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
                                  hits=sel.hits + (reuse & cached).astype(jnp.int32), steps=sel.steps + 1,
-                                 scored=sel.scored + jnp.any(~reuse).astype(jnp.int32))
+                                 scored=sel.scored + jnp.any(~reuse).astype(jnp.int32),
+                                 x_rows=None if sel.x_rows is None else sel.x_rows + x_rows)
         new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows,
                                   v_rows_fetched=slots.v_rows_fetched + fetched, **spec)
         return acc, new
 
 
-def refill_buffers(slots: CloSlots, indices, num_valid, keys, values, blk):
-    """(k_rows or None, v_rows, fetched [B, n_kv]): the row buffers made to hold the rows of indices,
-    gathering only those the buffers (slots.held) lack; K rows too where K is buffered (quest/hata)."""
+def refill_buffers(slots: CloSlots, indices, num_valid, rows: HostRows, blk):
+    """(k_rows or None, v_rows, fetched [B, n_kv], x_rows [B]): the row buffers made to hold the rows of
+    indices, fetching (`HostRows`) only those the buffers (slots.held) lack; K rows too where K is buffered
+    (quest/hata)."""
     if slots.k_rows is None:
-        (v_rows,), fetched = refill_rows(slots.held, slots.held_valid, (slots.v_rows,), indices, num_valid,
-                                         (values,), blk)
-        return None, v_rows, fetched
-    (k_rows, v_rows), fetched = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows), indices,
-                                            num_valid, (keys, values), blk)
-    return k_rows, v_rows, fetched
+        (v_rows,), fetched, x_rows = refill_rows(slots.held, slots.held_valid, (slots.v_rows,), indices, num_valid,
+                                                 rows, blk)
+        return None, v_rows, fetched, x_rows
+    (k_rows, v_rows), fetched, x_rows = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows),
+                                                    indices, num_valid, rows, blk)
+    return k_rows, v_rows, fetched, x_rows
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attend"))
@@ -424,13 +433,16 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
     program then gathers only what the guess missed (`refill_rows`)."""
     fam = family(cfg)
     q = fam.qkv(cfg, lp, fam.attn_input(cfg, lp, h), positions)[0][:, :, 0]
-    keys, values = src.pool.k, src.pool.v
-    blk = keys[0].shape[2]
+    blk = pool_block_tokens(src.pool)
     reuse, select = attend.selection_rule(q, src, tables, slots)
     g_idx, g_nv = jax.lax.cond(jnp.all(reuse), lambda: (slots.held, slots.held_valid), select)
     g_idx = jnp.where(reuse[..., None], slots.held, g_idx)  # predicted hits keep what they hold
     g_nv = jnp.where(reuse, slots.held_valid, g_nv)
-    k_rows, v_rows, fetched = refill_buffers(slots, g_idx, g_nv, keys, values, blk)
+    rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"))
+    k_rows, v_rows, fetched, x_rows = refill_buffers(slots, g_idx, g_nv, rows, blk)
+    sel = slots.selection
+    if sel.x_rows is not None:  # the guesses' X rows count with the layer programs'
+        slots = dataclasses.replace(slots, selection=dataclasses.replace(sel, x_rows=sel.x_rows + x_rows))
     return dataclasses.replace(slots, v_rows=v_rows, k_rows=k_rows, held=g_idx, held_valid=g_nv,
                                guessed=jnp.ones((), bool), spec_rows_fetched=slots.spec_rows_fetched + fetched)
 
@@ -501,8 +513,8 @@ class CloHooks(TokenSelectHooks):
     name = "clo"
 
     def __init__(self, attend: CloAttend, importance, eta, p, fixed_threshold, persistent_heads, layer0_full,
-                 hata_weights=None, hata_bits=128):
-        super().__init__(attend, split=True)
+                 hata_weights=None, hata_bits=128, store="kv"):
+        super().__init__(attend, split=True, store=store)
         self.importance, self.eta, self.p, self.fixed_threshold = importance, eta, p, fixed_threshold
         self.persistent_heads, self.layer0_full = persistent_heads, layer0_full
         self.hata_weights, self.hata_bits = hata_weights, hata_bits
@@ -559,6 +571,10 @@ class CloHooks(TokenSelectHooks):
         new = key_metadata(k_blocks, slot.hata_w, r, self.attend.page_size)
         written = tuple(write_blocks(old, part, at) for old, part in zip(slot.meta[extent], new))
         return dataclasses.replace(slot, meta=slot.meta[:extent] + (written,) + slot.meta[extent + 1:])
+
+    def persistent_for_stores(self, pipe, model, layout, batch, K):
+        scores = head_rule(model.config, self.importance, self.eta, self.p, self.fixed_threshold)[0]
+        return self.persistent_mask(pipe, model, scores, layout, batch, K)[0]
 
     def persistent_mask(self, pipe, model, scores, layout, batch, K):
         cfg = model.config
@@ -650,7 +666,7 @@ class CloPolicy(LayeredPolicy):
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
     host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
     extra_options = ("retrieval", "quest_page_tokens", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
-                     "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch")
+                     "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch", "store")
 
     def __init__(self, **options):
         if options.get("offload_weights"):
@@ -659,7 +675,7 @@ class CloPolicy(LayeredPolicy):
 
     def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=128, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="none",
-                   layer0_full=True, speculative_prefetch=True):
+                   layer0_full=True, speculative_prefetch=True, store="kv"):
         if retrieval not in RETRIEVALS:
             raise CloOptionError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
         blk = self.options.block_tokens
@@ -682,6 +698,7 @@ class CloPolicy(LayeredPolicy):
         if isinstance(persistent_heads, str) and persistent_heads not in ("none", "plan"):
             raise CloOptionError(f"persistent_heads must be 'none', 'plan' or a list of (layer, kv_head), "
                                  f"got {persistent_heads!r}")
+        check_store(store, CloOptionError)
         if speculative_prefetch not in (True, False):
             raise CloOptionError(f"speculative_prefetch must be true or false, got {speculative_prefetch!r}")
         attend = CloAttend(token_budget=topk, token_ratio=topk_ratio,
@@ -690,7 +707,7 @@ class CloPolicy(LayeredPolicy):
         return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),
                         fixed_threshold=None if fixed_threshold is None else float(fixed_threshold),
                         persistent_heads=persistent_heads, layer0_full=bool(layer0_full),
-                        hata_weights=hata_weights, hata_bits=hata_bits)
+                        hata_weights=hata_weights, hata_bits=hata_bits, store=store)
 
     def describe(self, state=None) -> dict:
         d = super().describe(state)
@@ -721,9 +738,11 @@ class CloPolicy(LayeredPolicy):
             def per_layer_head(field):  # [L, n_kv] summed over requests and GPU batches
                 return sum(np.stack([np.asarray(getattr(s, field)).sum(0) for s in gr.slots]) for gr in state.groups)
 
-            rows = per_layer_head("v_rows_fetched")
+            # store=act layers read X rows (counted below), no V (K) row crosses: their row counters count nothing
+            kv_layer = np.asarray([s != "act" for s in h.stores] if h.stores else [True] * len(h.chosen["tau"]))
+            rows = per_layer_head("v_rows_fetched") * kv_layer[:, None]
             if a.speculative:  # the rows the guesses gathered, beside those each layer's own program gathered
-                spec = per_layer_head("spec_rows_fetched")
+                spec = per_layer_head("spec_rows_fetched") * kv_layer[:, None]
                 covered, needed = per_layer_head("guess_covered"), per_layer_head("guess_needed")
                 c["speculative_prefetch"] = {
                     "guess_hit_rate": float(covered.sum() / needed.sum()) if needed.sum() else None,
@@ -743,5 +762,6 @@ class CloPolicy(LayeredPolicy):
             c["metadata_gpu_bytes"] = int(sum(x.nbytes for s in slots for x in jax.tree.leaves(s.meta)))
             c["hata_w_gpu_bytes"] = int(sum(s.hata_w.nbytes for s in slots if s.hata_w is not None))
             c["metadata_placement"] = "per layer in the slots (CloSlots.meta), device memory"
+        c.update(h.store_report(state))
         d["clo"] = c
         return d

@@ -87,6 +87,7 @@ class SelectionCache:
     hits: jax.Array  # [B, n_kv] int32: steps that reused the cached selection
     steps: jax.Array  # [B] int32: steps run
     scored: jax.Array  # [] int32: steps on which the scoring ran (some (request, head) missed)
+    x_rows: jax.Array | None = None  # [B] int32: activation rows read (store=act: the heads' unions), or None
 
 
 jax.tree_util.register_dataclass(SelectionCache, data_fields=[f.name for f in dataclasses.fields(SelectionCache)],
@@ -187,6 +188,7 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
 def gather_rows(extents, indices, blk):
     """[B, n_kv, K, d] in device memory: rows of the pool's token space (indices [B, n_kv, K]) from the
     extents [E_e, n_kv, blk, d] (block-id order); one gather per extent, each row taken from its own.
+    Activation extents [E_e, blk, H] take tokens [B, T] and give [B, T, H]; a token -1 reads nothing (0).
     An extent in host memory (kv=split's V) goes to ``ops.gather_block_rows``: on the GPU a kernel reads
     only the selected rows in place (XLA's gather of a host operand would run as host compute). An int4
     extent (``QuantizedInt4``: codes, step, min, each [E_e, n_kv, blk, .]) gives the rows as stored (a
@@ -201,6 +203,114 @@ def gather_rows(extents, indices, blk):
         out = rows if out is None else jax.tree.map(lambda r, o: jnp.where(inside, r, o), rows, out)
         start += E
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# top-k over activations (store=act): the selected tokens' K/V recomputed from their X rows
+# ---------------------------------------------------------------------------------------------
+
+STORES = ("kv", "act", "auto")
+UNION_TIER = 4  # the X-row gathers take K, 4K, 16K, ... rows (up to the whole union's bound), the smallest that fits
+
+
+def union_tiers(K: int, n_kv: int, N: int) -> list:
+    """Static sizes of the X-row gather: K rows per (request, head) make a union of at most min(n_kv K, N) tokens."""
+    cap = max(1, min(n_kv * K, N))
+    sizes, c = [], max(1, min(K, cap))
+    while c < cap:
+        sizes.append(c)
+        c *= UNION_TIER
+    return sizes + [cap]
+
+
+def recompute_rows(cfg, lp, x, positions, want_k: bool, impl="reference"):
+    """(k or None, v) [B, n_kv, T, d] of activation rows x [B, T, H] at positions [B, T] (RoPE on K at each
+    token's own position, through the family's recompute_kv); want_k False: V alone (K is on the GPU)."""
+    from kvoffload.models.transformer import family
+
+    if want_k:
+        return family(cfg).recompute_kv(cfg, lp, x, positions, impl=impl)
+    return ops.recompute_kv(x, None, None, lp.wv, lp.bv, n_kv=cfg.num_kv_heads)
+
+
+def act_rows(cfg, lp, acts, blk, positions, indices, valid, want_k, dtype, impl="reference"):
+    """(rows, x_rows): the K and V rows (want_k) or the V rows, each [B, n_kv, K, d] in dtype, of the tokens
+    indices [B, n_kv, K] where valid, recomputed on the GPU from activation rows gathered from the X extents
+    acts [E_e, blk, H] (host memory: `gather_rows`, zero-copy on the GPU). X is per token, shared by every
+    head: a request's rows are those of the union of its heads' valid tokens (x_rows [B] of them), gathered
+    once, in the smallest of `union_tiers` that holds the largest union (a ``lax.switch``; none when empty).
+    positions [N]: each token of the pool's token space its position (RoPE; OPT's X carries its learned
+    position already, added by the embedding)."""
+    B, n_kv, K = indices.shape
+    N = positions.shape[0]
+    rows_b = jnp.arange(B)[:, None]
+    mask = jnp.zeros((B, N), bool).at[rows_b, jnp.where(valid, indices, N).reshape(B, -1)].set(True, mode="drop")
+    count = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    rank = jnp.where(mask, jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - 1, N)
+    d = cfg.head_dim
+    sizes = union_tiers(K, n_kv, N)
+
+    def tier(c):
+        def run():
+            union = jnp.full((B, c), -1, jnp.int32).at[rows_b, rank].set(
+                jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)), mode="drop")  # ascending, then -1
+            x = native_extent(gather_rows(acts, union, blk), dtype)
+            k, v = recompute_rows(cfg, lp, x, positions[jnp.maximum(union, 0)], want_k, impl)
+            keyed = jnp.where(union >= 0, union, jnp.int32(2 ** 30))
+            at = jnp.minimum(jax.vmap(jnp.searchsorted)(keyed, indices.reshape(B, -1)), c - 1).reshape(B, n_kv, K, 1)
+            return tuple(jnp.take_along_axis(a, at, axis=2).astype(dtype) for a in ((k, v) if want_k else (v,)))
+        return run
+
+    zeros = lambda: tuple(jnp.zeros((B, n_kv, K, d), dtype) for _ in range(2 if want_k else 1))  # noqa: E731
+    most = jnp.max(count)
+    which = jnp.where(most == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), most)).astype(jnp.int32)
+    return jax.lax.switch(which, [zeros] + [tier(c) for c in sizes]), count
+
+
+def stores_acts(pool) -> bool:
+    """Whether a layer's sources hold activation extents in place of its V extents (store=act)."""
+    return pool.v[0] is None and pool.x[0] is not None
+
+
+def pool_block_tokens(pool) -> int:
+    """blk of a layer's extents (whichever it stores: K/V [E, n_kv, blk, d] or X [E, blk, H])."""
+    for ext, axis in ((pool.k, 2), (pool.v, 2), (pool.x, 1)):
+        if ext[0] is not None:
+            return jax.tree.leaves(ext[0])[0].shape[axis]
+    raise ValueError("a layer with no extents")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRows:
+    """Where a layer's selected rows come from on the host side (built inside a layer program): gathered
+    from the extents of each buffer's part (store=kv: V, or K and V), or recomputed from X rows (store=act,
+    `act_rows`: acts, the layer's weights lp and the pool's token positions)."""
+
+    extents: tuple = ()  # per buffer its extents (kv)
+    acts: tuple | None = None  # X extents (act)
+    cfg: object = None
+    lp: object = None
+    positions: object = None  # [N] int32
+    impl: str = "reference"
+
+    @classmethod
+    def of(cls, cfg, lp, pool, tables, parts, impl="reference"):
+        """The rows of parts ("v", or "k" and "v") of a layer's sources."""
+        if stores_acts(pool):
+            return cls(acts=pool.x, cfg=cfg, lp=lp, positions=token_positions(tables, pool_block_tokens(pool)),
+                       impl=impl)
+        return cls(extents=tuple(pool.k if p == "k" else pool.v for p in parts))
+
+    def __call__(self, indices, num_valid, dtypes, blk):
+        """(rows [B, n_kv, K, d], one per part in `dtypes`, x_rows [B] int32: the X rows read) for indices
+        [B, n_kv, K], the first num_valid [B, n_kv] of each (request, head) wanted (kv: every row gathered)."""
+        if self.acts is None:
+            rows = tuple(native_extent(gather_rows(ext, indices, blk), dt).astype(dt)
+                         for ext, dt in zip(self.extents, dtypes))
+            return rows, jnp.zeros(indices.shape[:1], jnp.int32)
+        valid = jnp.arange(indices.shape[-1]) < num_valid[..., None]
+        return act_rows(self.cfg, self.lp, self.acts, blk, self.positions, indices, valid, len(dtypes) == 2,
+                        dtypes[-1], self.impl)
 
 
 def query_cosines(q, cached):
@@ -250,7 +360,7 @@ class TokenSelectAttend:
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: SelectionCache, recompute_impl, attention_impl):
         pool = src.pool
-        keys, values = pool.k, pool.v
+        keys = pool.k
         B, H, d = q.shape
         n_kv, blk = keys[0].shape[1], keys[0].shape[2]
         K = slots.indices.shape[-1]
@@ -270,7 +380,9 @@ class TokenSelectAttend:
         indices, num_valid = reuse_or_select(reuse, slots, select)
 
         k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
-        v_sel = native_extent(gather_rows(values, indices, blk), q.dtype)  # int4 host V: the rows dequantized
+        # int4 host V: the rows dequantized; store=act: V recomputed from the selected tokens' X rows
+        (v_sel,), x_rows = HostRows.of(cfg, lp, pool, tables, ("v",), recompute_impl)(indices, num_valid, (q.dtype,),
+                                                                                        blk)
         slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
         part = ops.sparse_attention(q, k_sel, v_sel, slot_ids, num_valid=num_valid, impl=attention_impl)
         acc = ops.merge_attention_into(acc, part)
@@ -279,7 +391,8 @@ class TokenSelectAttend:
         new = SelectionCache(query=jnp.where(keep_q, slots.query, q.astype(jnp.float32)), indices=indices,
                              num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
                              hits=slots.hits + reuse.astype(jnp.int32), steps=slots.steps + 1,
-                             scored=slots.scored + jnp.any(~reuse).astype(jnp.int32))
+                             scored=slots.scored + jnp.any(~reuse).astype(jnp.int32),
+                             x_rows=None if slots.x_rows is None else slots.x_rows + x_rows)
         return acc, new
 
 
@@ -293,7 +406,7 @@ def empty_selection(batch, H, n_kv, d, K) -> SelectionCache:
     zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
     return SelectionCache(query=jnp.zeros((batch, H, d), jnp.float32), indices=zeros((batch, n_kv, K)),
                           num_valid=zeros((batch, n_kv)), pool_tokens=jnp.full((batch,), -1, jnp.int32),
-                          hits=zeros((batch, n_kv)), steps=zeros((batch,)), scored=zeros(()))
+                          hits=zeros((batch, n_kv)), steps=zeros((batch,)), scored=zeros(()), x_rows=zeros((batch,)))
 
 
 def _tree_nbytes(tree) -> int:
@@ -313,12 +426,76 @@ class TokenSelectHooks(LayerHooks):
     name = "tokenselect"
     kinds = ("kv",)
 
-    def __init__(self, attend: TokenSelectAttend, split: bool = False):
+    def __init__(self, attend: TokenSelectAttend, split: bool = False, store: str = "kv"):
         self.attend = attend
         self.split = split  # kv=split: K extents on the device, V extents in the host pool
+        self.store = store  # kv | act | auto: per layer, the host pool holds V (or K/V) rows or activations X
+        self.stores: tuple = ()  # per layer, decided at prefill (`pool_layouts`)
+        self.store_reasons: tuple = ()
+        self.x_row_bytes = 0.0  # one token's X as the host pool stores it
 
     def keys_on_device(self, pipe) -> bool:
         return self.split
+
+    # -- store=kv|act|auto: which layers keep activations in place of V (or K and V) -----------------
+    def persistent_for_stores(self, pipe, model, layout, batch: int, K: int):
+        """[L, n_kv] bool: heads that select their whole context (clo's persistent heads; none here)."""
+        return np.zeros((model.config.num_layers, model.config.num_kv_heads), bool)
+
+    def choose_stores(self, pipe, model, layout, batch: int):
+        """(stores, reasons) per layer: "kv" or "act". store=auto asks the cost model per layer
+        (`plan.split.choose_row_store`: one re-selection's rows as K/V (V) rows or as the X rows of the union
+        of the heads' selections plus their recomputation; the union estimated for independent heads, a
+        persistent head's being the whole context); store=kv|act as asked, with the cost model's view."""
+        from kvoffload.plan.split import choose_row_store, expected_union
+
+        cfg = model.config
+        n_kv, L = cfg.num_kv_heads, cfg.num_layers
+        K = self.static_budget(layout, batch)
+        bound = request_token_bound(layout, batch)
+        persistent = self.persistent_for_stores(pipe, model, layout, batch, K)
+        forced = self.attend.num_sink + self.attend.num_recent
+        stores, reasons = [], []
+        for layer in range(L):
+            n_p = int(persistent[layer].sum())
+            kv_tokens = batch * (n_p * bound + (n_kv - n_p) * K) / n_kv
+            x_tokens = batch * (bound if n_p else expected_union(K, bound, n_kv, forced))
+            plan = choose_row_store(pipe.cost, pipe.shape(model), k_on_device=self.keys_on_device(pipe),
+                                    kv_tokens=kv_tokens, x_tokens=x_tokens)
+            if self.store == "auto":
+                stores.append(plan.store), reasons.append(plan.reason)
+            else:
+                stores.append(self.store)
+                reasons.append(f"{self.store}: as asked (store={self.store}); the cost model: {plan.reason}")
+        return tuple(stores), tuple(reasons)
+
+    def pool_layouts(self, pipe, model, dtype, rows, lengths, capacity):
+        layouts = super().pool_layouts(pipe, model, dtype, rows, lengths, capacity)
+        if not self.split:
+            return layouts
+        a, z = rows[0]
+        self.stores, self.store_reasons = self.choose_stores(pipe, model, layouts[0], z - a)
+        self.x_row_bytes = pipe.shape(model).x_host_tok
+        if "act" in self.stores:  # activation extents beside K/V ones; each layer keeps its parts (layer_parts)
+            layouts = [dataclasses.replace(lay, act_extents=(0, lay.num_extents)) for lay in layouts]
+        return layouts
+
+    def layer_parts(self, pipe, layer):
+        if not self.stores or "act" not in self.stores:
+            return None
+        keys = ("k",) if self.keys_on_device(pipe) else ()
+        return keys + (("x",) if self.stores[layer] == "act" else ("v",) if keys else ("k", "v"))
+
+    def store_report(self, state=None) -> dict:
+        """describe's view of store=kv|act|auto: per layer the choice and why; X rows and bytes read."""
+        out = {"store": self.store, "store_per_layer": list(self.stores), "store_reasons": list(self.store_reasons)}
+        if state is not None and state.groups and state.groups[0].slots and "act" in self.stores:
+            sel = lambda s: getattr(s, "selection", s)  # noqa: E731  (clo's slots hold a SelectionCache)
+            rows = [sum(int(np.asarray(sel(gr.slots[i]).x_rows).sum()) for gr in state.groups)
+                    for i in range(len(self.stores))]
+            out.update(x_rows_fetched=int(sum(rows)), x_bytes_fetched=int(sum(rows) * self.x_row_bytes),
+                       x_bytes_fetched_per_layer=[int(r * self.x_row_bytes) for r in rows])
+        return out
 
     def fetches_extents(self, pipe) -> bool:
         return not self.split  # kv=split reads the selected rows in place; kv=gpu: a device pool
@@ -336,6 +513,12 @@ class TokenSelectHooks(LayerHooks):
             for one in jax.eval_shape(self.slot_maker(pipe, model, layout, b)):
                 for k, v in self.slot_parts(one).items():
                     out[k] = out.get(k, 0) + v
+        if "act" in self.stores:  # one layer's X rows of the largest union and their K/V, while it runs
+            cfg = model.config
+            p = jnp.dtype(model.params.layers[0].wk.dtype).itemsize
+            cap = max(union_tiers(self.static_budget(lay, b), cfg.num_kv_heads, request_token_bound(lay, b))[-1]
+                      for lay in layouts)
+            out["activation-row recompute workspace"] = b * cap * (cfg.hidden_size + cfg.kv_bytes_per_token) * p
         return out
 
     def plan_group(self, pipe, model, group):
@@ -381,6 +564,13 @@ class TokenSelectHooks(LayerHooks):
         return SelectSources(pool=pool, tail_len=group.tail_len)
 
 
+def check_store(store, error):
+    """store=kv|act|auto, or one clear error (tokenselect, clo)."""
+    if store not in STORES:
+        raise error(f"store must be one of {STORES} (kv: K/V (V) rows in the host pool; act: activations X, the "
+                    f"selected tokens' K/V recomputed on the GPU; auto: per layer by the cost model), got {store!r}")
+
+
 def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None, default_ratio=None,
                      names=("token_budget", "token_ratio"), error=TokenSelectOptionError):
     """A selection policy's checked (budget, ratio, num_sink, num_recent): a token count or a ratio of the
@@ -410,7 +600,7 @@ def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None
 class TokenSelectPolicy(LayeredPolicy):
     host_pool = False
     extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size",
-                     "extrapolate", "prefill_chunk")
+                     "extrapolate", "prefill_chunk", "store")
     extrapolation = None  # an Extrapolation with extrapolate=True: prompts past the trained positions
 
     def __init__(self, **options):
@@ -424,11 +614,15 @@ class TokenSelectPolicy(LayeredPolicy):
         super().__init__(**options)
 
     def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
-                   kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512):
+                   kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512, store="kv"):
         if extrapolate not in (True, False):
             raise TokenSelectOptionError(f"extrapolate must be true or false, got {extrapolate!r}")
         if kv not in PLACEMENTS:
             raise TokenSelectOptionError(f"kv must be one of {PLACEMENTS}, got {kv!r}")
+        check_store(store, TokenSelectOptionError)
+        if store != "kv" and kv != "split":
+            raise TokenSelectOptionError(f"store={store!r} applies to kv=split (a host pool holding V rows or activations); "
+                                         f"kv={kv!r} keeps the pool on the GPU")
         page_size = int(page_size)
         blk = self.options.block_tokens
         if page_size < 1 or blk % page_size:
@@ -440,7 +634,7 @@ class TokenSelectPolicy(LayeredPolicy):
                                                        prefill_chunk)
         attend = TokenSelectAttend(token_budget=token_budget, token_ratio=token_ratio, num_sink=num_sink,
                                    num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size)
-        return TokenSelectHooks(attend, split=kv == "split")
+        return TokenSelectHooks(attend, split=kv == "split", store=store)
 
     @property
     def extrapolates(self) -> bool:
@@ -474,6 +668,8 @@ class TokenSelectPolicy(LayeredPolicy):
         d["selection"] = {"token_budget": a.token_budget, "token_ratio": a.token_ratio, "num_sink": a.num_sink,
                           "num_recent": a.num_recent, "cache_threshold": a.cache_threshold, "page_size": a.page_size,
                           "kv": "split" if self.pipeline.hooks.split else "gpu"}
+        if self.pipeline.hooks.split:
+            d["selection"].update(self.pipeline.hooks.store_report(state))
         if state is not None and state.groups and state.groups[0].slots:
             d["selection"]["selected_per_head"] = int(state.groups[0].slots[0].indices.shape[-1])
             d["selection"].update(hit_rates(state))
