@@ -58,21 +58,26 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-# name -> (policy, options, which hit rate it replays: "tokenselect", "clo", a number, or None)
+# name -> (policy, options, which hit rate it replays: "tokenselect", "clo", a number, or None). clo's top 10%
+# is given as a count, topk = 10% of the context ("topk_of_context"): with topk_ratio the slots' static size is
+# the ratio of the most tokens one request could own in the layout (every prompt block of the batch), so at
+# batch 8 each head would gather and hold 8x the rows it selects (`request_token_bound`); the prompts here are
+# all of one length, so the count is the ratio.
 VARIANTS = {
     "full": ("full", {}, None),
     "tokenselect_gpu": ("tokenselect", {"kv": "gpu"}, "tokenselect"),
     "tokenselect_split": ("tokenselect", {"kv": "split"}, "tokenselect"),
-    "clo_exact": ("clo", {"retrieval": "exact", "topk_ratio": 0.1}, "clo"),
-    "clo_hata": ("clo", {"retrieval": "hata", "topk_ratio": 0.1}, "clo"),
+    "clo_exact": ("clo", {"retrieval": "exact", "topk_of_context": 0.1}, "clo"),
+    "clo_hata": ("clo", {"retrieval": "hata", "topk_of_context": 0.1}, "clo"),
     # issue 11's "naive top-k offload": the same selection, no cache, no speculative prefetch
-    "clo_naive": ("clo", {"retrieval": "exact", "topk_ratio": 0.1, "speculative_prefetch": False}, 0.0),
+    "clo_naive": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
     "offload": ("offload", {}, None),
 }
 DEFAULT_POLICIES = ("full", "tokenselect_gpu", "tokenselect_split", "offload", "clo_exact", "clo_hata")
@@ -253,8 +258,8 @@ def state_bytes(state) -> dict:
 
 
 def counters(state) -> dict | None:
-    """Summed over requests, GPU batches and layers: hits, looks (request steps x KV heads), scoring runs,
-    V rows fetched (clo); None for a policy without slots."""
+    """Summed over requests, GPU batches and layers: hits, looks (request steps x KV heads that can hit: not
+    clo's persistent ones), scoring runs, V rows fetched (clo); None for a policy without slots."""
     if not state.groups[0].slots:
         return None
     c = {"hits": 0, "looks": 0, "scored": 0, "v_rows": 0, "rule_hits": 0}
@@ -262,7 +267,9 @@ def counters(state) -> dict | None:
         for s in gr.slots:
             sel = getattr(s, "selection", s)
             c["hits"] += int(np.asarray(sel.hits).sum())
-            c["looks"] += int(np.asarray(sel.steps).sum()) * int(sel.hits.shape[1])
+            # clo's persistent heads (layer 0) never count a hit: looks of the cached heads only
+            heads = int((~np.asarray(s.persistent)).sum()) if hasattr(s, "persistent") else int(sel.hits.shape[1])
+            c["looks"] += int(np.asarray(sel.steps).sum()) * heads
             c["scored"] += int(sel.scored)
             if hasattr(s, "v_rows_fetched"):
                 c["v_rows"] += int(np.asarray(s.v_rows_fetched).sum())
@@ -469,6 +476,9 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     cfg = model.config
     policy, vopts, rate_of = VARIANTS[variant]
     opts = {"block_tokens": 64, "prefill_chunk_tokens": min(8192, ctx), **vopts, **args.extra.get(variant, {})}
+    share = opts.pop("topk_of_context", None)
+    if share is not None and "topk" not in opts and "topk_ratio" not in opts:  # an --option's budget wins
+        opts["topk"] = max(math.ceil(share * ctx), opts.get("num_sink", 4) + opts.get("num_recent", 64))
     rate = rate_override if rate_override is not None else (
         rate_of if isinstance(rate_of, float) else {"tokenselect": args.hit_rate_tokenselect,
                                                     "clo": args.hit_rate_clo}.get(rate_of))

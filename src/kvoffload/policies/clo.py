@@ -13,7 +13,9 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    not grown. Aggregation: the importance-weighted harmonic mean (``group_similarity``, Eq. 10) or the
    min. tau_i = cos(lambda_i arccos(eta) + (1 - lambda_i) pi), lambda_i = s_i^p (``kv_thresholds``), or
    one ``fixed_threshold`` (the ablation). tau, weights and the persistent mask are per layer: they live
-   in the layer's slots (``CloSlots``), not in the static attend.
+   in the layer's slots (``CloSlots``), not in the static attend. ``replay_hit_rate`` (tokenselect's option,
+   for random-weight speed runs) replaces a cached head's rule by a seeded Bernoulli draw at that rate
+   (`tokenselect.ReplayDraw`; persistent heads keep theirs); tau is still evaluated and counted.
 3. Persistent heads select every pool token of the request (their "selection" is the whole context,
    re-made only when the pool grows); layer 0 always (``layer0_full``). ``persistent_heads="plan"``
    uses ``plan_persistent_heads`` with the shipped profile of the embedded model.

@@ -30,7 +30,9 @@ Per layer, inside the layer's one jitted program (`TokenSelectAttend`), for each
    pool has not grown. The pool grows by whole blocks at a flush (every block_tokens steps): a cached
    selection stays valid (block ids never move) but misses the new block, so the cache stores the pool
    token count it was made at and re-selects when it changes. The scoring runs under a ``lax.cond``
-   only when some (request, head) of the layer misses.
+   only when some (request, head) of the layer misses. With ``replay_hit_rate`` (random-weight speed runs,
+   shared with `clo`) the reuse of a valid cached selection is a seeded Bernoulli draw at real-model hit
+   rates instead (`ReplayDraw`); the similarity is still computed and counted.
 
 Why gather rather than masked paged attention: masked paged attention reads every block of the
 request (K and V of the whole context: no saving at all); the gather reads the K selected rows of K
