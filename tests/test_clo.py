@@ -268,21 +268,32 @@ def test_options_are_checked():
         _decode(model, "clo", 0, persistent_heads=[(5, 0)])
 
 
-def test_replayed_hit_rate_decides_reuse_of_cached_heads():
-    """replay_hit_rate (shared with tokenselect): 0 is a threshold never cleared (same logits, same rows
-    fetched, no hits), 1 reuses every cached head wherever its selection is valid; layer 0's persistent heads
-    keep their rule (reuse until the pool grows) and count no hits."""
+REPLAY_OPTS = dict(topk=12, num_recent=4)
+
+
+@pytest.mark.slow  # 7 s of its own compilation; the default suite checks the replayed decisions below
+def test_replay_zero_equals_a_threshold_never_cleared():
+    """replay_hit_rate 0: the logits and rows fetched of a threshold no similarity clears, no hits."""
     model = tiny_random_model("llama", seed=1)
-    opts = dict(topk=12, num_recent=4)
-    pol0, want, want_state = _decode(model, "clo", NEW, fixed_threshold=1.5, **opts)
-    pol, got, state = _decode(model, "clo", NEW, replay_hit_rate=0.0, **opts)
+    pol0, want, want_state = _decode(model, "clo", NEW, fixed_threshold=1.5, **REPLAY_OPTS)
+    pol, got, state = _decode(model, "clo", NEW, replay_hit_rate=0.0, **REPLAY_OPTS)
     np.testing.assert_array_equal(got, want)
     c, c0 = pol.describe(state)["clo"], pol0.describe(want_state)["clo"]
     assert c["hit_rate"] == 0.0 and c["v_bytes_fetched"] == c0["v_bytes_fetched"]
-    assert c["cache_decision"].startswith("REPLAYED") and c["replayed_hit_rate_per_layer"] == [0.0, 0.0]
     assert c0["cache_decision"] == "similarity rule" and "replayed_hit_rate_per_layer" not in c0
 
-    pol, _, state = _decode(model, "clo", NEW, replay_hit_rate=1.0, **opts)
+
+def test_replayed_hit_rate_decides_reuse_of_cached_heads():
+    """replay_hit_rate (shared with tokenselect): 0 never reuses, 1 reuses every cached head wherever its
+    selection is valid; layer 0's persistent heads keep their rule (reuse until the pool grows) and count no
+    hits."""
+    model = tiny_random_model("llama", seed=1)
+    pol, _, state = _decode(model, "clo", NEW, replay_hit_rate=0.0, **REPLAY_OPTS)
+    c = pol.describe(state)["clo"]
+    assert c["hit_rate"] == 0.0 and all(int(s.scored) == NEW for s in state.groups[0].slots[1:])
+    assert c["cache_decision"].startswith("REPLAYED") and c["replayed_hit_rate_per_layer"] == [0.0, 0.0]
+
+    pol, _, state = _decode(model, "clo", NEW, replay_hit_rate=1.0, **REPLAY_OPTS)
     c = pol.describe(state)["clo"]
     layer0, layer1 = state.groups[0].slots
     assert (np.asarray(layer0.hits) == 0).all()  # persistent (layer0_full)
