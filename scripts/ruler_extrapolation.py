@@ -34,6 +34,15 @@ def main(argv=None):
     opts = dict(extrapolate=True, token_budget=a.token_budget, num_sink=a.num_sink, num_recent=a.num_recent,
                 prefill_chunk=a.prefill_chunk)
     rows, t0 = [], time.time()
+
+    def write(rows):
+        result = {"model": a.model or "embedded SmolLM2", "max_position_embeddings": model.config.max_position_embeddings,
+                  "policy": "tokenselect", "options": opts, "results": rows, "seconds": round(time.time() - t0, 1)}
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return result
+
+    result = write(rows)
     for L in [int(x) for x in a.lengths.split(",")]:
         for task in a.tasks.split(","):
             scores = []
@@ -43,10 +52,7 @@ def main(argv=None):
             rows.append({"task": task, "length": L, "samples": len(scores),
                          "score": sum(scores) / max(1, len(scores))})
             print(json.dumps(rows[-1]), flush=True)
-    result = {"model": a.model or "embedded SmolLM2", "max_position_embeddings": model.config.max_position_embeddings,
-              "policy": "tokenselect", "options": opts, "results": rows, "seconds": round(time.time() - t0, 1)}
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+            result = write(rows)  # after every row: a run cut short keeps what it scored
     return result
 
 

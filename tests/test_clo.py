@@ -269,6 +269,43 @@ def test_options_are_checked():
         _decode(model, "clo", 0, persistent_heads=[(5, 0)])
 
 
+REPLAY_OPTS = dict(topk=12, num_recent=4)
+
+
+@pytest.mark.slow  # 7 s of its own compilation; the default suite checks the replayed decisions below
+def test_replay_zero_equals_a_threshold_never_cleared():
+    """replay_hit_rate 0: the logits and rows fetched of a threshold no similarity clears, no hits."""
+    model = tiny_random_model("llama", seed=1)
+    pol0, want, want_state = _decode(model, "clo", NEW, fixed_threshold=1.5, **REPLAY_OPTS)
+    pol, got, state = _decode(model, "clo", NEW, replay_hit_rate=0.0, **REPLAY_OPTS)
+    np.testing.assert_array_equal(got, want)
+    c, c0 = pol.describe(state)["clo"], pol0.describe(want_state)["clo"]
+    assert c["hit_rate"] == 0.0 and c["v_bytes_fetched"] == c0["v_bytes_fetched"]
+    assert c0["cache_decision"] == "similarity rule" and "replayed_hit_rate_per_layer" not in c0
+
+
+def test_replayed_hit_rate_decides_reuse_of_cached_heads():
+    """replay_hit_rate (shared with tokenselect): 0 never reuses, 1 reuses every cached head wherever its
+    selection is valid; layer 0's persistent heads keep their rule (reuse until the pool grows) and count no
+    hits."""
+    model = tiny_random_model("llama", seed=1)
+    pol, _, state = _decode(model, "clo", NEW, replay_hit_rate=0.0, **REPLAY_OPTS)
+    c = pol.describe(state)["clo"]
+    assert c["hit_rate"] == 0.0 and all(int(s.scored) == NEW for s in state.groups[0].slots[1:])
+    assert c["cache_decision"].startswith("REPLAYED") and c["replayed_hit_rate_per_layer"] == [0.0, 0.0]
+
+    pol, _, state = _decode(model, "clo", NEW, replay_hit_rate=1.0, **REPLAY_OPTS)
+    c = pol.describe(state)["clo"]
+    layer0, layer1 = state.groups[0].slots
+    assert (np.asarray(layer0.hits) == 0).all()  # persistent (layer0_full)
+    np.testing.assert_array_equal(np.asarray(layer1.hits), NEW - 2)  # selects at step 1 and after the flush
+    assert c["hit_rate_per_layer"] == [0.0, pytest.approx((NEW - 2) / NEW, abs=1e-4)]
+    assert int(layer0.scored) == int(layer1.scored) == 2
+    assert np.asarray(layer0.replay.rule_hits).sum() == 0  # the rule's count leaves persistent heads out too
+    with pytest.raises(CloOptionError, match="replay_hit_rate"):
+        make_policy("clo", replay_hit_rate=-0.1)
+
+
 @pytest.mark.gpu
 def test_gpu_host_values_gather_under_cond():
     """On the GPU: V extents in pinned_host memory, gathered inside the layer program under a lax.cond

@@ -3,6 +3,8 @@ the cross-extent soft vote against a float64 NumPy reference, the selection cach
 budget, kv=split's placement (K on the device, V in host memory, nothing fetched), and no
 recompilation as the context grows (CPU, tiny random models, fp32)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +23,10 @@ from kvoffload.policies.tokenselect import (
     SelectSources,
     TokenSelectAttend,
     TokenSelectOptionError,
+    empty_selection,
     gather_rows,
     soft_vote,
+    with_replay,
 )
 
 # ragged prompts 39, 70 and 3 tokens; 16-token blocks in extents of 3 blocks (the tiny models' K):
@@ -300,6 +304,83 @@ def test_cache_reselects_after_each_flush_in_a_run():
 
 
 # ------------------------------------------------------------------------------------------------
+# replayed reuse decisions (replay_hit_rate: random-weight speed runs replay real-model hit rates)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_replay_one_reuses_wherever_valid_and_zero_never():
+    """replay_hit_rate 1 reuses exactly where the cache is valid: threshold -1's run, logits and hits; 0 never
+    reuses; a list gives each layer its own rate. The similarity rule is still counted."""
+    model = tiny_random_model("llama", seed=2)
+    steps = BLOCK + 4  # a flush after step 16: selections on steps 1 and 17 only at rate 1
+    opts = dict(token_budget=24, num_recent=4)
+    _, want, want_state = _decode(model, "tokenselect", steps, **opts, cache_threshold=-1.0)
+    pol, got, state = _decode(model, "tokenselect", steps, **opts, replay_hit_rate=1.0)
+    np.testing.assert_array_equal(got, want)
+    for s, w in zip(state.groups[0].slots, want_state.groups[0].slots):
+        np.testing.assert_array_equal(np.asarray(s.hits), np.asarray(w.hits))
+        np.testing.assert_array_equal(np.asarray(s.hits), steps - 2)
+    sel = pol.describe(state)["selection"]
+    assert sel["cache_decision"].startswith("REPLAYED") and sel["replay_hit_rate"] == 1.0
+    assert sel["hit_rate"] == pytest.approx((steps - 2) / steps)
+    assert sel["replayed_hit_rate_per_layer"] == [1.0, 1.0]
+    assert 0 <= sel["similarity_rule_hit_rate"] < sel["hit_rate"]  # threshold 0.9 on random queries: rarely
+
+    pol, _, state = _decode(model, "tokenselect", steps, **opts, replay_hit_rate=[0.0, 1.0])
+    first, second = state.groups[0].slots
+    assert (np.asarray(first.hits) == 0).all() and int(first.scored) == steps
+    np.testing.assert_array_equal(np.asarray(second.hits), steps - 2)
+    assert pol.describe(state)["selection"]["hit_rate_per_layer"] == [0.0, pytest.approx((steps - 2) / steps, abs=1e-4)]
+
+
+def test_replay_half_reuses_at_that_rate_per_request_and_head():
+    """Many looks at a valid cache: the measured reuse rate is the replayed one, the draws differ between
+    requests, heads and steps, and an invalid cache (the pool grew) is never reused whatever the draw."""
+    rng = np.random.default_rng(3)
+    layout, alloc, tables, keys, vals = _pool(rng, owners=[0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0])
+    B, H, n_kv, d = 2, 4, 2, 8
+    attend = TokenSelectAttend(token_budget=8, token_ratio=None, num_sink=0, num_recent=0, cache_threshold=0.9,
+                               page_size=1)
+    pool_tokens = np.asarray([len(t) for t in alloc.tables]) * layout.block_tokens
+    src = SelectSources(pool=PoolSources(k=tuple(map(jnp.asarray, keys)), v=tuple(map(jnp.asarray, vals)),
+                                         x=(None,) * len(keys), recompute=jnp.int32(0)),
+                        tail_len=jnp.asarray([5, 2], jnp.int32))
+    step = jax.jit(attend, static_argnums=(0, 7, 8))
+    qs = rng.normal(size=(2, B, H, d)).astype(np.float32)
+
+    def run(rate, looks, grown=False):
+        cache = with_replay(empty_selection(B, H, n_kv, d, 8), rate, layer=1)
+        cache = dataclasses.replace(cache, pool_tokens=jnp.asarray(pool_tokens - (layout.block_tokens if grown else 0),
+                                                                   jnp.int32))
+        reused = []
+        for t in range(looks):
+            before = np.asarray(cache.hits)
+            _, cache = step(None, None, jnp.asarray(qs[t % 2]), ops.empty_attention(jnp.asarray(qs[t % 2])), src,
+                            tables, cache, "reference", "reference")
+            reused.append(np.asarray(cache.hits) - before)
+            if grown:  # stays invalid
+                cache = dataclasses.replace(cache, pool_tokens=cache.pool_tokens - layout.block_tokens)
+        return np.stack(reused), cache
+
+    reused, cache = run(0.5, 300)
+    assert abs(reused.mean() - 0.5) < 0.06  # 1200 draws: 4 standard deviations
+    assert all(abs(reused[:, b, h].mean() - 0.5) < 0.12 for b in range(B) for h in range(n_kv))
+    assert len({tuple(r.ravel()) for r in reused}) > 8  # the pattern changes from step to step
+    # the similarity rule is still evaluated: with two alternating unrelated queries it clears 0.9 exactly
+    # when the query is the cached one (kept on a reuse, replaced on a re-selection)
+    want = np.zeros((B, n_kv), int)
+    for b in range(B):
+        for h in range(n_kv):
+            cached = None  # the empty cache's query is zero: cosine 0
+            for t in range(len(reused)):
+                want[b, h] += cached == t % 2
+                cached = cached if reused[t, b, h] else t % 2
+    np.testing.assert_array_equal(np.asarray(cache.replay.rule_hits), want)
+    reused, _ = run(1.0, 20, grown=True)
+    assert reused.sum() == 0
+
+
+# ------------------------------------------------------------------------------------------------
 # a small budget, options, compilation
 # ------------------------------------------------------------------------------------------------
 
@@ -351,6 +432,12 @@ def test_options_are_checked():
         make_policy("tokenselect", block_tokens=16, page_size=3)
     with pytest.raises(ValueError, match="unknown option"):
         make_policy("tokenselect", token_buget=64)
+    with pytest.raises(TokenSelectOptionError, match="replay_hit_rate values must be in"):
+        make_policy("tokenselect", replay_hit_rate=1.5)
+    pol = make_policy("tokenselect", replay_hit_rate=[0.5, 0.5, 0.5])  # one per layer: checked at prefill
+    tokens, lengths = pad_prompts(PROMPTS)
+    with pytest.raises(TokenSelectOptionError, match="list of 2"):
+        pol.prefill(tiny_random_model("llama"), tokens, lengths, 128)
 
 
 def test_decoding_compiles_nothing_new_as_the_context_grows():

@@ -13,7 +13,9 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    not grown. Aggregation: the importance-weighted harmonic mean (``group_similarity``, Eq. 10) or the
    min. tau_i = cos(lambda_i arccos(eta) + (1 - lambda_i) pi), lambda_i = s_i^p (``kv_thresholds``), or
    one ``fixed_threshold`` (the ablation). tau, weights and the persistent mask are per layer: they live
-   in the layer's slots (``CloSlots``), not in the static attend.
+   in the layer's slots (``CloSlots``), not in the static attend. ``replay_hit_rate`` (tokenselect's option,
+   for random-weight speed runs) replaces a cached head's rule by a seeded Bernoulli draw at that rate
+   (`tokenselect.ReplayDraw`; persistent heads keep theirs); tau is still evaluated and counted.
 3. Persistent heads select every pool token of the request (their "selection" is the whole context,
    re-made only when the pool grows); layer 0 always (``layer0_full``). ``persistent_heads="plan"``
    uses ``plan_persistent_heads`` with the shipped profile of the embedded model.
@@ -95,6 +97,7 @@ from kvoffload.policies.tokenselect import (
     HostRows,
     SelectionCache,
     TokenSelectHooks,
+    cache_decision,
     empty_selection,
     choose_tokens,
     gather_rows,
@@ -106,8 +109,10 @@ from kvoffload.policies.tokenselect import (
     check_store,
     reuse_or_select,
     selection_budget,
+    replay_rates,
     selection_size,
     token_positions,
+    with_replay,
 )
 
 RETRIEVALS = ("exact", "quest", "hata")
@@ -155,6 +160,7 @@ class CloSlots:
     hits = property(lambda self: self.selection.hits)
     steps = property(lambda self: self.selection.steps)
     scored = property(lambda self: self.selection.scored)
+    replay = property(lambda self: self.selection.replay)
 
 
 jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclasses.fields(CloSlots)],
@@ -320,9 +326,10 @@ class CloAttend:
     speculative: bool = False  # the slots track the rows their buffers hold (CloSlots.held); see `speculate_layer`
 
     def selection_rule(self, q, src, tables, slots: CloSlots):
-        """(reuse [B, n_kv], select): which (request, KV head) keep their cached selection for query q, and
-        a function giving a fresh selection (indices, num_valid) for q (scores, top-k, sinks and recent
-        tokens, persistent heads: everything)."""
+        """(reuse [B, n_kv], select, replay): which (request, KV head) keep their cached selection for query
+        q, a function giving a fresh selection (indices, num_valid) for q (scores, top-k, sinks and recent
+        tokens, persistent heads: everything), and the replay state after this look (None without
+        replay_hit_rate; with it a cached head's reuse is the replayed draw, `cache_decision`)."""
         keys = src.pool.k
         B, H, d = q.shape
         sel = slots.selection
@@ -338,7 +345,9 @@ class CloAttend:
 
         sim = aggregate_similarity(query_cosines(q, sel.query).reshape(B, n_kv, H // n_kv), slots.weights,
                                    self.gqa_aggregation)
-        reuse = (slots.persistent[None] | (sim >= slots.tau[None])) & (sel.pool_tokens == pool_tokens)[:, None]
+        valid = (sel.pool_tokens == pool_tokens)[:, None]
+        reuse, replay = cache_decision((sim >= slots.tau[None]) & ~slots.persistent[None], valid, sel)
+        reuse = reuse | (slots.persistent[None] & valid)  # a persistent head re-selects only when the pool grows
 
         def select():
             if self.retrieval == "quest":
@@ -351,7 +360,7 @@ class CloAttend:
             return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
                                  self.num_sink, self.num_recent, ps)
 
-        return reuse, select
+        return reuse, select, replay
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
         keys = src.pool.k
@@ -360,7 +369,7 @@ class CloAttend:
         n_kv, blk = sel.indices.shape[1], pool_block_tokens(src.pool)
         K = sel.indices.shape[-1]
         pool_tokens = sum(tables.count) * blk
-        reuse, select = self.selection_rule(q, src, tables, slots)
+        reuse, select, replay = self.selection_rule(q, src, tables, slots)
         indices, num_valid = reuse_or_select(reuse, sel, select)
         hit = reuse[..., None, None]
         # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
@@ -404,7 +413,7 @@ class CloAttend:
                                  num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
                                  hits=sel.hits + (reuse & cached).astype(jnp.int32), steps=sel.steps + 1,
                                  scored=sel.scored + jnp.any(~reuse).astype(jnp.int32),
-                                 x_rows=None if sel.x_rows is None else sel.x_rows + x_rows)
+                                 x_rows=None if sel.x_rows is None else sel.x_rows + x_rows, replay=replay)
         new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows,
                                   v_rows_fetched=slots.v_rows_fetched + fetched, **spec)
         return acc, new
@@ -434,7 +443,7 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
     fam = family(cfg)
     q = fam.qkv(cfg, lp, fam.attn_input(cfg, lp, h), positions)[0][:, :, 0]
     blk = pool_block_tokens(src.pool)
-    reuse, select = attend.selection_rule(q, src, tables, slots)
+    reuse, select, _ = attend.selection_rule(q, src, tables, slots)  # replay: the same draw as the true query's
     g_idx, g_nv = jax.lax.cond(jnp.all(reuse), lambda: (slots.held, slots.held_valid), select)
     g_idx = jnp.where(reuse[..., None], slots.held, g_idx)  # predicted hits keep what they hold
     g_nv = jnp.where(reuse, slots.held_valid, g_nv)
@@ -512,9 +521,11 @@ class CloHooks(TokenSelectHooks):
 
     name = "clo"
 
+    option_error = CloOptionError
+
     def __init__(self, attend: CloAttend, importance, eta, p, fixed_threshold, persistent_heads, layer0_full,
-                 hata_weights=None, hata_bits=128, store="kv"):
-        super().__init__(attend, split=True, store=store)
+                 hata_weights=None, hata_bits=128, store="kv", replay_hit_rate=None):
+        super().__init__(attend, split=True, store=store, replay_hit_rate=replay_hit_rate)
         self.importance, self.eta, self.p, self.fixed_threshold = importance, eta, p, fixed_threshold
         self.persistent_heads, self.layer0_full = persistent_heads, layer0_full
         self.hata_weights, self.hata_bits = hata_weights, hata_bits
@@ -620,13 +631,15 @@ class CloHooks(TokenSelectHooks):
         bound = request_token_bound(layout, batch)
         dtype = model.params.layers[0].wk.dtype
         w, w_source = self.hata_projections(cfg) if self.attend.retrieval == "hata" else (None, None)
+        rates = self.replay_rates(cfg)
         # one row of V as the host pool stores it (int4: codes and the float32 step and min of each group)
         row_bytes = d // 2 + 8 * (d // pipe.opts.int4_group_size) if pipe.int4 else d * jnp.dtype(dtype).itemsize
         self.chosen = dict(tau=tau, persistent=persistent, source=source, plan=report, K=K_sel, bound=bound,
                            v_row_bytes=row_bytes, hata_source=w_source)
 
         def make():
-            return tuple(self.layer_slots(model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w)
+            return tuple(self.layer_slots(model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w,
+                                          None if rates is None else rates[layer])
                          for layer in range(cfg.num_layers))
         return make
 
@@ -634,8 +647,8 @@ class CloHooks(TokenSelectHooks):
         # committed, like a step's outputs
         return jax.device_put(self.slot_maker(pipe, model, layout, batch)(), pipe.dev)
 
-    def layer_slots(self, model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w):
-        """One layer's CloSlots before the first step."""
+    def layer_slots(self, model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w, replay_rate=None):
+        """One layer's CloSlots before the first step (replay_rate: the layer's replayed reuse probability)."""
         cfg = model.config
         H, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dtype = model.params.layers[0].wk.dtype
@@ -652,7 +665,10 @@ class CloHooks(TokenSelectHooks):
         spec = dict(held=zeros((batch, n_kv, K)), held_valid=zeros((batch, n_kv)), guessed=jnp.zeros((), bool),
                     spec_rows_fetched=zeros((batch, n_kv)), guess_covered=zeros((batch, n_kv)),
                     guess_needed=zeros((batch, n_kv)), last_guess=zeros((2,))) if self.attend.speculative else {}
-        return CloSlots(selection=empty_selection(batch, H, n_kv, d, K), v_rows=jnp.zeros((batch, n_kv, K, d), dtype),
+        selection = empty_selection(batch, H, n_kv, d, K)
+        if replay_rate is not None:
+            selection = with_replay(selection, replay_rate, layer)
+        return CloSlots(selection=selection, v_rows=jnp.zeros((batch, n_kv, K, d), dtype),
                         v_rows_fetched=zeros((batch, n_kv)), tau=jnp.asarray(tau[layer], jnp.float32),
                         weights=jnp.asarray(weights[layer], jnp.float32), persistent=jnp.asarray(persistent[layer]),
                         meta=tuple(meta_zeros(layout.size(e)) for e in range(layout.num_extents))
@@ -666,7 +682,8 @@ class CloPolicy(LayeredPolicy):
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
     host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
     extra_options = ("retrieval", "quest_page_tokens", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
-                     "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch", "store")
+                     "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch",
+                     "store", "replay_hit_rate")
 
     def __init__(self, **options):
         if options.get("offload_weights"):
@@ -675,7 +692,7 @@ class CloPolicy(LayeredPolicy):
 
     def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=128, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="none",
-                   layer0_full=True, speculative_prefetch=True, store="kv"):
+                   layer0_full=True, speculative_prefetch=True, store="kv", replay_hit_rate=None):
         if retrieval not in RETRIEVALS:
             raise CloOptionError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
         blk = self.options.block_tokens
@@ -699,6 +716,7 @@ class CloPolicy(LayeredPolicy):
             raise CloOptionError(f"persistent_heads must be 'none', 'plan' or a list of (layer, kv_head), "
                                  f"got {persistent_heads!r}")
         check_store(store, CloOptionError)
+        replay_rates(replay_hit_rate, error=CloOptionError)  # the values; their number once the model is known
         if speculative_prefetch not in (True, False):
             raise CloOptionError(f"speculative_prefetch must be true or false, got {speculative_prefetch!r}")
         attend = CloAttend(token_budget=topk, token_ratio=topk_ratio,
@@ -707,7 +725,7 @@ class CloPolicy(LayeredPolicy):
         return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),
                         fixed_threshold=None if fixed_threshold is None else float(fixed_threshold),
                         persistent_heads=persistent_heads, layer0_full=bool(layer0_full),
-                        hata_weights=hata_weights, hata_bits=hata_bits, store=store)
+                        hata_weights=hata_weights, hata_bits=hata_bits, store=store, replay_hit_rate=replay_hit_rate)
 
     def describe(self, state=None) -> dict:
         d = super().describe(state)
@@ -717,7 +735,7 @@ class CloPolicy(LayeredPolicy):
              "num_recent": a.num_recent, "eta": h.eta, "p": h.p, "fixed_threshold": h.fixed_threshold,
              "gqa_aggregation": a.gqa_aggregation, "scoring": SCORING[a.retrieval],
              "kv": "split: K on the GPU, V on the host" if a.retrieval == "exact" else
-                   "host: K and V on the host, retrieval metadata on the GPU"}
+                   "host: K and V on the host, retrieval metadata on the GPU", **h.replay_description()}
         if a.retrieval == "quest":
             c["quest_page_tokens"] = a.page_size
         if a.retrieval == "hata":

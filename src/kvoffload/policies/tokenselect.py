@@ -30,7 +30,9 @@ Per layer, inside the layer's one jitted program (`TokenSelectAttend`), for each
    pool has not grown. The pool grows by whole blocks at a flush (every block_tokens steps): a cached
    selection stays valid (block ids never move) but misses the new block, so the cache stores the pool
    token count it was made at and re-selects when it changes. The scoring runs under a ``lax.cond``
-   only when some (request, head) of the layer misses.
+   only when some (request, head) of the layer misses. With ``replay_hit_rate`` (random-weight speed runs,
+   shared with `clo`) the reuse of a valid cached selection is a seeded Bernoulli draw at real-model hit
+   rates instead (`ReplayDraw`); the similarity is still computed and counted.
 
 Why gather rather than masked paged attention: masked paged attention reads every block of the
 request (K and V of the whole context: no saving at all); the gather reads the K selected rows of K
@@ -88,10 +90,76 @@ class SelectionCache:
     steps: jax.Array  # [B] int32: steps run
     scored: jax.Array  # [] int32: steps on which the scoring ran (some (request, head) missed)
     x_rows: jax.Array | None = None  # [B] int32: activation rows read (store=act: the heads' unions), or None
+    replay: "ReplayDraw | None" = None  # with replay_hit_rate: the replayed reuse decisions (else None)
 
 
 jax.tree_util.register_dataclass(SelectionCache, data_fields=[f.name for f in dataclasses.fields(SelectionCache)],
                                  meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayDraw:
+    """Replayed cache decisions of one layer (option ``replay_hit_rate``, tokenselect and clo). Random
+    weights give unrelated queries from step to step, so a random-weight speed run would almost never reuse
+    a selection; a real model does (measured per layer on real prompts). With replay, each look at a valid
+    cached selection -- per (request, KV head, step) -- reuses it with probability ``rate``: a Bernoulli draw
+    from ``key`` folded with the request's step counter and its row (on the device, no host sync). Where the
+    cache is not valid (nothing selected yet, the pool grew) the head selects as always. The similarity
+    rule is still evaluated (its cost is paid, as in a real run) and counted in ``rule_hits``."""
+
+    rate: jax.Array  # [] f32: probability that a valid cached selection is reused
+    key: jax.Array  # [2] uint32: the layer's PRNG key (jax.random.PRNGKey data)
+    rule_hits: jax.Array  # [B, n_kv] int32: looks on which the similarity rule would have reused
+
+
+jax.tree_util.register_dataclass(ReplayDraw, data_fields=["rate", "key", "rule_hits"], meta_fields=[])
+
+REPLAY_SEED = 20261126  # the replayed draws' root key; each layer folds in its index
+
+
+def replay_rates(replay_hit_rate, num_layers: int | None = None, error=None) -> np.ndarray | None:
+    """[L] float64: the per-layer reuse probability of option ``replay_hit_rate`` (a number for every
+    layer, or one per layer), checked; None without replay. num_layers None (the model not known yet):
+    the values are checked, a number stays 0-d."""
+    error = error or TokenSelectOptionError
+    if replay_hit_rate is None:
+        return None
+    try:
+        rates = np.asarray(replay_hit_rate, np.float64)
+    except (TypeError, ValueError):
+        raise error(f"replay_hit_rate must be a number in [0, 1] or a list of one per layer, "
+                    f"got {replay_hit_rate!r}") from None
+    if rates.ndim == 0 and num_layers is not None:
+        rates = np.full(num_layers, float(rates))
+    if rates.ndim > 1 or (num_layers is not None and len(rates) != num_layers):
+        raise error(f"replay_hit_rate must be a number or a list of {num_layers} (one per layer), "
+                    f"got {len(rates) if rates.ndim == 1 else rates.shape} values")
+    if not np.all((rates >= 0) & (rates <= 1)):
+        raise error(f"replay_hit_rate values must be in [0, 1], got {replay_hit_rate!r}")
+    return rates
+
+
+def with_replay(sel: SelectionCache, rate: float, layer: int) -> SelectionCache:
+    """sel (an empty selection) with replayed reuse decisions at probability rate for this layer."""
+    key = jax.random.fold_in(jax.random.PRNGKey(REPLAY_SEED), layer)
+    return dataclasses.replace(sel, replay=ReplayDraw(rate=jnp.asarray(rate, jnp.float32), key=key,
+                                                      rule_hits=jnp.zeros_like(sel.num_valid)))
+
+
+def cache_decision(rule, valid, sel: SelectionCache):
+    """(reuse [B, n_kv], the replay state after this look): rule & valid (rule: the similarity clears the
+    threshold; valid: the cached selection may be reused), or with replay a Bernoulli(rate) draw & valid,
+    the rule still evaluated and counted (`ReplayDraw`)."""
+    if sel.replay is None:
+        return rule & valid, None
+    B, n_kv = rule.shape
+
+    def draw(b, step):
+        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(sel.replay.key, step), b), (n_kv,))
+
+    u = jax.vmap(draw)(jnp.arange(B, dtype=jnp.int32), sel.steps)
+    return (u < sel.replay.rate) & valid, dataclasses.replace(
+        sel.replay, rule_hits=sel.replay.rule_hits + (rule & valid).astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,8 +437,8 @@ class TokenSelectAttend:
         context = pool_tokens + src.tail_len + 1
         n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, ps, K, context)
 
-        reuse = (query_similarity(q, slots.query, n_kv) >= self.cache_threshold) & \
-                (slots.pool_tokens == pool_tokens)[:, None]
+        reuse, replay = cache_decision(query_similarity(q, slots.query, n_kv) >= self.cache_threshold,
+                                       (slots.pool_tokens == pool_tokens)[:, None], slots)
 
         def select():
             scores = soft_vote(q, keys, tables)
@@ -392,7 +460,7 @@ class TokenSelectAttend:
                              num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
                              hits=slots.hits + reuse.astype(jnp.int32), steps=slots.steps + 1,
                              scored=slots.scored + jnp.any(~reuse).astype(jnp.int32),
-                             x_rows=None if slots.x_rows is None else slots.x_rows + x_rows)
+                             x_rows=None if slots.x_rows is None else slots.x_rows + x_rows, replay=replay)
         return acc, new
 
 
@@ -426,13 +494,30 @@ class TokenSelectHooks(LayerHooks):
     name = "tokenselect"
     kinds = ("kv",)
 
-    def __init__(self, attend: TokenSelectAttend, split: bool = False, store: str = "kv"):
+    def __init__(self, attend: TokenSelectAttend, split: bool = False, store: str = "kv", replay_hit_rate=None):
         self.attend = attend
         self.split = split  # kv=split: K extents on the device, V extents in the host pool
         self.store = store  # kv | act | auto: per layer, the host pool holds V (or K/V) rows or activations X
         self.stores: tuple = ()  # per layer, decided at prefill (`pool_layouts`)
         self.store_reasons: tuple = ()
         self.x_row_bytes = 0.0  # one token's X as the host pool stores it
+        self.replay_hit_rate = replay_hit_rate  # checked values (a number or one per layer), or None
+
+    def replay_rates(self, cfg) -> np.ndarray | None:
+        """[L] the replayed reuse probability per layer, or None (the similarity rule decides)."""
+        return replay_rates(self.replay_hit_rate, cfg.num_layers, self.option_error)
+
+    option_error = TokenSelectOptionError
+
+    def replay_description(self) -> dict:
+        """What describe() says about the cache decision."""
+        if self.replay_hit_rate is None:
+            return {"cache_decision": "similarity rule"}
+        rate = self.replay_hit_rate
+        return {"cache_decision": "REPLAYED: each look at a valid cached selection (per request, layer, KV head and "
+                                  "step) reuses it with probability replay_hit_rate (a seeded Bernoulli draw on the "
+                                  "device); the similarity rule is computed and counted but does not decide",
+                "replay_hit_rate": float(rate) if np.ndim(rate) == 0 else [float(x) for x in rate]}
 
     def keys_on_device(self, pipe) -> bool:
         return self.split
@@ -545,10 +630,13 @@ class TokenSelectHooks(LayerHooks):
         that `init_slots` runs it and `slot_memory` takes its shapes."""
         cfg = model.config
         K = self.static_budget(layout, batch)
+        rates = self.replay_rates(cfg)
 
         def make():
             one = empty_selection(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, K)
-            return tuple(one for _ in range(cfg.num_layers))
+            if rates is None:
+                return tuple(one for _ in range(cfg.num_layers))
+            return tuple(with_replay(one, rates[i], i) for i in range(cfg.num_layers))
         return make
 
     def init_slots(self, pipe, model, layout, batch):
@@ -600,7 +688,7 @@ def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None
 class TokenSelectPolicy(LayeredPolicy):
     host_pool = False
     extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size",
-                     "extrapolate", "prefill_chunk", "store")
+                     "extrapolate", "prefill_chunk", "store", "replay_hit_rate")
     extrapolation = None  # an Extrapolation with extrapolate=True: prompts past the trained positions
 
     def __init__(self, **options):
@@ -614,7 +702,7 @@ class TokenSelectPolicy(LayeredPolicy):
         super().__init__(**options)
 
     def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
-                   kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512, store="kv"):
+                   kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512, store="kv", replay_hit_rate=None):
         if extrapolate not in (True, False):
             raise TokenSelectOptionError(f"extrapolate must be true or false, got {extrapolate!r}")
         if kv not in PLACEMENTS:
@@ -629,12 +717,15 @@ class TokenSelectPolicy(LayeredPolicy):
             raise TokenSelectOptionError(f"page_size must divide block_tokens ({blk}), got {page_size}")
         token_budget, token_ratio, num_sink, num_recent = selection_budget(
             token_budget, token_ratio, num_sink, num_recent, default_budget=DEFAULT_BUDGET)
+        replay_rates(replay_hit_rate)  # the values checked here, their number once the model is known
         if extrapolate:
+            if replay_hit_rate is not None:
+                raise TokenSelectOptionError("replay_hit_rate applies to the layer pipeline, not to extrapolate=True")
             self.extrapolation = extrapolation_options(token_budget, token_ratio, num_sink, num_recent, kv, page_size,
                                                        prefill_chunk)
         attend = TokenSelectAttend(token_budget=token_budget, token_ratio=token_ratio, num_sink=num_sink,
                                    num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size)
-        return TokenSelectHooks(attend, split=kv == "split", store=store)
+        return TokenSelectHooks(attend, split=kv == "split", store=store, replay_hit_rate=replay_hit_rate)
 
     @property
     def extrapolates(self) -> bool:
@@ -670,6 +761,7 @@ class TokenSelectPolicy(LayeredPolicy):
                           "kv": "split" if self.pipeline.hooks.split else "gpu"}
         if self.pipeline.hooks.split:
             d["selection"].update(self.pipeline.hooks.store_report(state))
+        d["selection"].update(self.pipeline.hooks.replay_description())
         if state is not None and state.groups and state.groups[0].slots:
             d["selection"]["selected_per_head"] = int(state.groups[0].slots[0].indices.shape[-1])
             d["selection"].update(hit_rates(state))
@@ -701,7 +793,14 @@ def hit_rates(state) -> dict:
     steps = max(1, state.step) * len(state.groups)
     looks = np.maximum(looks, 1)
     per_head = hits / looks[:, None]
-    return {"hit_rate": float(hits.sum() / (looks.sum() * hits.shape[1])),
-            "hit_rate_per_layer": [round(float(x), 4) for x in per_head.mean(1)],
-            "hit_rate_per_layer_head": [[round(float(x), 4) for x in row] for row in per_head],
-            "scored_fraction_per_layer": [round(float(x) / steps, 4) for x in scored]}
+    out = {"hit_rate": float(hits.sum() / (looks.sum() * hits.shape[1])),
+           "hit_rate_per_layer": [round(float(x), 4) for x in per_head.mean(1)],
+           "hit_rate_per_layer_head": [[round(float(x), 4) for x in row] for row in per_head],
+           "scored_fraction_per_layer": [round(float(x) / steps, 4) for x in scored]}
+    slots0 = state.groups[0].slots
+    if slots0[0].replay is not None:  # replayed decisions: the configured rates, and what the rule would have done
+        rule = sum(np.stack([np.asarray(s.replay.rule_hits).sum(0) for s in gr.slots]) for gr in state.groups)
+        out["replayed_hit_rate_per_layer"] = [round(float(s.replay.rate), 6) for s in slots0]
+        out["similarity_rule_hit_rate"] = float(rule.sum() / (looks.sum() * rule.shape[1]))
+        out["similarity_rule_hit_rate_per_layer"] = [round(float(x), 4) for x in (rule / looks[:, None]).mean(1)]
+    return out
