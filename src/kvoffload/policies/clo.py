@@ -19,11 +19,16 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
 3. Persistent heads select every pool token of the request (their "selection" is the whole context,
    re-made only when the pool grows); layer 0 always (``layer0_full``). ``persistent_heads="plan"``
    uses ``plan_persistent_heads`` with the shipped profile of the embedded model.
-4. The cache buffer: the selected V rows per (request, KV head) are kept on the GPU in the slots
-   (``v_rows``); when every head of a layer hits, nothing is gathered from host memory (the gather
-   runs under a ``lax.cond``). When some head misses, the gather runs for every head of the layer (the
-   hit heads' rows are then taken from the buffer); ``v_rows_fetched`` counts only the missed heads'
-   rows (what a per-head fetch moves).
+4. The cache buffers: the selected K and V rows per (request, KV head) are kept on the GPU in the slots
+   (``k_rows``, ``v_rows``; K too for ``exact``, whose K extents are on the GPU, so that a hit reads
+   nothing of the pool). The layer's program is one ``lax.cond`` on "every head reuses and the buffers hold
+   its selection": then nothing is scored, selected or gathered and the attention reads the buffers only
+   (no op of the hit path touches a pool extent or the metadata: tests/test_clo.py walks its jaxpr); a
+   conditional's predicate is read on the host, so one per layer program. Otherwise the miss branch
+   selects for the missed heads and gathers their rows (the hit heads' rows are taken from the buffers);
+   ``v_rows_fetched`` counts only the missed heads' rows (what a per-head fetch moves). Every
+   per-(request, head) buffer holds one request's tokens at most (`request_token_bound`: the longest
+   prompt's full blocks plus one block per flush), not the batch's pool.
 
 5. Retrieval (``retrieval``): ``exact`` scores the exact keys (above). ``quest`` and ``hata`` score GPU-side
    metadata of the keys instead, and the keys themselves stay on the host with the values:
