@@ -66,10 +66,9 @@ import traceback  # noqa: E402
 import numpy as np  # noqa: E402
 
 # name -> (policy, options, which hit rate it replays: "tokenselect", "clo", a number, or None). clo's top 10%
-# is given as a count, topk = 10% of the context ("topk_of_context"): with topk_ratio the slots' static size is
-# the ratio of the most tokens one request could own in the layout (every prompt block of the batch), so at
-# batch 8 each head would gather and hold 8x the rows it selects (`request_token_bound`); the prompts here are
-# all of one length, so the count is the ratio.
+# is given as a count, topk = 10% of the context ("topk_of_context"); the prompts here are all of one length,
+# so the count is the ratio (topk_ratio sizes the slots by the most tokens one request can own,
+# `request_token_bound`, the same here).
 VARIANTS = {
     "full": ("full", {}, None),
     "tokenselect_gpu": ("tokenselect", {"kv": "gpu"}, "tokenselect"),

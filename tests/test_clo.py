@@ -133,7 +133,8 @@ def test_cache_reuses_exactly_when_the_aggregated_similarity_clears_tau(aggregat
                              hits=jnp.zeros((B, n_kv), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
                              scored=jnp.zeros((), jnp.int32))
         return CloSlots(selection=sel, v_rows=jnp.asarray(marker_v), v_rows_fetched=jnp.zeros((B, n_kv), jnp.int32),
-                        tau=jnp.asarray(tau), weights=jnp.asarray(weights), persistent=jnp.asarray(persistent))
+                        tau=jnp.asarray(tau), weights=jnp.asarray(weights), persistent=jnp.asarray(persistent),
+                        k_rows=jnp.zeros((B, n_kv, K, d), jnp.float32))
 
     src = SelectSources(pool=PoolSources(k=tuple(map(jnp.asarray, keys)), v=tuple(map(jnp.asarray, vals)),
                                          x=(None,) * len(keys), recompute=jnp.int32(0)),
@@ -205,6 +206,32 @@ def test_exact_scores_max_over_the_group():
 # ------------------------------------------------------------------------------------------------
 # a small top-k, plan, options
 # ------------------------------------------------------------------------------------------------
+
+
+def test_buffers_sized_per_request_and_counted_by_the_plan():
+    """Per-(request, head) buffers hold one request's tokens, not the batch's pool: the most one request owns is
+    its prompt's full blocks plus one block per flush (`PoolLayout.request_blocks`). Layer 0 (whole context) and
+    a ratio top-k are sized by it, the memory plan counts the same bytes, and generating up to the capacity
+    (every flush) with every head of every layer persistent still attends every token: `full`'s logits."""
+    model = tiny_random_model("llama", seed=1)
+    cfg = model.config
+    capacity, steps = 128, 128 - max(map(len, PROMPTS))  # the longest prompt reaches the capacity
+    bound = BLOCK * (max(map(len, PROMPTS)) // BLOCK + (capacity - max(map(len, PROMPTS))) // BLOCK)
+    pol, _, state = _decode(model, "clo", 0, topk_ratio=0.5)
+    gr = state.groups[0]
+    assert gr.layout.request_blocks * BLOCK == bound == 112
+    assert gr.layout.num_blocks * BLOCK > 2 * bound  # the batch's pool: what the buffers were sized by
+    k0, k1 = (s.selection.indices.shape[-1] for s in gr.slots)
+    assert k0 == bound and k1 == math.ceil(0.5 * (bound + 2 * BLOCK))  # layer 0 whole; the ratio of one request
+    row = len(PROMPTS) * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K or V row of every (request, head)
+    plan = pol.pipeline.memory_plan
+    assert plan.gpu["row buffers (selected K/V rows)"] == 2 * row * (k0 + k1) == sum(
+        x.nbytes for s in gr.slots for x in (s.k_rows, s.v_rows))
+    _, want, _ = _decode(model, "full", steps)
+    every = [(l, h) for l in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]
+    _, got, state = _decode(model, "clo", steps, topk=8, num_recent=4, persistent_heads=every)
+    assert state.groups[0].layout.request_blocks == max(len(t) for t in state.groups[0].alloc.tables)  # all used
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
 def test_small_topk_runs_and_selects_only_top_k():
@@ -759,4 +786,101 @@ def test_gpu_store_act_matches_store_kv():
             pol, got, state = _decode(model, "clo", NEW, store="act", **o)
             assert {M.memory_kind_of(a) for layer in state.groups[0].pool_x for a in layer} == {"pinned_host"}
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-            assert ops.gather_block_rows_path() == "kernel_zero_copy"
+            # the X extents' rows are read in place by the headless kernel (hidden 64: one 64-column tile). Asked
+            # of an X extent directly: gather_block_rows_path() names the last gather traced, and the layer
+            # programs also gather K rows from the GPU's K extents (exact: XLA's gather, "reference")
+            x = state.groups[0].pool_x[1][0]
+            block = jnp.asarray([[0, 1, 0, 1]], jnp.int32) % x.shape[0]
+            offset = jnp.asarray([[0, 3, 5, 1]], jnp.int32)
+            rows = ops.gather_block_rows(x, block, offset)
+            assert ops.gather_block_rows_path() == "kernel_zero_copy", (retrieval, x.shape)
+            dev = jax.device_put(x, jax.memory.Space.Device)
+            np.testing.assert_array_equal(np.asarray(rows), np.asarray(dev)[np.asarray(block), np.asarray(offset)])
+
+
+# ------------------------------------------------------------------------------------------------
+# the hit path reads nothing of the pool (issue 11: a hit must cost the attention over the buffers only)
+# ------------------------------------------------------------------------------------------------
+
+
+def _hit_path_pool_reads(closed, pool_args):
+    """Primitives that read the pool on the path taken when every head hits: the jaxpr of a traced program
+    walked with its arguments pool_args (flat indices) watched; a cond is entered only in its last branch
+    (lax.cond's true branch: the hit path; its miss branch may read anything), any other sub-jaxpr (pjit,
+    custom_jvp, ...) with its operands mapped. A read is an equation taking a watched value as an operand."""
+    from jax.extend import core as jex_core
+
+    reads = []
+
+    def subjaxprs(eqn):
+        for v in eqn.params.values():
+            for j in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(j, jex_core.ClosedJaxpr):
+                    yield j.jaxpr
+                elif isinstance(j, jex_core.Jaxpr):
+                    yield j
+
+    def walk(jaxpr, watched):
+        for eqn in jaxpr.eqns:
+            hot = [isinstance(v, jex_core.Var) and v in watched for v in eqn.invars]
+            if eqn.primitive.name == "cond":
+                branch = eqn.params["branches"][-1].jaxpr
+                walk(branch, {b for b, h in zip(branch.invars, hot[1:]) if h})
+                continue
+            subs = list(subjaxprs(eqn))
+            if subs:
+                for sub in subs:
+                    if len(sub.invars) == len(eqn.invars):
+                        walk(sub, {b for b, h in zip(sub.invars, hot) if h})
+                    elif any(hot):
+                        reads.append(eqn.primitive.name)
+            elif any(hot):
+                reads.append(eqn.primitive.name)
+
+    walk(closed.jaxpr, {closed.jaxpr.invars[i] for i in pool_args})
+    return reads
+
+
+@pytest.mark.parametrize("retrieval,speculative", [("exact", False), ("exact", True), ("hata", True)])
+def test_hit_path_reads_nothing_of_the_pool(retrieval, speculative):
+    """When every head reuses its cached selection (replay rate 1 after a first step), the layer's attend -- and
+    the speculative program predicting all hits -- read no pool extent (K, V) and no retrieval metadata: no
+    scoring, top-k, gather or refill outside the miss branch; the attention reads the row buffers only. And the
+    decisions are all hits, attending what the buffers hold."""
+    model = tiny_random_model("llama", seed=1)
+    cfg = model.config
+    pol, _, state = _decode(model, "clo", 1, topk=8, num_recent=4, retrieval=retrieval, replay_hit_rate=1.0,
+                            speculative_prefetch=speculative)
+    pipe, hooks = pol.pipeline, pol.pipeline.hooks
+    gr = state.groups[0]
+    layer = 1
+    src = hooks.sources(pipe, gr, hooks.plan_group(pipe, model, gr), layer, ([], []))
+    slot = gr.slots[layer]
+    lp = pipe.layers(model)[layer]
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(gr.size, cfg.num_heads, cfg.head_dim)), jnp.float32)
+
+    def attend(src, slot):
+        return hooks.attend(cfg, lp, q, ops.empty_attention(q), src, gr.tables, slot, "reference", "reference")
+
+    def pool_leaves(src, slot):  # flat argument indices of the pool's extents and the metadata
+        args = jax.tree.leaves((src, slot))
+        pool = {id(a) for a in jax.tree.leaves((src.pool.k, src.pool.v, src.pool.x, slot.meta))}
+        return [i for i, a in enumerate(args) if id(a) in pool]
+
+    assert pool_leaves(src, slot)
+    closed = jax.make_jaxpr(attend)(src, slot)
+    assert _hit_path_pool_reads(closed, pool_leaves(src, slot)) == []
+    # the program really takes the hit path: all hits, nothing fetched, the buffers attended as they are
+    (out, _), new = jax.jit(attend)(src, slot)
+    sel, new_sel = slot.selection, new.selection
+    assert (np.asarray(new_sel.hits - sel.hits) == 1).all()
+    assert int(new_sel.scored - sel.scored) == 0 and (np.asarray(new.v_rows_fetched - slot.v_rows_fetched) == 0).all()
+    np.testing.assert_array_equal(np.asarray(new.v_rows), np.asarray(slot.v_rows))
+    if speculative:  # the speculative program predicting all hits: the rule only
+        h = jnp.asarray(np.random.default_rng(1).normal(size=(gr.size, 1, cfg.hidden_size)), jnp.float32)
+        positions = jnp.zeros((gr.size, 1), jnp.int32)
+
+        def spec(src, slot):
+            return clo_mod.speculate_layer(cfg, hooks.attend, lp, h, positions, src, gr.tables, slot)
+
+        assert _hit_path_pool_reads(jax.make_jaxpr(spec)(src, slot), pool_leaves(src, slot)) == []

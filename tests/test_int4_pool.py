@@ -476,7 +476,7 @@ def test_int4_row_gather_takes_the_stored_rows_and_dequantizes_them():
     want = flat[i // 4, np.arange(2)[None, :, None], i % 4]
     np.testing.assert_allclose(np.asarray(native_extent(rows, jnp.float32)), want, rtol=1e-6, atol=1e-6)  # FMA
     empty = jnp.zeros((2, 2, 6), jnp.int32)
-    (got,), n = jax.jit(refill_rows, static_argnums=6)(empty, jnp.zeros((2, 2), jnp.int32),
+    (got,), n, _ = jax.jit(refill_rows, static_argnums=6)(empty, jnp.zeros((2, 2), jnp.int32),
                                                        (jnp.zeros((2, 2, 6, 8), jnp.float32),), jnp.sort(idx, -1),
                                                        jnp.full((2, 2), 6, jnp.int32), (host,), 4)
     np.testing.assert_allclose(np.asarray(got), np.take_along_axis(want, np.argsort(i, -1)[..., None], 2),

@@ -106,6 +106,9 @@ class PoolLayout:
     classes: tuple = ()  # of BlockClass
     extent_class: tuple = ()  # per extent: its class
     extent_sizes: tuple = ()  # per extent: blocks (classes only)
+    # the most blocks one request can own (its prompt's full blocks plus one per flush): what a per-request
+    # buffer must hold (clo / tokenselect); 0: not known, bounded by the whole pool
+    request_blocks: int = 0
 
     def __post_init__(self):
         blk = int(self.block_tokens)

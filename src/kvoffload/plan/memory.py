@@ -133,7 +133,8 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
         if n == 0:  # nothing to store (every prompt shorter than a block, nothing generated): one tiny extent
             n, n_p = 1, 1
         layouts.append(PoolLayout(block_tokens=blk, extent_blocks=e, num_extents=n, prompt_extents=n_p,
-                                  gen_extent_blocks=e_g, kv_extents=(0, n)))
+                                  gen_extent_blocks=e_g, kv_extents=(0, n),
+                                  request_blocks=int((lens // blk).max(initial=0)) + flushes))
         prompt_blocks.append(pb)
     return PoolPlan(tuple(layouts), tuple(prompt_blocks), flushes)
 

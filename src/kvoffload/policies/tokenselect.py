@@ -406,11 +406,15 @@ def selection_size(token_budget, token_ratio, num_sink, num_recent, page_size, K
     return jnp.minimum(-(-want // page_size) * page_size, K)
 
 
-def reuse_or_select(reuse, slots, select):
+def reuse_or_select(reuse, slots, select, some_miss: bool = False):
     """(indices, num_valid): the cached selection where reuse [B, n_kv], else select()'s; select (the
-    scoring and top-k) runs under a ``lax.cond`` only when some (request, head) misses."""
-    fresh_idx, fresh_nv = jax.lax.cond(jnp.all(reuse), lambda _: (slots.indices, slots.num_valid),
-                                       lambda _: select(), None)
+    scoring and top-k) runs under a ``lax.cond`` only when some (request, head) misses, or unconditionally
+    where the caller knows one does (some_miss: inside its own miss branch, no second conditional)."""
+    if some_miss:
+        fresh_idx, fresh_nv = select()
+    else:
+        fresh_idx, fresh_nv = jax.lax.cond(jnp.all(reuse), lambda _: (slots.indices, slots.num_valid),
+                                           lambda _: select(), None)
     return jnp.where(reuse[..., None], slots.indices, fresh_idx), jnp.where(reuse, slots.num_valid, fresh_nv)
 
 
@@ -483,8 +487,13 @@ def _tree_nbytes(tree) -> int:
 
 
 def request_token_bound(layout, batch: int) -> int:
-    """The most pool tokens one request can own in this layout: every prompt block (one long prompt)
-    plus its share of the generated blocks (one per request per lockstep flush)."""
+    """The most pool tokens one request can own in this layout: what every per-request buffer (selection
+    indices, row buffers, a whole-context head's selection) is sized by. From the planner
+    (`PoolLayout.request_blocks`: the longest prompt's full blocks plus one block per lockstep flush); for a
+    layout that does not say, every prompt block (as if one request held them all) plus its share of the
+    generated blocks."""
+    if layout.request_blocks:
+        return layout.block_tokens * min(layout.num_blocks, layout.request_blocks)
     prompt = layout.start(layout.prompt_extents)
     gen = layout.num_blocks - prompt
     return layout.block_tokens * min(layout.num_blocks, prompt + -(-gen // max(1, batch)))
