@@ -632,7 +632,7 @@ def test_gpu_speculative_prefetch_and_int4_rows():
 def _profile(tmp_path, intercepts=True):
     """A cost profile with the GPU defaults' rates (the CPU's make recomputation look slow), optionally
     without per-call intercepts (which decide for the tiny models' few rows)."""
-    from kvoffload.plan.cost import CostModel, Linear
+    from kvoffload.plan.cost import CostModel
 
     fits = CostModel.default("gpu").to_json()
     if not intercepts:

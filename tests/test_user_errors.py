@@ -14,7 +14,6 @@ import pytest
 import kvoffload.models as models
 from kvoffload.cli import main
 from kvoffload.config import UnsupportedModelError
-from kvoffload.engine import generate
 from kvoffload.errors import KVOffloadError
 from kvoffload.eval.longbench import LongBenchFormatError
 from kvoffload.models import CheckpointError, load_model, save_converted, tiny_random_model
