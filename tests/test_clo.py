@@ -225,8 +225,9 @@ def test_buffers_sized_per_request_and_counted_by_the_plan():
     assert k0 == bound and k1 == math.ceil(0.5 * (bound + 2 * BLOCK))  # layer 0 whole; the ratio of one request
     row = len(PROMPTS) * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K or V row of every (request, head)
     plan = pol.pipeline.memory_plan
-    assert plan.gpu["row buffers (selected K/V rows)"] == 2 * row * (k0 + k1) == sum(
-        x.nbytes for s in gr.slots for x in (s.k_rows, s.v_rows))
+    # exact: V rows only (its K rows are read from the K extents on the GPU)
+    assert all(s.k_rows is None for s in gr.slots)
+    assert plan.gpu["row buffers (selected K/V rows)"] == row * (k0 + k1) == sum(s.v_rows.nbytes for s in gr.slots)
     _, want, _ = _decode(model, "full", steps)
     every = [(l, h) for l in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]
     _, got, state = _decode(model, "clo", steps, topk=8, num_recent=4, persistent_heads=every)
@@ -796,91 +797,3 @@ def test_gpu_store_act_matches_store_kv():
             assert ops.gather_block_rows_path() == "kernel_zero_copy", (retrieval, x.shape)
             dev = jax.device_put(x, jax.memory.Space.Device)
             np.testing.assert_array_equal(np.asarray(rows), np.asarray(dev)[np.asarray(block), np.asarray(offset)])
-
-
-# ------------------------------------------------------------------------------------------------
-# the hit path reads nothing of the pool (issue 11: a hit must cost the attention over the buffers only)
-# ------------------------------------------------------------------------------------------------
-
-
-def _hit_path_pool_reads(closed, pool_args):
-    """Primitives that read the pool on the path taken when every head hits: the jaxpr of a traced program
-    walked with its arguments pool_args (flat indices) watched; a cond is entered only in its last branch
-    (lax.cond's true branch: the hit path; its miss branch may read anything), any other sub-jaxpr (pjit,
-    custom_jvp, ...) with its operands mapped. A read is an equation taking a watched value as an operand."""
-    from jax.extend import core as jex_core
-
-    reads = []
-
-    def subjaxprs(eqn):
-        for v in eqn.params.values():
-            for j in (v if isinstance(v, (tuple, list)) else (v,)):
-                if isinstance(j, jex_core.ClosedJaxpr):
-                    yield j.jaxpr
-                elif isinstance(j, jex_core.Jaxpr):
-                    yield j
-
-    def walk(jaxpr, watched):
-        for eqn in jaxpr.eqns:
-            hot = [isinstance(v, jex_core.Var) and v in watched for v in eqn.invars]
-            if eqn.primitive.name == "cond":
-                branch = eqn.params["branches"][-1].jaxpr
-                walk(branch, {b for b, h in zip(branch.invars, hot[1:]) if h})
-                continue
-            subs = list(subjaxprs(eqn))
-            if subs:
-                for sub in subs:
-                    if len(sub.invars) == len(eqn.invars):
-                        walk(sub, {b for b, h in zip(sub.invars, hot) if h})
-                    elif any(hot):
-                        reads.append(eqn.primitive.name)
-            elif any(hot):
-                reads.append(eqn.primitive.name)
-
-    walk(closed.jaxpr, {closed.jaxpr.invars[i] for i in pool_args})
-    return reads
-
-
-@pytest.mark.parametrize("retrieval,speculative", [("exact", False), ("exact", True), ("hata", True)])
-def test_hit_path_reads_nothing_of_the_pool(retrieval, speculative):
-    """When every head reuses its cached selection (replay rate 1 after a first step), the layer's attend -- and
-    the speculative program predicting all hits -- read no pool extent (K, V) and no retrieval metadata: no
-    scoring, top-k, gather or refill outside the miss branch; the attention reads the row buffers only. And the
-    decisions are all hits, attending what the buffers hold."""
-    model = tiny_random_model("llama", seed=1)
-    cfg = model.config
-    pol, _, state = _decode(model, "clo", 1, topk=8, num_recent=4, retrieval=retrieval, replay_hit_rate=1.0,
-                            speculative_prefetch=speculative)
-    pipe, hooks = pol.pipeline, pol.pipeline.hooks
-    gr = state.groups[0]
-    layer = 1
-    src = hooks.sources(pipe, gr, hooks.plan_group(pipe, model, gr), layer, ([], []))
-    slot = gr.slots[layer]
-    lp = pipe.layers(model)[layer]
-    q = jnp.asarray(np.random.default_rng(0).normal(size=(gr.size, cfg.num_heads, cfg.head_dim)), jnp.float32)
-
-    def attend(src, slot):
-        return hooks.attend(cfg, lp, q, ops.empty_attention(q), src, gr.tables, slot, "reference", "reference")
-
-    def pool_leaves(src, slot):  # flat argument indices of the pool's extents and the metadata
-        args = jax.tree.leaves((src, slot))
-        pool = {id(a) for a in jax.tree.leaves((src.pool.k, src.pool.v, src.pool.x, slot.meta))}
-        return [i for i, a in enumerate(args) if id(a) in pool]
-
-    assert pool_leaves(src, slot)
-    closed = jax.make_jaxpr(attend)(src, slot)
-    assert _hit_path_pool_reads(closed, pool_leaves(src, slot)) == []
-    # the program really takes the hit path: all hits, nothing fetched, the buffers attended as they are
-    (out, _), new = jax.jit(attend)(src, slot)
-    sel, new_sel = slot.selection, new.selection
-    assert (np.asarray(new_sel.hits - sel.hits) == 1).all()
-    assert int(new_sel.scored - sel.scored) == 0 and (np.asarray(new.v_rows_fetched - slot.v_rows_fetched) == 0).all()
-    np.testing.assert_array_equal(np.asarray(new.v_rows), np.asarray(slot.v_rows))
-    if speculative:  # the speculative program predicting all hits: the rule only
-        h = jnp.asarray(np.random.default_rng(1).normal(size=(gr.size, 1, cfg.hidden_size)), jnp.float32)
-        positions = jnp.zeros((gr.size, 1), jnp.int32)
-
-        def spec(src, slot):
-            return clo_mod.speculate_layer(cfg, hooks.attend, lp, h, positions, src, gr.tables, slot)
-
-        assert _hit_path_pool_reads(jax.make_jaxpr(spec)(src, slot), pool_leaves(src, slot)) == []

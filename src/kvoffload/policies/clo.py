@@ -19,16 +19,12 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
 3. Persistent heads select every pool token of the request (their "selection" is the whole context,
    re-made only when the pool grows); layer 0 always (``layer0_full``). ``persistent_heads="plan"``
    uses ``plan_persistent_heads`` with the shipped profile of the embedded model.
-4. The cache buffers: the selected K and V rows per (request, KV head) are kept on the GPU in the slots
-   (``k_rows``, ``v_rows``; K too for ``exact``, whose K extents are on the GPU, so that a hit reads
-   nothing of the pool). The layer's program is one ``lax.cond`` on "every head reuses and the buffers hold
-   its selection": then nothing is scored, selected or gathered and the attention reads the buffers only
-   (no op of the hit path touches a pool extent or the metadata: tests/test_clo.py walks its jaxpr); a
-   conditional's predicate is read on the host, so one per layer program. Otherwise the miss branch
-   selects for the missed heads and gathers their rows (the hit heads' rows are taken from the buffers);
-   ``v_rows_fetched`` counts only the missed heads' rows (what a per-head fetch moves). Every
-   per-(request, head) buffer holds one request's tokens at most (`request_token_bound`: the longest
-   prompt's full blocks plus one block per flush), not the batch's pool.
+4. The cache buffer: the selected V rows per (request, KV head) are kept on the GPU in the slots
+   (``v_rows``); when every head of a layer hits, nothing is gathered from host memory (the gather
+   runs under a ``lax.cond``). When some head misses, the gather runs for every head of the layer (the
+   hit heads' rows are then taken from the buffer); ``v_rows_fetched`` counts only the missed heads'
+   rows (what a per-head fetch moves). Every per-(request, head) buffer holds one request's tokens at most
+   (`request_token_bound`: the longest prompt's full blocks plus one block per flush), not the batch's pool.
 
 5. Retrieval (``retrieval``): ``exact`` scores the exact keys (above). ``quest`` and ``hata`` score GPU-side
    metadata of the keys instead, and the keys themselves stay on the host with the values:
@@ -150,7 +146,7 @@ class CloSlots:
     # (model dtype), hata (codes [E, n_kv, blk, r/32] uint32,); () for exact
     meta: tuple = ()
     hata_w: jax.Array | None = None  # [n_kv, d, r] f32: the layer's HATA projections (hata only)
-    k_rows: jax.Array | None = None  # [B, n_kv, K, d]: the selected K rows (pool dtype), on the GPU
+    k_rows: jax.Array | None = None  # [B, n_kv, K, d]: the selected K rows where K is on the host
     # speculative prefetch only (None without): the tokens whose rows the buffers hold, in buffer order (the
     # last selection, or a speculative guess), whether this step's guess was made, and counters
     held: jax.Array | None = None  # [B, n_kv, K] int32, the first held_valid entries valid (ascending)
@@ -307,7 +303,7 @@ def refill_rows(held, held_valid, buffers, want, want_valid, sources, blk):
     many were fetched per (request, KV head) and the X rows read per request (store=act). buffers hold the rows
     of `held` (one per part: V, or K and V); a wanted row already held is taken from its buffer, only the others
     come from the sources (a `HostRows`, or per buffer the host extents to gather from): exactly want minus held."""
-    if isinstance(sources, (tuple, list)):
+    if not isinstance(sources, HostRows):
         sources = HostRows(extents=tuple(sources))
     present, pos, missing, count = missing_rows(held, held_valid, want, want_valid)
     got, x_rows = gather_missing(sources, missing, count, blk, buffers)
@@ -367,53 +363,24 @@ class CloAttend:
 
         return reuse, select, replay
 
-    def row_source(self, cfg, lp, src, tables, impl="reference"):
-        """Where a layer's selected K and V rows come from (`RowSource`): exact: K rows from the K extents on
-        the GPU, V rows from the host side; quest / hata: both from the host side (`HostRows`)."""
-        if self.retrieval == "exact":
-            return RowSource(keys=src.pool.k, host=HostRows.of(cfg, lp, src.pool, tables, ("v",), impl))
-        return RowSource(keys=None, host=HostRows.of(cfg, lp, src.pool, tables, ("k", "v"), impl))
-
     def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
+        keys = src.pool.k
         B, H, d = q.shape
         sel = slots.selection
         n_kv, blk = sel.indices.shape[1], pool_block_tokens(src.pool)
         K = sel.indices.shape[-1]
         pool_tokens = sum(tables.count) * blk
         reuse, select, replay = self.selection_rule(q, src, tables, slots)
-        rows = self.row_source(cfg, lp, src, tables, recompute_impl)
+        indices, num_valid = reuse_or_select(reuse, sel, select)
+        hit = reuse[..., None, None]
+        # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
+        rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl)
+        miss_nv = jnp.where(reuse, 0, num_valid)  # the hit heads' rows come from the buffers
         no_x = jnp.zeros((B,), jnp.int32)
-        # the hit path: every (request, head) reuses its cached selection and the buffers hold its rows (a
-        # speculative guess may have replaced some): nothing scored, selected or gathered, the attention reads
-        # the buffers only. One lax.cond on the whole layer (its predicate is read on the host once).
-        current = jnp.all(reuse & holds_selection(slots))
-
-        def hit():
-            return sel.indices, sel.num_valid, slots.k_rows, slots.v_rows, jnp.zeros_like(sel.num_valid), no_x
-
-        def miss():
-            # with speculative prefetch every head may reuse here (the buffers held a guess): select under a cond
-            indices, num_valid = reuse_or_select(reuse, sel, select, some_miss=not self.speculative)
-            if self.speculative:  # the buffers hold the rows of slots.held: gather only the rows they lack
-                (k_rows, v_rows), fetched, x_rows = refill_rows(slots.held, slots.held_valid,
-                                                                (slots.k_rows, slots.v_rows), indices, num_valid,
-                                                                rows, blk)
-                return indices, num_valid, k_rows, v_rows, fetched, x_rows
-            # the hit heads' rows come from the buffers, the others' from their sources
-            fetched = jnp.where(reuse, 0, num_valid)
-            (k_new, v_new), x_rows = rows(indices, fetched, (slots.k_rows.dtype, slots.v_rows.dtype), blk)
-            hit_rows = reuse[..., None, None]
-            return (indices, num_valid, jnp.where(hit_rows, slots.k_rows, k_new),
-                    jnp.where(hit_rows, slots.v_rows, v_new), fetched, x_rows)
-
-        indices, num_valid, k_rows, v_rows, fetched, x_rows = jax.lax.cond(current, hit, miss)
-        slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
-        part = ops.sparse_attention(q, k_rows.astype(q.dtype), v_rows.astype(q.dtype), slot_ids, num_valid=num_valid,
-                                    impl=attention_impl)
-        acc = ops.merge_attention_into(acc, part)
-
         spec = {}
-        if self.speculative:
+        if self.speculative:  # the buffers hold the rows of slots.held: gather only the rows they lack
+            k_rows, v_sel, fetched, x_rows = refill_buffers(slots, indices, num_valid, rows, blk)
+            k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype) if k_rows is None else k_rows
             # the guess's coverage of every fresh selection of a layer that was guessed this step
             fresh = ~reuse & slots.guessed
             needed = jnp.where(fresh, num_valid, 0)
@@ -421,6 +388,26 @@ class CloAttend:
             spec = dict(held=indices, held_valid=num_valid, guessed=jnp.zeros((), bool),
                         guess_covered=slots.guess_covered + covered, guess_needed=slots.guess_needed + needed,
                         last_guess=jnp.stack([jnp.sum(covered), jnp.sum(needed)]))
+        elif slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
+            k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
+            (fetched_v,), x_rows = jax.lax.cond(jnp.all(reuse), lambda: ((slots.v_rows,), no_x),
+                                                lambda: rows(indices, miss_nv, (slots.v_rows.dtype,), blk))
+            k_rows = None
+            v_sel = jnp.where(hit, slots.v_rows, fetched_v)
+        else:  # K on the host too: both from the host on a miss, both buffers reused on hits
+            (fetched_k, fetched_v), x_rows = jax.lax.cond(
+                jnp.all(reuse), lambda: ((slots.k_rows, slots.v_rows), no_x),
+                lambda: rows(indices, miss_nv, (slots.k_rows.dtype, slots.v_rows.dtype), blk))
+            k_rows = jnp.where(hit, slots.k_rows, fetched_k)
+            k_sel = k_rows
+            v_sel = jnp.where(hit, slots.v_rows, fetched_v)
+        if not self.speculative:
+            fetched = jnp.where(reuse, 0, num_valid)
+        slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
+        part = ops.sparse_attention(q, k_sel, v_sel.astype(k_sel.dtype), slot_ids, num_valid=num_valid,
+                                    impl=attention_impl)
+        acc = ops.merge_attention_into(acc, part)
+
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
         cached = ~slots.persistent[None]
         new_sel = SelectionCache(query=jnp.where(keep_q, sel.query, q.astype(jnp.float32)), indices=indices,
@@ -428,36 +415,22 @@ class CloAttend:
                                  hits=sel.hits + (reuse & cached).astype(jnp.int32), steps=sel.steps + 1,
                                  scored=sel.scored + jnp.any(~reuse).astype(jnp.int32),
                                  x_rows=None if sel.x_rows is None else sel.x_rows + x_rows, replay=replay)
-        new = dataclasses.replace(slots, selection=new_sel, v_rows=v_rows, k_rows=k_rows,
+        new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows,
                                   v_rows_fetched=slots.v_rows_fetched + fetched, **spec)
         return acc, new
 
 
-@dataclasses.dataclass(frozen=True)
-class RowSource:
-    """A layer's K and V rows of selected tokens (built inside a layer program): K from the K extents in GPU
-    memory where ``keys`` is given (exact), the rest from the host side (`HostRows`: gathered, or recomputed
-    from X rows). Called as `HostRows` is: (indices, num_valid, dtypes (K's, V's), blk) -> ((k, v), x_rows)."""
-
-    keys: tuple | None
-    host: HostRows
-
-    def __call__(self, indices, num_valid, dtypes, blk):
-        if self.keys is None:
-            return self.host(indices, num_valid, dtypes, blk)
-        k = native_extent(gather_rows(self.keys, indices, blk), dtypes[0]).astype(dtypes[0])
-        (v,), x_rows = self.host(indices, num_valid, dtypes[1:], blk)
-        return (k, v), x_rows
-
-
-def holds_selection(slots: CloSlots):
-    """[B, n_kv] bool: whether the row buffers hold the rows of the cached selection (always without speculative
-    prefetch; with it, unless a guess replaced them: slots.held differs from the selection)."""
-    if slots.held is None:
-        return jnp.ones(slots.selection.num_valid.shape, bool)
-    sel = slots.selection
-    valid = jnp.arange(sel.indices.shape[-1]) < sel.num_valid[..., None]
-    return (slots.held_valid == sel.num_valid) & jnp.all((slots.held == sel.indices) | ~valid, axis=-1)
+def refill_buffers(slots: CloSlots, indices, num_valid, rows: HostRows, blk):
+    """(k_rows or None, v_rows, fetched [B, n_kv], x_rows [B]): the row buffers made to hold the rows of
+    indices, fetching (`HostRows`) only those the buffers (slots.held) lack; K rows too where K is buffered
+    (quest/hata)."""
+    if slots.k_rows is None:
+        (v_rows,), fetched, x_rows = refill_rows(slots.held, slots.held_valid, (slots.v_rows,), indices, num_valid,
+                                                 rows, blk)
+        return None, v_rows, fetched, x_rows
+    (k_rows, v_rows), fetched, x_rows = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows),
+                                                    indices, num_valid, rows, blk)
+    return k_rows, v_rows, fetched, x_rows
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attend"))
@@ -467,28 +440,16 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
     RoPE at the new token's positions), the same reuse rule and selection as the true query's
     (`CloAttend.selection_rule`) for the heads it predicts to miss, and the guessed rows gathered into
     layer l's buffers (only those the buffers lack). Returns layer l's slots holding the guess; its
-    program then gathers only what the guess missed (`refill_rows`). When every head is predicted to reuse,
-    nothing runs but the rule (one lax.cond)."""
+    program then gathers only what the guess missed (`refill_rows`)."""
     fam = family(cfg)
     q = fam.qkv(cfg, lp, fam.attn_input(cfg, lp, h), positions)[0][:, :, 0]
     blk = pool_block_tokens(src.pool)
     reuse, select, _ = attend.selection_rule(q, src, tables, slots)  # replay: the same draw as the true query's
-    rows = attend.row_source(cfg, lp, src, tables)
-    B = q.shape[0]
-
-    def keep():
-        return slots.held, slots.held_valid, slots.k_rows, slots.v_rows, jnp.zeros_like(slots.held_valid), \
-            jnp.zeros((B,), jnp.int32)
-
-    def guess():
-        g_idx, g_nv = select()
-        g_idx = jnp.where(reuse[..., None], slots.held, g_idx)  # predicted hits keep what they hold
-        g_nv = jnp.where(reuse, slots.held_valid, g_nv)
-        (k_rows, v_rows), fetched, x_rows = refill_rows(slots.held, slots.held_valid, (slots.k_rows, slots.v_rows),
-                                                        g_idx, g_nv, rows, blk)
-        return g_idx, g_nv, k_rows, v_rows, fetched, x_rows
-
-    g_idx, g_nv, k_rows, v_rows, fetched, x_rows = jax.lax.cond(jnp.all(reuse), keep, guess)
+    g_idx, g_nv = jax.lax.cond(jnp.all(reuse), lambda: (slots.held, slots.held_valid), select)
+    g_idx = jnp.where(reuse[..., None], slots.held, g_idx)  # predicted hits keep what they hold
+    g_nv = jnp.where(reuse, slots.held_valid, g_nv)
+    rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"))
+    k_rows, v_rows, fetched, x_rows = refill_buffers(slots, g_idx, g_nv, rows, blk)
     sel = slots.selection
     if sel.x_rows is not None:  # the guesses' X rows count with the layer programs'
         slots = dataclasses.replace(slots, selection=dataclasses.replace(sel, x_rows=sel.x_rows + x_rows))
@@ -714,7 +675,7 @@ class CloHooks(TokenSelectHooks):
                         meta=tuple(meta_zeros(layout.size(e)) for e in range(layout.num_extents))
                         if retrieval != "exact" else (),
                         hata_w=None if w is None else jnp.asarray(w[layer], jnp.float32),
-                        k_rows=jnp.zeros((batch, n_kv, K, d), dtype), **spec)
+                        k_rows=None if retrieval == "exact" else jnp.zeros((batch, n_kv, K, d), dtype), **spec)
 
 
 @register_policy("clo")
