@@ -346,13 +346,16 @@ def hybrid_layouts(cfg, dtype, group_lengths, capacity: int, classes, *, block_t
     attention merges each request's partial sums over the same groups of blocks in the same order: fp32
     logits bit-identical to full's at every split), each extent tagged with one class.
 
-    The tags (`tag_extents`) keep the shares per request at extent granularity: prompt extents hold
+    The tags (`tag_extents`) keep the shares per request at extent granularity (HybridServe's
+    per-request ratio, which the old block-by-block classes held to one block): prompt extents hold
     position-major slices of every request's prompt, generated extents whole flushes (the same number
-    of blocks of every request), and at every length a request's context reaches, its blocks of each
-    class differ from share x its blocks by at most one extent's slice (W: the most blocks one request
-    has in one extent of its mini-batch). Among the tags that keep that, each extent goes to the class
-    furthest behind its share over all mini-batches' blocks so far, so the batch's totals follow the
-    shares too (to about one extent)."""
+    of blocks of every request). With W the most blocks one request has in one extent of its
+    mini-batch (one extent's slice), at every length a request's context reaches its blocks of each
+    class differ from share x its blocks by at most W / 2 for one request and two classes, and by at
+    most 2 W in general (ragged prompts end in different extents and extents may hold only some
+    requests' blocks, so requests sharing an extent can pull different ways; measured <= 1.8 W on
+    random ragged batches with three classes; tests/test_hybrid.py holds it to 2 W). The batch's
+    totals follow the shares to about one extent per mini-batch."""
     from kvoffload.plan.memory import plan_pool
 
     pool = plan_pool(cfg, dtype, group_lengths, capacity, block_tokens=block_tokens, extent_mb=extent_mb)
@@ -389,9 +392,10 @@ def tag_extents(slices, shares) -> list:
     rule at extent granularity: each extent goes to the class its requests are furthest behind on,
     weighted by their blocks there: argmax over c of sum_r w_r (share_c (n_r + w_r) - count_{r,c}),
     n_r and count_{r,c} the request's blocks (of class c) so far. For one request, or requests with the
-    same slices, it is the classic largest-deficit rule, which keeps two classes within one slice of
-    their shares. Ties go to the class furthest behind over every mini-batch's blocks so far, then the
-    lowest class."""
+    same slices, it is the classic largest-deficit rule, which keeps two classes within half a slice
+    of their shares. Ties go to the class furthest behind over every mini-batch's blocks so far, then
+    the lowest class. (A rule on the batch's totals alone would let a request that always sits in
+    every other extent drift without bound.)"""
     s = np.asarray(shares, np.float64)
     s = s / s.sum()
     total, count = 0.0, np.zeros(len(s))

@@ -9,7 +9,8 @@ on the GPU while the next transfers run), and some ACT blocks stay on the GPU wh
 * Per-request block classes at extent granularity: the pool is `full`'s own extents, each tagged with
   one class (plan/hybrid.py `hybrid_layouts`), so every block lands where `full`'s allocator puts it;
   the tags keep every request's blocks near the global shares as its context grows, prompt and
-  generated tokens alike, to within about one extent's slice of the request (`tag_extents`).
+  generated tokens alike: within W / 2 blocks for one request and two classes, 2 W in general (W: the
+  most blocks one request has in one extent; `hybrid_layouts`).
 * Mini-batches (`pack_mini_batches`): requests are packed greedily into mini-batches that fit the GPU
   transfer buffer (#KV_max, #ACT_max) without raising F_b = max(balance, 1/balance); the mini-batches
   are the pipeline's GPU batches, run in the column (zig-zag) schedule so each layer's weights cross
