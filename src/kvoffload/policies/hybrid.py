@@ -15,8 +15,9 @@ on the GPU while the next transfers run), and some ACT blocks stay on the GPU wh
   transfer buffer (#KV_max, #ACT_max) without raising F_b = max(balance, 1/balance); the mini-batches
   are the pipeline's GPU batches, run in the column (zig-zag) schedule so each layer's weights cross
   PCIe once per step. They are formed at prefill from every request's blocks at the end of the
-  generation (the engine decodes a fixed batch in lockstep, so per-step packing would find the same
-  bins; each step's record reports every mini-batch's blocks and balance).
+  generation, per class its share of them (the whole-extent counts depend on the mini-batches' layouts;
+  the engine decodes a fixed batch in lockstep, so per-step packing would find the same bins; each
+  step's record reports every mini-batch's real blocks and balance, `used_blocks` the layouts' totals).
 * Attention: each extent of the mini-batch's pool in order -- ACT extents recomputed
   (`recompute_extent`), KV extents as fetched, GPU-resident ones in place -- folded into one
   accumulator: the same partial sums over the same blocks in the same order as `full` with the same
