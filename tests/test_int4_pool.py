@@ -135,7 +135,7 @@ def _scheduled_split(profile, host_dtype, shape="opt-6.7b", batch=64, prompt=512
     pipe = make_policy("kvpr", host_dtype=host_dtype, profile=profile, check_memory=False).pipeline
     lengths = np.full(batch, prompt)
     _, (layout,) = pipe.plan(big, lengths, prompt, prompt + gen)
-    alloc = BlockAllocator(layout.num_blocks, batch, layout.block_tokens, layout)
+    alloc = BlockAllocator(layout.num_blocks, batch, layout.block_tokens)
     allocate_prompts_aligned(alloc, layout, lengths)
     host_only = {f.name: () for f in dataclasses.fields(GroupState)}  # no arrays: plan_group reads the host side
     gr = GroupState(**{**host_only, "tables": None, "tail_len": None, "prompt_lens": None, "rows": (0, batch),

@@ -150,7 +150,7 @@ def _pool(rng, n_kv=2, d=8, blk=4, sizes=(3, 3, 5), owners=None):
                         gen_extent_blocks=sizes[2])
     B = max(owners) + 1
     alloc = BlockAllocator(layout.num_blocks, B, blk)
-    alloc.heaps = [[i for i in range(layout.num_blocks) if owners[i] < 0]]
+    alloc.free = [i for i in range(layout.num_blocks) if owners[i] < 0]  # ascending: a heap
     for i, r in enumerate(owners):
         if r >= 0:
             alloc.owner[i] = r

@@ -700,7 +700,7 @@ class LayerPipeline:
         positions = jnp.broadcast_to(jnp.arange(t_blk, dtype=jnp.int32), (b, t_blk))
         groups = []
         for (a, z), layout in zip(rows, layouts):
-            alloc = BlockAllocator(layout.num_blocks, z - a, blk, layout)
+            alloc = BlockAllocator(layout.num_blocks, z - a, blk)
             allocate_prompts_aligned(alloc, layout, lengths_np[a:z])
             groups.append(dict(rows=(a, z), layout=layout, alloc=alloc, h=_embed(cfg, fam_params, tokens[a:z], positions[a:z]),
                                pk=[], pv=[], px=[], tk=[], tv=[], tx=[],

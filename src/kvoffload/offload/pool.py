@@ -55,7 +55,7 @@ class PoolExhausted(KVOffloadError):
 
 @dataclasses.dataclass(frozen=True)
 class BlockClass:
-    """A kind of block with its own extents and free list: what it stores ("kv": K and V, "act": the
+    """A kind of block with its own extents: what it stores ("kv": K and V, "act": the
     activation X to recompute them from), where (``device``: GPU memory even in a host pool, so it is
     never moved) and its ``share`` of every request's blocks (HybridServe's per-request KV:ACT ratio)."""
 
@@ -68,22 +68,6 @@ class BlockClass:
             raise ValueError(f"block kind must be one of {KINDS}, got {self.kind!r}")
 
 
-@functools.lru_cache(maxsize=64)
-def _class_pattern(shares: tuple, n: int) -> np.ndarray:
-    """Class of block positions 0..n-1 of a request: each next block goes to the class furthest behind
-    its share (largest share * (j + 1) - count so far; lowest class on ties), so every prefix of a
-    request's blocks follows the shares to within one block per class."""
-    s = np.asarray(shares, np.float64)
-    s = s / s.sum()
-    count = np.zeros(len(s))
-    out = np.empty(n, np.int64)
-    for j in range(n):
-        c = int(np.argmax(s * (j + 1) - count + 1e-12 * (len(s) - np.arange(len(s)))))
-        out[j] = c
-        count[c] += 1
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
     """Static shape of a pool: ``prompt_extents`` extents of ``extent_blocks`` blocks (the prompts'
@@ -93,8 +77,10 @@ class PoolLayout:
     activations below its split and K/V above it; an empty range means the kind is not stored).
 
     Block classes (HybridServe): with ``classes`` set, extent e holds blocks of class
-    ``extent_class[e]`` only (its kind and placement), has ``extent_sizes[e]`` blocks, and block j of
-    every request belongs to the class `position_class(j)` says; kv_extents/act_extents are unused."""
+    ``extent_class[e]`` only (its kind and placement) and has ``extent_sizes[e]`` blocks; a block's class
+    is its extent's, so a request's blocks of each class are those the allocator places in that class's
+    extents (plan/hybrid.py `hybrid_layouts` tags `full`'s extents so that each request's follow the
+    shares); kv_extents/act_extents are unused."""
 
     block_tokens: int
     extent_blocks: int
@@ -178,21 +164,6 @@ class PoolLayout:
             return np.zeros(self.num_blocks, np.int64)
         return np.repeat(np.asarray(self.extent_class, np.int64), self.extent_sizes)
 
-    def position_class(self, j: int) -> int:
-        """Class of a request's block j (its positions j*blk ...)."""
-        if not self.classes:
-            return 0
-        n = 64
-        while n <= j:
-            n *= 4
-        return int(_class_pattern(tuple(c.share for c in self.classes), n)[j])
-
-    def position_classes(self, n: int) -> np.ndarray:
-        """Classes of a request's blocks 0..n-1."""
-        if not self.classes:
-            return np.zeros(n, np.int64)
-        return _class_pattern(tuple(c.share for c in self.classes), max(1, int(n)))[:n]
-
 
 def extent_blocks_for(block_bytes: int, prompt_blocks: int, target_bytes: float) -> int:
     """Blocks per extent: about target_bytes per extent array, with the prompt's blocks split evenly
@@ -210,60 +181,49 @@ def extent_blocks_for(block_bytes: int, prompt_blocks: int, target_bytes: float)
 
 
 class BlockAllocator:
-    """Free lists and block tables of one pool (host numpy; never read from the device). A classed
-    layout (see PoolLayout) has one free list per block class, and a request's block j comes from the
-    class `layout.position_class(j)` names."""
+    """Free list and block tables of one pool (host numpy; never read from the device). One free list
+    whatever the layout: a classed layout (HybridServe) tags whole extents with a class, so a block's
+    class is where the lowest-id-first allocation puts it -- exactly where `full`'s allocator puts the
+    same block (see plan/hybrid.py `hybrid_layouts`)."""
 
-    def __init__(self, num_blocks: int, num_requests: int, block_tokens: int, layout: PoolLayout | None = None):
+    def __init__(self, num_blocks: int, num_requests: int, block_tokens: int):
         self.num_blocks = int(num_blocks)
         self.block_tokens = int(block_tokens)
-        self.layout = layout if layout is not None and layout.classes else None
-        self.cls = layout.block_class() if self.layout is not None else np.zeros(self.num_blocks, np.int64)
-        n_cls = len(self.layout.classes) if self.layout is not None else 1
-        self.heaps = [np.flatnonzero(self.cls == c).tolist() for c in range(n_cls)]  # heaps: lowest id first
+        self.free = list(range(self.num_blocks))  # a heap: lowest id first
         self.owner = np.full(self.num_blocks, -1, np.int64)
         self.first_pos = np.full(self.num_blocks, -1, np.int64)
         self.tables: list[list[int]] = [[] for _ in range(num_requests)]
 
     def copy(self) -> "BlockAllocator":
         new = BlockAllocator.__new__(BlockAllocator)
-        new.num_blocks, new.block_tokens, new.layout, new.cls = self.num_blocks, self.block_tokens, self.layout, self.cls
-        new.heaps, new.owner, new.first_pos = [list(h) for h in self.heaps], self.owner.copy(), self.first_pos.copy()
+        new.num_blocks, new.block_tokens = self.num_blocks, self.block_tokens
+        new.free, new.owner, new.first_pos = list(self.free), self.owner.copy(), self.first_pos.copy()
         new.tables = [list(t) for t in self.tables]
         return new
 
     @property
-    def free(self) -> list[int]:
-        return [b for h in self.heaps for b in h]
-
-    @property
     def num_free(self) -> int:
-        return sum(len(h) for h in self.heaps)
+        return len(self.free)
 
     def allocate(self, request: int) -> int:
-        """One block for the request's next block of positions (of the class that position belongs
-        to); returns its id."""
-        j = len(self.tables[request])
-        c = self.layout.position_class(j) if self.layout is not None else 0
-        if not self.heaps[c]:
-            what = f" of class {c} ({self.layout.classes[c]})" if self.layout is not None else ""
-            raise PoolExhausted(f"the block pool is full: no free block{what} among {self.num_blocks} blocks of "
+        """One block for the request's next block of positions; returns its id."""
+        if not self.free:
+            raise PoolExhausted(f"the block pool is full: no free block among {self.num_blocks} blocks of "
                                 f"{self.block_tokens} tokens; the memory plan must reserve blocks for every generated token")
-        b = heapq.heappop(self.heaps[c])
+        b = heapq.heappop(self.free)
         self.owner[b] = request
-        self.first_pos[b] = j * self.block_tokens
+        self.first_pos[b] = len(self.tables[request]) * self.block_tokens
         self.tables[request].append(b)
         return b
 
     def reserve_below(self, n: int) -> None:
         """Takes the free ids below n out of use (the prompt extents' spare slots), so generated blocks
         start at the first generated extent, aligned: each lockstep flush is then one contiguous run."""
-        for c, h in enumerate(self.heaps):
-            for b in h:
-                if b < n:
-                    self.owner[b] = -2
-            self.heaps[c] = [b for b in h if b >= n]
-            heapq.heapify(self.heaps[c])
+        for b in self.free:
+            if b < n:
+                self.owner[b] = -2
+        self.free = [b for b in self.free if b >= n]
+        heapq.heapify(self.free)
 
     def release(self, request: int) -> list[int]:
         """Frees every block of a finished request."""
@@ -271,7 +231,7 @@ class BlockAllocator:
         for b in ids:
             self.owner[b] = -1
             self.first_pos[b] = -1
-            heapq.heappush(self.heaps[self.cls[b]], b)
+            heapq.heappush(self.free, b)
         self.tables[request] = []
         return ids
 

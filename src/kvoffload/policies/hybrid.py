@@ -6,18 +6,23 @@ on the GPU while the next transfers run), and some ACT blocks stay on the GPU wh
 * Host block allocation (plan/hybrid.py `algorithm1`, the paper's Algorithm 1): how many KV and ACT
   blocks the host memory budget holds so that PCIe time (weights + blocks) and GPU time (recompute +
   attention + MLP) balance; ``act_share`` forces the host ACT:KV split (0: KV-only, 1: ACT-only).
-* Per-request block classes: every request's blocks follow the global shares as its context grows,
-  prompt and generated tokens alike (`PoolLayout.position_class`), so the ratio holds per request.
+* Per-request block classes at extent granularity: the pool is `full`'s own extents, each tagged with
+  one class (plan/hybrid.py `hybrid_layouts`), so every block lands where `full`'s allocator puts it;
+  the tags keep every request's blocks near the global shares as its context grows, prompt and
+  generated tokens alike: within W / 2 blocks for one request and two classes, 2 W in general (W: the
+  most blocks one request has in one extent; `hybrid_layouts`).
 * Mini-batches (`pack_mini_batches`): requests are packed greedily into mini-batches that fit the GPU
   transfer buffer (#KV_max, #ACT_max) without raising F_b = max(balance, 1/balance); the mini-batches
   are the pipeline's GPU batches, run in the column (zig-zag) schedule so each layer's weights cross
   PCIe once per step. They are formed at prefill from every request's blocks at the end of the
-  generation (the engine decodes a fixed batch in lockstep, so per-step packing would find the same
-  bins; each step's record reports every mini-batch's blocks and balance).
+  generation, per class its share of them (the whole-extent counts depend on the mini-batches' layouts;
+  the engine decodes a fixed batch in lockstep, so per-step packing would find the same bins; each
+  step's record reports every mini-batch's real blocks and balance, `used_blocks` the layouts' totals).
 * Attention: each extent of the mini-batch's pool in order -- ACT extents recomputed
-  (`recompute_extent`), KV extents as fetched, GPU-resident ones in place -- folded exactly into one
-  accumulator, so tokens equal `full`'s (logits to fp32 rounding: recomputed K/V come from a different
-  matmul shape than the prefill's).
+  (`recompute_extent`), KV extents as fetched, GPU-resident ones in place -- folded into one
+  accumulator: the same partial sums over the same blocks in the same order as `full` with the same
+  GPU batches, so at any split the logits are `full`'s (bit for bit in fp32 where recomputing an
+  extent's K/V rounds as the prefill's projection did: MHA on XLA CPU, the real models' shapes).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from kvoffload.plan.hybrid import (
     balance_batch,
     balance_factor,
     buffer_capacities,
-    hybrid_layout,
+    hybrid_layouts,
     pack_mini_batches,
     request_blocks,
 )
@@ -61,6 +66,7 @@ class HybridPlan:
     gpu_budget_bytes: float
     max_requests: int  # requests of this batch's mean length the host budget holds at this allocation
     rates: BlockRates
+    layouts: list  # the mini-batches' classed pool layouts
 
     def to_json(self) -> dict:
         return {"allocation": self.allocation.to_json(), "used_blocks": self.used,
@@ -118,14 +124,11 @@ class HybridHooks(LayerHooks):
     def pool_layouts(self, pipe, model, dtype, rows, lengths, capacity):
         if self.plan is None or self.plan.rows != list(rows):
             self.plan = self._plan(pipe, model, dtype, lengths, capacity)
-        return self._layouts(pipe, model, dtype, self.plan.classes, rows, lengths, capacity)
+        return list(self.plan.layouts)
 
     def _layouts(self, pipe, model, dtype, classes, rows, lengths, capacity):
-        import jax.numpy as jnp
-
-        p = jnp.dtype(dtype).itemsize
-        return [hybrid_layout(model.config, p, lengths[a:z], capacity, classes, block_tokens=pipe.opts.block_tokens,
-                              extent_mb=pipe.opts.extent_mb) for a, z in rows]
+        return hybrid_layouts(model.config, dtype, [lengths[a:z] for a, z in rows], capacity, classes,
+                              block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb)
 
     def _plan(self, pipe, model, dtype, lengths, capacity, t_pad=None) -> HybridPlan:
         cfg, o = model.config, pipe.opts
@@ -142,50 +145,52 @@ class HybridHooks(LayerHooks):
         def plan_for(gpu_blocks, gpu_kind):
             alloc = algorithm1(rates, host_bytes, L, gpu_blocks, gpu_kind, act_share=self.act_share)
             if self.allocation == "balance" or self.act_share is not None:
-                used = balance_batch(rates, total, L, host_bytes, gpu_blocks, gpu_kind, act_share=self.act_share)
+                planned = balance_batch(rates, total, L, host_bytes, gpu_blocks, gpu_kind, act_share=self.act_share)
             else:  # Algorithm 1's host ratio for this batch, GPU-resident blocks first
                 g = min(gpu_blocks, total)
                 a = int(round((total - g) * alloc.act_share_host))
-                used = BlockAllocation(kv_host=total - g - a, act_host=a, gpu=g, gpu_kind=gpu_kind, reason=alloc.reason)
-            classes = used.classes()
-            per_req = request_blocks(classes, n_blocks)
-            col = {(c.kind, c.device): per_req[:, i] for i, c in enumerate(classes)}
-            zero = np.zeros(len(lengths), np.int64)
-            kv_h, act_h = col.get(("kv", False), zero), col.get(("act", False), zero)
-            act_all = act_h + col.get(("act", True), zero)
-            kv_max, act_max = buffer_capacities(rates, self.mini_batch_gb * GB, used.act_share_host)
+                planned = BlockAllocation(kv_host=total - g - a, act_host=a, gpu=g, gpu_kind=gpu_kind, reason=alloc.reason)
+            classes = planned.classes()
+            # packed on each request's expected blocks per class (its share of them): the layouts, and so
+            # the whole-extent counts, depend on the packing
+            per_req = n_blocks[:, None] * np.asarray([c.share for c in classes])[None, :]
+            kv_h, act_h, act_all = class_columns(classes, per_req)
+            kv_max, act_max = buffer_capacities(rates, self.mini_batch_gb * GB, planned.act_share_host)
             rows = pack_mini_batches(kv_h, act_h, act_all, kv_max, act_max, rates)
-            return alloc, used, classes, rows, kv_max, act_max
+            layouts = self._layouts(pipe, model, dtype, classes, rows, lengths, capacity)
+            have = request_blocks(layouts, [lengths[a:z] for a, z in rows], flushes)
+            kv_h, act_h, act_all = class_columns(classes, have)
+            g_have = int(have.sum()) - int(kv_h.sum()) - int(act_h.sum())
+            used = BlockAllocation(kv_host=int(kv_h.sum()), act_host=int(act_h.sum()), gpu=g_have, gpu_kind=gpu_kind,
+                                   reason=f"{planned.reason}; in whole extents: {int(act_h.sum())} host ACT, "
+                                          f"{int(kv_h.sum())} host KV, {g_have} GPU-resident")
+            return alloc, used, classes, rows, kv_max, act_max, layouts
 
         gpu_kind = ("act" if (self.act_share is None and rates.act_gpu_bytes < rates.kv_gpu_bytes) or (self.act_share or 0) > 0
                     else "kv")
         g_blocks = 0 if self.gpu_blocks == "auto" else self.gpu_blocks
-        alloc, used, classes, rows, kv_max, act_max = plan_for(g_blocks, gpu_kind)
+        alloc, used, classes, rows, kv_max, act_max, lays = plan_for(g_blocks, gpu_kind)
         if self.gpu_blocks == "auto" and pipe.host_pool:
             # what the GPU holds besides resident blocks (weights in flight, transfer buffers, tails,
             # workspace) at this packing; the rest of the budget holds blocks
-            lays = self._layouts(pipe, model, dtype, classes, rows, lengths, capacity)
             t_pad = t_pad or -(-int(lengths.max()) // blk) * blk
             other = pipe.memory_of(model, lays, lengths, t_pad, capacity).gpu_bytes
             per_block = L * (rates.act_gpu_bytes if gpu_kind == "act" else rates.kv_gpu_bytes)  # native on the GPU
             g_cap = max(0, int((gpu_bytes - other) // per_block))
             g_blocks = g_cap
-            for attempt in range(12):  # the requests' class patterns round the share: hold the real count to the cap
+            for attempt in range(12):  # whole extents round the share: hold the real count to the cap
                 if not g_blocks:
                     break
-                alloc, used, classes, rows, kv_max, act_max = plan_for(g_blocks, gpu_kind)
-                on_gpu = [i for i, c in enumerate(classes) if c.device]
-                real = int(request_blocks(classes, n_blocks)[:, on_gpu].sum()) if on_gpu else 0
-                if real <= g_cap:
+                alloc, used, classes, rows, kv_max, act_max, lays = plan_for(g_blocks, gpu_kind)
+                if used.gpu <= g_cap:
                     break
-                # step down by the excess; when the rounding keeps overshooting (measured: OPT-13B at share
-                # 0.5 fell back to no GPU blocks at all), by 10% more each time
-                g_blocks = max(0, g_blocks - (real - g_cap) if attempt < 3 else min(g_blocks - (real - g_cap),
-                                                                                  int(g_blocks * 0.9)))
+                # step down by the excess; when the rounding keeps overshooting, by 10% more each time
+                g_blocks = max(0, g_blocks - (used.gpu - g_cap) if attempt < 3 else min(g_blocks - (used.gpu - g_cap),
+                                                                                      int(g_blocks * 0.9)))
             else:
                 g_blocks = 0
             if not g_blocks:
-                alloc, used, classes, rows, kv_max, act_max = plan_for(0, gpu_kind)
+                alloc, used, classes, rows, kv_max, act_max, lays = plan_for(0, gpu_kind)
         per_req_bytes = float(np.mean(n_blocks)) * L * (
             alloc.act_share_host * rates.act_bytes + (1 - alloc.act_share_host) * rates.kv_bytes)
         # (max_requests: at Algorithm 1's allocation for the host budget)
@@ -194,7 +199,7 @@ class HybridHooks(LayerHooks):
                                                   "gpu": used.gpu, "gpu_kind": used.gpu_kind, "reason": used.reason,
                                                   "predicted_layer_s": used.predicted_layer_s(rates)},
                           classes=classes, rows=rows, kv_max=kv_max, act_max=act_max, host_budget_bytes=host_bytes,
-                          gpu_budget_bytes=gpu_bytes, max_requests=max_req, rates=rates)
+                          gpu_budget_bytes=gpu_bytes, max_requests=max_req, rates=rates, layouts=lays)
 
     # -- per step ----------------------------------------------------------------------------
     def plan_group(self, pipe, model, gr):
@@ -222,6 +227,14 @@ class HybridHooks(LayerHooks):
         modes, info = self._info[key]
         return GroupPlan(used_extents=gr.used_extents, modes=modes, groups_info=info,
                          note=self.plan.allocation.reason if self.plan is not None else "")
+
+
+def class_columns(classes, per_req):
+    """Per request: host KV, host ACT and all ACT (host and GPU-resident) blocks, from [B, classes] counts."""
+    col = {(c.kind, c.device): per_req[:, i] for i, c in enumerate(classes)}
+    zero = np.zeros(len(per_req), per_req.dtype)
+    act_h = col.get(("act", False), zero)
+    return col.get(("kv", False), zero), act_h, act_h + col.get(("act", True), zero)
 
 
 @register_policy("hybrid")
