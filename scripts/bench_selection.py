@@ -177,21 +177,11 @@ def random_kv_prefill():
 # ------------------------------------------------------------------------------------------------
 
 
-def _median_time(fn, reps=5):
-    import jax
-
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def bandwidth_probes(smoke: bool) -> dict:
     """GPU memory bandwidth (a jitted x * 2 reading and writing an array) and host->GPU bandwidth (an eager
     device_put of one pinned_host array), measured here."""
+    from kvoffload.offload.bench import median_time
+
     import jax
     import jax.numpy as jnp
 
@@ -201,7 +191,7 @@ def bandwidth_probes(smoke: bool) -> dict:
     out = {}
     x = jnp.ones((n // 2,), jnp.bfloat16)
     double = jax.jit(lambda a: a * 2)
-    t = _median_time(lambda: double(x))
+    t = median_time(lambda: double(x))
     out["hbm_bytes_per_s"] = 2 * n / t
     out["hbm_probe"] = f"jit(x * 2) over {n >> 20} MiB bf16 (read + write), median of 5: {t * 1e6:.1f} us"
     del x
@@ -211,7 +201,7 @@ def bandwidth_probes(smoke: bool) -> dict:
         out["pcie_probe"] = "no host memory kind on this backend"
         return out
     h = jax.block_until_ready(M.to_host(jnp.ones((n // 2,), jnp.bfloat16)))
-    t = _median_time(lambda: M.to_device(h))
+    t = median_time(lambda: M.to_device(h))
     out["pcie_bytes_per_s"] = n / t
     out["pcie_probe"] = f"device_put of one {n >> 20} MiB {kind} array to the device, median of 5: {t * 1e3:.2f} ms"
     return out
@@ -334,6 +324,8 @@ def time_attend(method, cfg, attend, impls, lp, qs, src, tables, slot, timing_re
     attend carrying the slots: "scan" one program (a lax.scan: GPU time, no dispatch), "calls" one jitted call
     per query dispatched back to back and waited for once (as the decode step's layer programs: arrays in host
     memory stay plain arguments of the program, never operands of a loop)."""
+    from kvoffload.offload.bench import median_time
+
     import jax
 
     reps = qs.shape[0] if method == "scan" else len(qs)
@@ -352,7 +344,7 @@ def time_attend(method, cfg, attend, impls, lp, qs, src, tables, slot, timing_re
     t0 = time.perf_counter()
     out_slot, _ = jax.block_until_ready(call())
     first = time.perf_counter() - t0
-    return _median_time(call, timing_reps) / reps, out_slot, first
+    return median_time(call, timing_reps) / reps, out_slot, first
 
 
 def attention_bench(pol, model, state, layer: int, reps: int, extremes: bool, timing_reps: int,
@@ -449,25 +441,11 @@ def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict
 # ------------------------------------------------------------------------------------------------
 
 
-def decode_steps(pol, model, state, nxt, n):
-    """n greedy steps, each ending with its tokens on the host (as `timed_decode`'s loop)."""
-    from kvoffload.offload.bench import _greedy
-
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        logits, state = pol.decode_step(model, state, nxt)
-        nxt = _greedy(logits)
-        np.asarray(nxt)
-        times.append(time.perf_counter() - t)
-    return times, state, nxt
-
-
 def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, probes: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload.bench import timed_decode
+    from kvoffload.offload.bench import decode_steps, timed_decode
     from kvoffload.plan.memory import MemoryPlanError
     from kvoffload.policies import make_policy
 
@@ -510,7 +488,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
                                                             capacity, args.warmup)
     del tokens
     c0 = counters(state)
-    times, state, nxt = decode_steps(pol, model, state, nxt, args.steps)
+    times, _, state, nxt = decode_steps(pol, model, state, nxt, args.steps)
     c1 = counters(state)
     r.update(prefill_random_kv_s=prefill_s, warmup_step_times_s=warm, step_times_s=times,
              step_s=float(np.median(times)))

@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -51,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kvoffload.offload.bench import median_time
 from kvoffload.offload.memory import device_sharding, host_sharding, memory_kind_of, to_device, to_host
 from kvoffload.pallas.common import triton_params
 
@@ -117,18 +117,6 @@ class Ctx:
 # ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
-
-
-def median_time(fn, reps, warmup=1):
-    """Median seconds of fn() until its outputs are ready (warm-up calls first)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def overlap_stats(move, compute, reps):

@@ -138,6 +138,13 @@ def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: f
     nxt = _greedy(logits)
     np.asarray(nxt)
     prefill_s = time.perf_counter() - t0
+    times, logits, state, nxt = decode_steps(pol, model, state, nxt, n_steps, logits)
+    return prefill_s, times, logits, state, nxt
+
+
+def decode_steps(pol, model, state, nxt, n_steps: int, logits=None):
+    """n_steps greedy decode steps from state and the tokens nxt, each ending when its tokens are on the
+    host. Returns (per-step seconds, the last logits, state, the last tokens)."""
     times = []
     for _ in range(n_steps):
         t = time.perf_counter()
@@ -145,7 +152,21 @@ def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: f
         nxt = _greedy(logits)
         np.asarray(nxt)
         times.append(time.perf_counter() - t)
-    return prefill_s, times, logits, state, nxt
+    return times, logits, state, nxt
+
+
+def median_time(fn, reps: int = 5, warmup: int = 1) -> float:
+    """Median seconds of fn() until its outputs are ready (after warm-up calls)."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
 
 
 def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0, lengths=None, back_to_back=0):
