@@ -9,6 +9,7 @@ import pytest
 from script_loader import script_module
 
 
+@pytest.mark.slow  # 15 s on 2 cores; the script itself runs on the GPU
 def test_cpu_smoke_runs_every_part_and_writes_results(tmp_path, capsys):
     out = tmp_path / "sel.json"
     with script_module("bench_selection") as bs:
