@@ -44,17 +44,6 @@ def _parse_options(pairs):
     return out
 
 
-def _host_rss_bytes():
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=131072, help="prompt tokens (batch 1)")
@@ -142,7 +131,7 @@ def main(argv=None):
         "gpu_peak_bytes": stats.get("peak_bytes_in_use"),
         "gpu_bytes_in_use": stats.get("bytes_in_use"),
         "gpu_bytes_limit": stats.get("bytes_limit"),
-        "host_rss_bytes": _host_rss_bytes(),
+        "host_rss_bytes": M.proc_field_bytes("/proc/self/status", "VmRSS"),
         "last_step": dict(state.records[-1]) if getattr(state, "records", None) else None,
     })
     plan = getattr(getattr(pol, "pipeline", None), "memory_plan", None)

@@ -151,14 +151,21 @@ def available_host_bytes() -> float | None:
 
         avail = float(psutil.virtual_memory().available)
     except Exception:
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        avail = float(line.split()[1]) * 1024
-        except OSError:
-            pass
+        avail = proc_field_bytes("/proc/meminfo", "MemAvailable")
     return None if avail is None else avail + pool_slack_bytes()
+
+
+def proc_field_bytes(path: str, key: str) -> float | None:
+    """A "key: N kB" field of a /proc file (/proc/meminfo, /proc/self/status) in bytes; None where it
+    cannot be read (no /proc, no such field)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def available_device_bytes(dev=None) -> float | None:
