@@ -515,6 +515,11 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         if "speculative_prefetch" in sel:
             r["speculative_prefetch"] = {k: v for k, v in sel["speculative_prefetch"].items()
                                          if k != "guess_hit_rate_per_layer"}
+    if args.trace:  # one more step under the profiler (scripts/trace_summary.py reads it)
+        path = os.path.join(args.trace, f"{variant}_{ctx}_{batch}")
+        with jax.profiler.trace(path):
+            _, _, state, nxt = decode_steps(pol, model, state, nxt, 1)
+        r["trace_dir"] = path
     r["state_bytes"] = state_bytes(state)
     r["memory_stats_after"] = memory_stats()
     if base["bytes_in_use"] is not None and r["memory_stats_after"]["bytes_in_use"] is not None:
@@ -643,6 +648,8 @@ def build_parser():
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 1 warm-up + 3 timed steps, 8 attention reps")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no run after this many seconds")
     ap.add_argument("--host-limit-gb", type=float, default=None, help="host memory the planner may use (default: the machine's)")
+    ap.add_argument("--trace", default=None, help="a folder: one extra decode step of each run is captured with "
+                    "jax.profiler into FOLDER/VARIANT_CTX_BATCH (summarise with scripts/trace_summary.py)")
     ap.add_argument("--compile-cache", default=None, help="a folder for JAX's persistent compilation cache")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny 2-layer llama, 256-token context and one run "
                     "the planner refuses (1M tokens under a 0.5 GB limit), float32: the whole script on a CPU")

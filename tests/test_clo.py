@@ -479,7 +479,7 @@ def test_speculative_prefetch_changes_nothing_attended_and_reports_its_hit_rate(
     model = tiny_random_model("llama", seed=1)
     opts = dict(topk=12, num_recent=4, eta=0.5)
     plain_pol, plain, plain_state = _decode(model, "clo", NEW, speculative_prefetch=False, **opts)
-    pol, got, state = _decode(model, "clo", NEW, **opts)  # on by default
+    pol, got, state = _decode(model, "clo", NEW, speculative_prefetch=True, **opts)
     np.testing.assert_array_equal(got, plain)
     c, c0 = pol.describe(state)["clo"], plain_pol.describe(plain_state)["clo"]
     s = c["speculative_prefetch"]
@@ -612,7 +612,7 @@ def test_gpu_speculative_prefetch_and_int4_rows():
     model = tiny_random_model("llama", seed=1)
     opts = dict(topk=12, num_recent=4, eta=0.5)
     _, plain, _ = _decode(model, "clo", NEW, speculative_prefetch=False, **opts)
-    pol, got, state = _decode(model, "clo", NEW, **opts)
+    pol, got, state = _decode(model, "clo", NEW, speculative_prefetch=True, **opts)
     np.testing.assert_allclose(got, plain, atol=1e-5, rtol=0)
     rate = float(state.records[-1]["guess_hit_rate"])
     assert np.isnan(rate) or 0 <= rate <= 1

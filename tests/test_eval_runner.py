@@ -136,7 +136,7 @@ def test_resume_and_failing_policy(model, two_policies, tmp_path):
 
 
 @pytest.mark.parametrize("spec", [
-    "clo:topk=64,num_recent=16,eta=0.5",  # speculative prefetch on (the default): a guess hit rate too
+    "clo:topk=64,num_recent=16,eta=0.5,speculative_prefetch=true",  # a guess hit rate too
     pytest.param("tokenselect:token_budget=96,num_recent=16,cache_threshold=0.5", marks=pytest.mark.slow),
 ])
 def test_ruler_records_selection_hit_rates(model, spec, tmp_path):

@@ -51,7 +51,9 @@ Persistent heads' K/V are NOT placed on the GPU separately: they stay in the hos
 for ``exact``) and their whole context's rows are gathered into the cache buffer on each re-selection
 (every flush). The memory plan counts the slots (selection caches, row buffers, metadata).
 
-6. Speculative prefetch (``speculative_prefetch``, default on: exact, it changes where rows come from, never
+6. Speculative prefetch (``speculative_prefetch``, default off since measured on an H100: the guess's program
+   costs ~0.7 ms of host dispatch a layer and its gather runs on the compute stream after layer l-1, so it
+   overlaps nothing and tripled clo's step time at 32K b1 (74.9 vs 26.5 ms, BENCHMARKS); exact, it changes where rows come from, never
    which rows are attended). Before layer l-1's program (`LayerHooks.speculate`, the pipeline's hook), a
    separate program (``speculate_layer``) takes layer l-1's input hidden state through layer l's input norm,
    W_Q and RoPE at the new token's positions: an approximate query of layer l. With it, layer l's reuse rule
@@ -112,6 +114,8 @@ from kvoffload.policies.tokenselect import (
     selection_budget,
     replay_rates,
     selection_size,
+    sorted_positions,
+    tier_index,
     token_positions,
     with_replay,
 )
@@ -177,9 +181,15 @@ def exact_scores(q, keys, tables):
     out = []
     for e, k in enumerate(keys):
         E = k.shape[0]
-        s = jnp.einsum("bhgd,ehtd->bhget", qg.astype(k.dtype), k, preferred_element_type=jnp.float32,
-                       precision=jax.lax.Precision.HIGHEST)
-        s = jnp.max(s, axis=2).reshape(B, n_kv, E * blk) * d ** -0.5
+        if B == 1:  # the blocks as a batch of E: one read of K in place (GPU: the Pallas scores kernel); the
+            # einsum below makes XLA transpose the whole extent first (n_kv is not K's leading dim): 80 us a
+            # layer at 32K on an H100, more than the scores themselves
+            s = ops.topk_scores_exact(jnp.broadcast_to(q.astype(k.dtype), (E, H, d)), k, group_reduce="max")
+            s = jnp.swapaxes(s, 0, 1).reshape(1, n_kv, E * blk)
+        else:
+            s = jnp.einsum("bhgd,ehtd->bhget", qg.astype(k.dtype), k, preferred_element_type=jnp.float32,
+                           precision=jax.lax.Precision.HIGHEST)
+            s = jnp.max(s, axis=2).reshape(B, n_kv, E * blk) * d ** -0.5
         own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None]
         out.append(jnp.where(own, s, NEG_INF))
     return jnp.concatenate(out, axis=-1)
@@ -258,7 +268,7 @@ def locate_rows(held, held_valid, want, want_valid):
     at which entry of held."""
     Kh, Kw = held.shape[-1], want.shape[-1]
     keyed = jnp.where(jnp.arange(Kh) < held_valid[..., None], held, jnp.int32(2 ** 30))  # sorted
-    pos = jax.vmap(jnp.searchsorted)(keyed.reshape(-1, Kh), want.reshape(-1, Kw)).reshape(want.shape)
+    pos = sorted_positions(keyed.reshape(-1, Kh), want.reshape(-1, Kw)).reshape(want.shape)
     pos = jnp.minimum(pos, Kh - 1).astype(jnp.int32)
     present = (jnp.take_along_axis(keyed, pos, -1) == want) & (jnp.arange(Kw) < want_valid[..., None])
     return present, pos
@@ -292,8 +302,7 @@ def gather_missing(sources: HostRows, missing, count, blk, like):
             return tuple(jnp.pad(r, ((0, 0), (0, 0), (0, K - m), (0, 0))) for r in rows), x_rows
         return run
 
-    most = jnp.max(count)
-    which = jnp.where(most == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), most)).astype(jnp.int32)
+    which = tier_index(sizes, jnp.max(count))
     none = lambda: (tuple(jnp.zeros_like(b) for b in like), jnp.zeros(count.shape[:1], jnp.int32))  # noqa: E731
     return jax.lax.switch(which, [none] + [gather(m) for m in sizes])
 
@@ -459,9 +468,10 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
 
 @jax.jit
 def guess_rates(last_guess):
-    """(hit rate of the step, per layer [L]) from each layer's last_guess (covered, needed): the fraction
-    of the fresh selections' rows the guess had fetched (nan where nothing was selected afresh)."""
-    per = jnp.stack(last_guess).astype(jnp.float32)  # [L, 2]
+    """(hit rate of the step, per layer [L]) from each group's and layer's last_guess (covered, needed),
+    [groups][L]: the fraction of the fresh selections' rows the guess had fetched (nan where nothing was
+    selected afresh). One program: summed in Python, each add would be a dispatch per layer."""
+    per = jnp.sum(jnp.stack([jnp.stack(g) for g in last_guess]), axis=0).astype(jnp.float32)  # [L, 2]
     tot = jnp.sum(per, axis=0)
     return tot[0] / tot[1], per[:, 0] / per[:, 1]
 
@@ -547,8 +557,7 @@ class CloHooks(TokenSelectHooks):
         guesses had fetched), overall and per layer, as device values (float() them after the step)."""
         if not self.attend.speculative:
             return {}
-        per_layer = [sum(gr.slots[i].last_guess for gr in groups) for i in range(len(groups[0].slots))]
-        rate, rates = guess_rates(per_layer)
+        rate, rates = guess_rates([[s.last_guess for s in gr.slots] for gr in groups])
         return {"guess_hit_rate": rate, "guess_hit_rate_per_layer": rates}
 
     def slot_parts(self, slot) -> dict:
@@ -693,7 +702,7 @@ class CloPolicy(LayeredPolicy):
 
     def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=128, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="none",
-                   layer0_full=True, speculative_prefetch=True, store="kv", replay_hit_rate=None):
+                   layer0_full=True, speculative_prefetch=False, store="kv", replay_hit_rate=None):
         if retrieval not in RETRIEVALS:
             raise CloOptionError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
         blk = self.options.block_tokens
