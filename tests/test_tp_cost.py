@@ -15,7 +15,14 @@ import pytest
 from kvoffload.offload.pipeline import extent_work
 from kvoffload.offload.pool import PoolLayout
 from kvoffload.offload.sharding import TensorParallelError
-from kvoffload.plan.cost import DEFAULT_ALL_GATHER, CostModel, LayerShape, LayerWork, Linear, predict_layers
+from kvoffload.plan.cost import (
+    DEFAULT_ALL_GATHER,
+    CostModel,
+    LayerShape,
+    LayerWork,
+    Linear,
+    predict_layers,
+)
 from kvoffload.plan.profiler import fit_profile, model_shape
 from kvoffload.plan.split import choose_split
 
@@ -130,3 +137,21 @@ def test_profiler_measures_the_all_gather_on_a_mesh():
     received = [p[0] for p in prof["raw"]["all_gather"]]
     assert received == [int(mb * 1e6 / 256) * 256 * 3 / 4 for mb in (0.05, 0.2)]
     assert prof["fits"]["all_gather"][1] > 0 and [p[0] for p in prof["raw"]["h2d"]] == [50000, 200000]
+
+
+@pytest.mark.slow  # 40 s: bench_tp.py's whole path on 4 virtual CPU devices
+def test_bench_tp_reports_the_split_and_its_prediction(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_tp.py")
+    out = subprocess.run([sys.executable, script, "--tp", "1,2", "--workloads", "tiny_row", "--policies", "kvpr",
+                          "--dtype", "float32", "--bw-mb", "1", "--bw-repeats", "1", "--warmup", "1", "--steps", "2",
+                          "--sweep-splits", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_tp.json").read_text())
+    auto = [r for r in res["runs"] if "split_point" not in r]
+    assert [r["tp"] for r in auto] == [1, 2] and all("error" not in r for r in res["runs"]), res["runs"]
+    for r in auto:
+        assert r["predicted_step_s"] > 0 and r["predicted_over_measured"] > 0 and r["profile"].endswith(f"_tp{r['tp']}.json")
+        assert set(r["sweep"]) == {str(k) for k in range(r["used_extents"] + 1)} and "measured_best_split" in r
+    assert res["profiles"][auto[1]["profile"]]["all_gather_devices"] == 2
+    assert "chose" in out.stdout and "all-gather" in out.stdout
