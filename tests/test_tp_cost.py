@@ -44,12 +44,12 @@ def shape(n):
 def test_one_device_shape_per_mesh_size():
     """Per device of N: X stored and fetched 1/N (split along H), K/V of its heads 1/N, recompute flops 1/N
     (its heads' columns of W_K, W_V over the whole X), and (N-1)/N of each recomputed X received."""
-    for n, x, kv, flops, gather in ((1, 8192, 16384, 2 * 4096 * 8192, 0),
-                                    (2, 4096, 8192, 2 * 4096 * 4096, 4096),
-                                    (4, 2048, 4096, 2 * 4096 * 2048, 6144)):
+    for n, x, kv, flops, gather, allreduce in ((1, 8192, 16384, 2 * 4096 * 8192, 0, 0),
+                                               (2, 4096, 8192, 2 * 4096 * 4096, 4096, 8192),
+                                               (4, 2048, 4096, 2 * 4096 * 2048, 6144, 12288)):
         sh = shape(n)
-        assert (sh.x_host_tok, sh.kv_host_tok, sh.kv_tok, sh.recompute_flops_tok, sh.x_gather_tok) == \
-            (x, kv, kv, flops, gather), n
+        assert (sh.x_host_tok, sh.kv_host_tok, sh.kv_tok, sh.recompute_flops_tok, sh.x_gather_tok,
+                sh.allreduce_row) == (x, kv, kv, flops, gather, allreduce), n
     assert LayerShape.of(OPT, 2, host_dtype="int4", tensor_parallel=2).x_host_tok == (4096 // 2 + 8 * 4096 // 64) / 2
     with pytest.raises(TensorParallelError, match="not divisible by 3"):
         shape(3)
@@ -70,7 +70,9 @@ def test_all_recomputed_layer_with_and_without_a_mesh():
     assert two["recompute_s"] == pytest.approx(T * 2 * 4096 * 4096 / 400e12)  # 2.749 ms
     assert two["bytes_gather"] == T * 4096
     assert two["gather_s"] == pytest.approx(T * 4096 / 200e9)  # 0.671 ms
-    assert two["gpu_s"] == pytest.approx(2.749e-3 + 0.671e-3 + T * 8192 / 2.5e12 + dense_1 / 2, rel=1e-3)
+    # the two all-reduces of [64, 4096] bf16: each device receives 2 (N-1)/N of 512 KB in each
+    assert two["allreduce_s"] == pytest.approx(2 * 64 * 4096 * 2 / 200e9) and one["allreduce_s"] == 0
+    assert two["gpu_s"] == pytest.approx(2.749e-3 + 0.671e-3 + T * 8192 / 2.5e12 + dense_1 / 2 + 5.2e-6, rel=1e-3)
     assert two["step_s"] == two["gpu_s"] and two["bound"] == "gpu"  # the all-gather tips it to GPU-bound
     assert one["step_s"] / two["step_s"] == pytest.approx(1.62, abs=0.01)  # not 2x: the gather is extra
 

@@ -10,7 +10,8 @@ tensor_parallel=N)` counts one device's heads (its K/V bytes, recompute and atte
 of each activation (X is stored and fetched split along H, each device over its own link), and the
 all-gather of X before recomputation: each device receives the other (N-1)/N of every recomputed
 token's X over NVLink/ICI (`CostModel.all_gather`, on the GPU's time: it runs inside the layer program
-right before the recompute that needs it).
+right before the recompute that needs it), and the layer's two all-reduces of [batch, h] on the same
+links (mostly latency at decode; the same for every split).
 """
 
 from __future__ import annotations
@@ -194,6 +195,9 @@ class LayerShape:
     # tensor parallelism: bytes of one recomputed token's X each device receives from the others before
     # its recompute (the all-gather of X split along H, in the compute dtype: (N-1)/N * h * p); 0 on one device
     x_gather_tok: float = 0.0
+    # tensor parallelism: bytes each device receives per batch row in each of the layer's two all-reduces
+    # (attention output and MLP down projection, Megatron's row-parallel partial sums: 2 (N-1)/N * h * p)
+    allreduce_row: float = 0.0
     tensor_parallel: int = 1  # devices the heads are split over
 
     def __post_init__(self):
@@ -218,7 +222,8 @@ class LayerShape:
                    w_layer=w_layer, w_kv=w_kv,
                    kv_host_tok=stored_kv_bytes_per_token(dev, dtype_bytes, host_dtype, int4_group_size),
                    x_host_tok=stored_x_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size) / n,
-                   x_gather_tok=cfg.hidden_size * dtype_bytes * (n - 1) / n, tensor_parallel=n)
+                   x_gather_tok=cfg.hidden_size * dtype_bytes * (n - 1) / n,
+                   allreduce_row=2 * cfg.hidden_size * dtype_bytes * (n - 1) / n, tensor_parallel=n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,9 +256,11 @@ def predict_layers(cost: CostModel, shape: LayerShape, works, *, offload_weights
     gather = sum(cost.all_gather(w.recompute_tokens * shape.x_gather_tok) for w in works)
     attention = sum(cost.attention(w.attended_tokens * shape.kv_tok) for w in works)
     dense = sum(max(cost.dense(w.batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw) for w in works)
-    gpu = recompute + gather + attention + dense
+    # tensor parallel: the layer's two all-reduces of [batch, h] (priced on the all-gather's links and fit)
+    allreduce = sum(2 * cost.all_gather(w.batch * shape.allreduce_row) for w in works)
+    gpu = recompute + gather + attention + dense + allreduce
     t = {"transfer_s": transfer, "gpu_s": gpu, "recompute_s": recompute, "gather_s": gather, "attention_s": attention,
-         "dense_s": dense, "bytes_h2d": moved, "bytes_x": x_b, "bytes_kv": kv_b, "bytes_w": w_b,
+         "dense_s": dense, "allreduce_s": allreduce, "bytes_h2d": moved, "bytes_x": x_b, "bytes_kv": kv_b, "bytes_w": w_b,
          "bytes_gather": gather_b, "layer_s": max(transfer, gpu)}
     out = {k: v * layers for k, v in t.items()}
     out["step_s"] = out.pop("layer_s")
