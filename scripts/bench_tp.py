@@ -189,20 +189,21 @@ def main(argv=None) -> int:
                     continue
                 # every split the layout allows: extents hold equal token ranges of every sequence
                 used, ctx = row["used_extents"], wl["contexts"][0]
-                swept = {row["recompute_extents"]: row["step_s"]}
+                swept = {row["recompute_extents"]: (row["step_s"], row["predicted_step_s"])}  # r: (measured, predicted)
                 for k in range(used + 1):
                     if k == row["recompute_extents"]:
                         continue
                     forced = run_one(name, wl, model, pol, n, {"split_point": ctx * k // used})
                     say(forced, None)
                     if forced is not None:
-                        swept.setdefault(forced["recompute_extents"], forced["step_s"])
-                best = min(swept, key=swept.get)
-                row["sweep"] = {str(k): v for k, v in sorted(swept.items())}
+                        swept.setdefault(forced["recompute_extents"], (forced["step_s"], forced["predicted_step_s"]))
+                best = min(swept, key=lambda k: swept[k][0])
+                row["sweep"] = {str(k): {"measured_s": m, "predicted_s": p} for k, (m, p) in sorted(swept.items())}
                 row["measured_best_split"] = best
                 save()
-                print(f"[bench_tp] {name} kvpr tp={n}: chose {row['recompute_extents']}/{used}, measured best {best}/"
-                      f"{used} ({' '.join(f'{k}:{v * 1e3:.1f}ms' for k, v in sorted(swept.items()))})", flush=True)
+                print(f"[bench_tp] {name} kvpr tp={n}: chose {row['recompute_extents']}/{used}, measured best {best}/{used}; "
+                      "r: measured/predicted ms " + " ".join(f"{k}: {m * 1e3:.1f}/{(p or 0) * 1e3:.1f}"
+                                                            for k, (m, p) in sorted(swept.items())), flush=True)
         del model
         gc.collect()
     print(json.dumps([{k: r.get(k) for k in ("workload", "policy", "tp", "split_point", "step_s", "tokens_per_s",
