@@ -4,6 +4,7 @@ alone and with every link active at once. One call; JSON to --out.
 
     PYTHONPATH=src python scripts/bench_tp.py --out $OUT            # 1, 2 and 4 GPUs where present
     PYTHONPATH=src python scripts/bench_tp.py --tp 1,2 --workloads opt67b --out $OUT
+    PYTHONPATH=src python scripts/bench_tp.py --tp 2,4 --workloads opt67b --policies kvpr --sweep-splits --out $OUT
 
 Each (workload, policy, N) is `kvoffload.offload.bench.measure` (prefill, warm-up steps, timed steps each
 ending when its tokens are on the host) with tensor_parallel=N: heads, weights and the pinned host pool
@@ -12,6 +13,14 @@ speedup = throughput(N) / throughput(1). The bandwidth probe moves a pinned_host
 GPUs (one `size_mb` shard per GPU) to device memory with one eager device_put and reports GB/s per GPU and
 in total, against one GPU alone: when the N links together fall short of N times one link, the host's
 memory bandwidth (or the PCIe switch) caps them and tensor parallelism cannot scale past that.
+
+kvpr's scheduler prices one device of the mesh (plan/cost.py: 1/N of X and K/V over its link, its heads'
+recompute, the all-gather of X over NVLink before recomputing). With --profile auto (the default) each
+(shape, N) is first profiled on the N-GPU mesh (`plan.profiler.run_profile(tensor_parallel=N)`, quick:
+transfers with every link busy, compute, the all-gather; JSON beside the results) and both policies run
+with that profile; each kvpr row reports the split it chose, the predicted step (the last step's record)
+against the measured one, and the predicted all-gather. --sweep-splits also runs kvpr at every forced
+split (0 .. all extents in use) per N, so the chosen split can be checked against the measured best.
 """
 
 from __future__ import annotations
@@ -68,12 +77,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--bw-mb", type=float, default=1024.0, help="bandwidth probe: MiB per GPU")
     ap.add_argument("--bw-repeats", type=int, default=5)
+    ap.add_argument("--profile", default="auto",
+                    help="auto: profile each (shape, N) on the mesh first and run with it; none: the built-in "
+                         "default cost model; or a profile JSON for every N")
+    ap.add_argument("--sweep-splits", action="store_true",
+                    help="kvpr: also time every forced split 0..extents in use at each N (measured best vs chosen)")
     args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
 
     from kvoffload.offload.bench import _workloads, make_model, measure
+    from kvoffload.plan.profiler import model_shape, run_profile, write_profile
 
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
@@ -83,12 +98,75 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     res = {"device": dev.device_kind, "platform": dev.platform, "devices": n_dev, "jax": jax.__version__,
            "dtype": str(dtype), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "tp": tps,
-           "bandwidth": [], "runs": []}
+           "bandwidth": [], "profiles": {}, "runs": []}
     path = os.path.join(out_dir, "bench_tp.json")
 
     def save():
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
+
+    def profile_for(wl, n):
+        """The profile JSON kvpr and offload run with at N GPUs (None: the default cost model)."""
+        if args.profile == "none":
+            return None
+        if args.profile != "auto":
+            return args.profile
+        p = os.path.join(out_dir, f"profile_{wl['shape']}_tp{n}.json")
+        if p not in res["profiles"]:
+            prof = run_profile(model_shape(wl["shape"]), wl["batch"] // wl["gpu_batches"], str(dtype), quick=True,
+                               progress=lambda m: print(f"[bench_tp] profile tp={n}: {m}", flush=True),
+                               tensor_parallel=n)
+            write_profile(prof, p)
+            res["profiles"][p] = prof["fits"]
+            save()
+        return p
+
+    def run_one(name, wl, model, pol, n, extra=None):
+        ctx = wl["contexts"][0]
+        opts = dict(schedule=wl["schedule"], gpu_batches=wl["gpu_batches"], offload_weights=wl["offload_weights"],
+                    tensor_parallel=n, **(extra or {}))
+        if pol == "kvpr":
+            opts["kvpr_store"] = wl["kvpr_store"]
+        prof = profile_for(wl, n)
+        if prof:
+            opts["profile"] = prof
+        t0 = time.perf_counter()
+        try:
+            r = measure(model, pol, opts, wl["batch"], ctx, args.warmup, args.steps)
+        except Exception as e:  # noqa: BLE001  (record and go on: one failing size must not lose the rest)
+            row = {"workload": name, "policy": pol, "tp": n, **(extra or {}), "error": f"{type(e).__name__}: {e}"}
+            res["runs"].append(row)
+            print(f"[bench_tp] {name} {pol} tp={n} {extra or ''}: {type(e).__name__}: {e}", flush=True)
+            save()
+            return None
+        r.pop("trace", None)
+        plan = r.get("plan") or {}
+        row = {"workload": name, "shape": wl["shape"], "batch": wl["batch"], "context": ctx, "policy": pol, "tp": n,
+               **(extra or {}), "step_s": r["step_s"], "tokens_per_s": wl["batch"] / r["step_s"],
+               "recompute_extents": plan.get("recompute_extents"), "used_extents": plan.get("used_extents"),
+               "predicted_step_s": plan.get("predicted_s"), "predicted_gather_s": plan.get("predicted_gather_s"),
+               "bytes_gather": plan.get("bytes_gather"), "split_reason": plan.get("split_reason"),
+               "profile": prof, "wall_s": time.perf_counter() - t0, **r}
+        if row["predicted_step_s"]:
+            row["predicted_over_measured"] = row["predicted_step_s"] / r["step_s"]
+        res["runs"].append(row)
+        save()
+        return row
+
+    def say(row, base):
+        if row is None:
+            return
+        line = f"[bench_tp] {row['workload']} {row['policy']} tp={row['tp']}"
+        if "split_point" in row:
+            line += f" forced split_point={row['split_point']}"
+        line += f": {row['step_s'] * 1e3:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s"
+        if base and "split_point" not in row:
+            line += f", {row['speedup_vs_1']:.2f}x vs 1"
+        if row["policy"] == "kvpr":
+            line += (f"; split {row['recompute_extents']}/{row['used_extents']} extents recomputed, predicted "
+                     f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (all-gather {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms,"
+                     f" {(row['bytes_gather'] or 0) / 1e6:.1f} MB per GPU) vs measured {row['step_s'] * 1e3:.1f} ms")
+        print(line, flush=True)
 
     for n in tps:
         res["bandwidth"].append(bandwidth(n, args.bw_mb, args.bw_repeats))
@@ -98,36 +176,39 @@ def main(argv=None) -> int:
     for name in args.workloads.split(","):
         wl = wls[name]
         model = make_model(wl["shape"], dtype, wl["offload_weights"])
-        ctx = wl["contexts"][0]
         for pol in args.policies.split(","):
             base = None
             for n in tps:
-                opts = dict(schedule=wl["schedule"], gpu_batches=wl["gpu_batches"], offload_weights=wl["offload_weights"],
-                            tensor_parallel=n)
-                if pol == "kvpr":
-                    opts["kvpr_store"] = wl["kvpr_store"]
-                t0 = time.perf_counter()
-                try:
-                    r = measure(model, pol, opts, wl["batch"], ctx, args.warmup, args.steps)
-                except Exception as e:  # noqa: BLE001  (record and go on: one failing size must not lose the rest)
-                    res["runs"].append({"workload": name, "policy": pol, "tp": n, "error": f"{type(e).__name__}: {e}"})
-                    print(f"[bench_tp] {name} {pol} tp={n}: {type(e).__name__}: {e}", flush=True)
+                row = run_one(name, wl, model, pol, n)
+                if row is not None:
+                    base = row["tokens_per_s"] if n == 1 else base
+                    row["speedup_vs_1"] = row["tokens_per_s"] / base if base else None
                     save()
+                say(row, base)
+                if pol != "kvpr" or not args.sweep_splits or row is None or not row["used_extents"]:
                     continue
-                r.pop("trace", None)
-                tput = wl["batch"] / r["step_s"]
-                base = tput if n == 1 else base
-                row = {"workload": name, "shape": wl["shape"], "batch": wl["batch"], "context": ctx, "policy": pol,
-                       "tp": n, "step_s": r["step_s"], "tokens_per_s": tput,
-                       "speedup_vs_1": (tput / base) if base else None, "wall_s": time.perf_counter() - t0, **r}
-                res["runs"].append(row)
-                print(f"[bench_tp] {name} {pol} tp={n}: {r['step_s'] * 1e3:.1f} ms/step, {tput:.0f} tok/s"
-                      + (f", {row['speedup_vs_1']:.2f}x vs 1" if row["speedup_vs_1"] else ""), flush=True)
+                # every split the layout allows: extents hold equal token ranges of every sequence
+                used, ctx = row["used_extents"], wl["contexts"][0]
+                swept = {row["recompute_extents"]: (row["step_s"], row["predicted_step_s"])}  # r: (measured, predicted)
+                for k in range(used + 1):
+                    if k == row["recompute_extents"]:
+                        continue
+                    forced = run_one(name, wl, model, pol, n, {"split_point": ctx * k // used})
+                    say(forced, None)
+                    if forced is not None:
+                        swept.setdefault(forced["recompute_extents"], (forced["step_s"], forced["predicted_step_s"]))
+                best = min(swept, key=lambda k: swept[k][0])
+                row["sweep"] = {str(k): {"measured_s": m, "predicted_s": p} for k, (m, p) in sorted(swept.items())}
+                row["measured_best_split"] = best
                 save()
+                print(f"[bench_tp] {name} kvpr tp={n}: chose {row['recompute_extents']}/{used}, measured best {best}/{used}; "
+                      "r: measured/predicted ms " + " ".join(f"{k}: {m * 1e3:.1f}/{(p or 0) * 1e3:.1f}"
+                                                            for k, (m, p) in sorted(swept.items())), flush=True)
         del model
         gc.collect()
-    print(json.dumps([{k: r.get(k) for k in ("workload", "policy", "tp", "step_s", "tokens_per_s", "speedup_vs_1",
-                                             "error")} for r in res["runs"]], indent=1))
+    print(json.dumps([{k: r.get(k) for k in ("workload", "policy", "tp", "split_point", "step_s", "tokens_per_s",
+                                             "speedup_vs_1", "recompute_extents", "used_extents", "predicted_step_s",
+                                             "measured_best_split", "error")} for r in res["runs"]], indent=1))
     return 0
 
 

@@ -47,15 +47,23 @@ def check_equal(res):
 
 def test_mesh_runs_equal_one_device_and_bad_splits_are_refused():
     """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split along
-    H, K/V above it fetched by head) equals `full` on one device; tensor_parallel=3 with 8 query heads is
-    refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow test below; a
+    H, K/V above it fetched by head) and with its own split on a 2-way mesh (OPT) equals `full` on one
+    device; tensor_parallel=3 with 8 query heads is refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow test below; a
     2-way OPT offload run: the two-process test.)"""
     res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
-                     dict(arch="llama", policy="offload", tp=3)])
+                     dict(arch="llama", policy="offload", tp=3), dict(arch="opt", policy="kvpr", tp=2)])
     check_equal(res[0])
     assert res[0]["pool_x"], "kvpr with split_point=16 stores activations"
     assert res[1]["error"] == "TensorParallelError"
     assert "query heads 8" in res[1]["message"] and "not divisible by 3" in res[1]["message"], res[1]
+    # kvpr's own split on a 2-way mesh (the scheduler pricing one device, all-gather included) equals one
+    # device, and describe() gives the all-gather of the recomputed X: each device receives half of each
+    # recomputed token's X (tiny OPT: h 64, fp32) in each of the 2 layers
+    check_equal(res[2])
+    tp, last = res[2]["describe"]["tensor_parallel"], res[2]["describe"]["last_step"]
+    assert tp["devices"] == 2 and tp["recompute_extents"] > 0 and "all-gather" in last["split_reason"], res[2]
+    assert tp["all_gather_bytes_per_step"] == last["recompute_tokens"] * 64 * 4 / 2 * 2 > 0, res[2]
+    assert tp["all_gather_s_per_step"] > 0 and "default, not measured" in tp["all_gather_fit"], res[2]
 
 
 SLOW_CASES = [dict(arch=a, policy=p, tp=n, opts=o) for a in ("opt", "llama") for n in (2, 4) for p, o in (

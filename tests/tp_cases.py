@@ -66,6 +66,8 @@ def run_case(case, refs):
                     seen.update(pool_k=specs(gr.pool_k), pool_x=specs(gr.pool_x), tail_k=specs(gr.tail_k),
                                 tail_x=specs(gr.tail_x), logits=specs(logits))
                     seen["compiles_at_2"] = counter.count
+                # what the policy says of the last step (kvpr on a mesh: the all-gather of X it predicts)
+                seen["describe"] = {k: v for k, v in pol.describe(state).items() if k in ("tensor_parallel", "last_step")}
                 return logits, state
 
         import jax

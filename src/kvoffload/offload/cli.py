@@ -23,6 +23,9 @@ def profile_main(argv=None) -> int:
     ap.add_argument("--sizes-mb", default=None, help="transfer sizes in MB, comma separated")
     ap.add_argument("--tokens", default=None, help="recompute token counts T, comma separated")
     ap.add_argument("--contexts", default=None, help="attention context lengths, comma separated")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="profile one device of an N-device mesh: transfers with every link busy, its heads' "
+                         "compute, and the all-gather of X (default 1)")
     args = ap.parse_args(argv)
 
     def nums(s, cast):
@@ -40,7 +43,8 @@ def profile_main(argv=None) -> int:
     batch = args.batch or (4 if cpu else 64)
     dtype = "float32" if cpu and args.dtype == "bfloat16" else args.dtype  # CPUs have no fast bf16 matmul
     prof = run_profile(cfg, batch, dtype, quick=args.quick, sizes_mb=nums(args.sizes_mb, float),
-                       tokens=nums(args.tokens, int), contexts=nums(args.contexts, int))
+                       tokens=nums(args.tokens, int), contexts=nums(args.contexts, int),
+                       tensor_parallel=args.tensor_parallel)
     d = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(d, exist_ok=True)
     write_profile(prof, args.out)

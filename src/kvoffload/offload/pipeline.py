@@ -1024,7 +1024,8 @@ class LayerPipeline:
                "split_reason": p0.note, "recompute_tokens": sum(w.recompute_tokens for w in works), **moved,
                "bytes_d2h": d2h, "bytes_h2d": moved["bytes_x"] + moved["bytes_kv"] + moved["bytes_w"],
                "predicted_s": pred["step_s"], "predicted_transfer_s": pred["transfer_s"],
-               "predicted_gpu_s": pred["gpu_s"], "time_s": None}
+               "predicted_gpu_s": pred["gpu_s"], "predicted_gather_s": pred["gather_s"],
+               "bytes_gather": pred["bytes_gather"], "time_s": None}
         infos = [p.groups_info for p in plans if p.groups_info is not None]
         if infos:
             rec["gpu_batches"] = infos
@@ -1044,12 +1045,10 @@ class LayerPipeline:
             lp = model.params.layers[0]
             wb = S.weight_bytes_per_device(model.config, lp.wk.dtype, model.params, self.tp)
             self._shape_key = key
-            self._shape_val = LayerShape.of(self.device_config(model), jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
+            # one device's shape: its heads, 1/N of each X (split along H), the all-gather of X it receives
+            self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
                                             wb.kv_per_layer, host_dtype="int4" if self.int4 else "native",
-                                            int4_group_size=self.opts.int4_group_size)
-            if self.tp > 1:  # a device stores and moves 1/N of each activation (split along H)
-                sh = self._shape_val
-                self._shape_val = dataclasses.replace(sh, x_tok=sh.x_tok / self.tp, x_host_tok=sh.x_host_tok / self.tp)
+                                            int4_group_size=self.opts.int4_group_size, tensor_parallel=self.tp)
         return self._shape_val
 
     def write_trace(self, path, records):

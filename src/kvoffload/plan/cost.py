@@ -4,6 +4,14 @@ offloading policy shares (DESIGN.md, cost model).
 Per layer, with layer i+1's transfers overlapping layer i's compute, a decode step costs about
 max(PCIe time, GPU time): PCIe = weights (if offloaded) + activations X fetched + K/V fetched, GPU =
 recomputation + attention + projections and MLP. A step is num_layers such layers plus the head.
+
+Tensor parallelism over N devices (offload/sharding.py) is priced per device: `LayerShape.of(...,
+tensor_parallel=N)` counts one device's heads (its K/V bytes, recompute and attention are 1/N), its 1/N
+of each activation (X is stored and fetched split along H, each device over its own link), and the
+all-gather of X before recomputation: each device receives the other (N-1)/N of every recomputed
+token's X over NVLink/ICI (`CostModel.all_gather`, on the GPU's time: it runs inside the layer program
+right before the recompute that needs it), and the layer's two all-reduces of [batch, h] on the same
+links (mostly latency at decode; the same for every split).
 """
 
 from __future__ import annotations
@@ -50,6 +58,16 @@ class Linear:
         return cls(float(v[0]), float(v[1]))
 
 
+# seconds vs bytes each device receives in an all-gather over the mesh, when no profile measured one:
+# NVLink between H100s (NCCL's all-gather reaches ~350 GB/s bus bandwidth; XLA's, issued per extent, less),
+# and a CPU's virtual devices (memory copies)
+DEFAULT_ALL_GATHER = {"gpu": Linear(3e-5, 1 / 200e9), "cpu": Linear(1e-5, 1 / 10e9)}
+
+
+def _platform_kind(platform: str) -> str:
+    return "gpu" if platform in ("gpu", "cuda", "rocm", "tpu") else "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     h2d: Linear  # seconds vs bytes moved host -> GPU (one transfer)
@@ -60,6 +78,10 @@ class CostModel:
     hbm_bw: float  # bytes/s: floor for reading the layer's weights at decode
     device: str = "unknown"
     source: str = "default"
+    # seconds vs bytes each device receives in an all-gather over the tensor-parallel mesh (X before
+    # recomputation); all_gather_devices: the mesh size it was measured on (0: DEFAULT_ALL_GATHER, not measured)
+    all_gather: Linear = DEFAULT_ALL_GATHER["gpu"]
+    all_gather_devices: int = 0
 
     @property
     def pcie_bw(self) -> float:
@@ -69,13 +91,20 @@ class CostModel:
     def to_json(self) -> dict:
         return {"h2d": self.h2d.to_json(), "d2h": self.d2h.to_json(), "recompute": self.recompute.to_json(),
                 "attention": self.attention.to_json(), "dense": self.dense.to_json(), "hbm_bw": self.hbm_bw,
+                "all_gather": self.all_gather.to_json(), "all_gather_devices": self.all_gather_devices,
                 "device": self.device}
 
     @classmethod
-    def from_fits(cls, fits: dict, device="unknown", source="profile") -> "CostModel":
+    def from_fits(cls, fits: dict, device="unknown", source="profile", platform: str = "gpu") -> "CostModel":
+        """From a profile's fits; one without an all-gather fit (written on one device, or before there
+        was one) gets the platform's DEFAULT_ALL_GATHER."""
+        gather = fits.get("all_gather")
         return cls(h2d=Linear.from_json(fits["h2d"]), d2h=Linear.from_json(fits["d2h"]),
                    recompute=Linear.from_json(fits["recompute"]), attention=Linear.from_json(fits["attention"]),
-                   dense=Linear.from_json(fits["dense"]), hbm_bw=float(fits["hbm_bw"]), device=device, source=source)
+                   dense=Linear.from_json(fits["dense"]), hbm_bw=float(fits["hbm_bw"]), device=device, source=source,
+                   all_gather=(DEFAULT_ALL_GATHER[_platform_kind(platform)] if gather is None
+                               else Linear.from_json(gather)),
+                   all_gather_devices=int(fits.get("all_gather_devices", 0)) if gather is not None else 0)
 
     @classmethod
     def load(cls, path: str) -> "CostModel":
@@ -86,7 +115,8 @@ class CostModel:
             prof = json.load(f)
         if "fits" not in prof:
             raise ValueError(f"{path} is not a kvoffload profile (no 'fits')")
-        return cls.from_fits(prof["fits"], prof.get("device", "unknown"), source=path)
+        return cls.from_fits(prof["fits"], prof.get("device", "unknown"), source=path,
+                             platform=prof.get("platform", "gpu"))
 
     @classmethod
     def default(cls, platform: str = "gpu") -> "CostModel":
@@ -94,10 +124,16 @@ class CostModel:
         if platform in ("gpu", "cuda", "rocm"):
             return cls(h2d=Linear(2e-5, 1 / 50e9), d2h=Linear(2e-5, 1 / 50e9), recompute=Linear(2e-5, 1 / 400e12),
                        attention=Linear(1e-5, 1 / 2.5e12), dense=Linear(3e-5, 1 / 500e12), hbm_bw=2.5e12,
-                       device="default-gpu", source="default")
+                       device="default-gpu", source="default", all_gather=DEFAULT_ALL_GATHER["gpu"])
         return cls(h2d=Linear(1e-5, 1 / 10e9), d2h=Linear(1e-5, 1 / 10e9), recompute=Linear(1e-5, 1 / 50e9),
                    attention=Linear(1e-5, 1 / 20e9), dense=Linear(1e-5, 1 / 50e9), hbm_bw=20e9,
-                   device="default-cpu", source="default")
+                   device="default-cpu", source="default", all_gather=DEFAULT_ALL_GATHER["cpu"])
+
+    def describe_all_gather(self) -> str:
+        bw = 1 / self.all_gather.slope / 1e9
+        where = (f"measured on {self.all_gather_devices} devices" if self.all_gather_devices else
+                 "default, not measured")
+        return f"all-gather {bw:.3g} GB/s received per device + {self.all_gather.intercept * 1e6:.0f} us ({where})"
 
 
 def dense_flops_per_token(cfg: ModelConfig) -> float:
@@ -142,9 +178,10 @@ def stored_x_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, host_dtype: str
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
-    """What one layer of one decode step moves and computes (bytes per token etc.)."""
+    """What one layer of one decode step moves and computes on one device (bytes per token etc.): with
+    tensor parallelism, that device's heads and its share of each activation (`of`)."""
 
-    x_tok: float  # bytes of one stored activation (h * p)
+    x_tok: float  # bytes of one stored activation (h * p; a device's 1/N of it under tensor parallelism)
     kv_tok: float  # bytes of one token's K and V in the compute dtype (2 * n_kv * d * p): what attention reads
     recompute_flops_tok: float
     dense_flops_tok: float
@@ -155,6 +192,13 @@ class LayerShape:
     kv_host_tok: float | None = None
     # bytes of one token's activation as the host pool stores it (what a fetch of X moves); None: x_tok
     x_host_tok: float | None = None
+    # tensor parallelism: bytes of one recomputed token's X each device receives from the others before
+    # its recompute (the all-gather of X split along H, in the compute dtype: (N-1)/N * h * p); 0 on one device
+    x_gather_tok: float = 0.0
+    # tensor parallelism: bytes each device receives per batch row in each of the layer's two all-reduces
+    # (attention output and MLP down projection, Megatron's row-parallel partial sums: 2 (N-1)/N * h * p)
+    allreduce_row: float = 0.0
+    tensor_parallel: int = 1  # devices the heads are split over
 
     def __post_init__(self):
         if self.kv_host_tok is None:
@@ -164,12 +208,22 @@ class LayerShape:
 
     @classmethod
     def of(cls, cfg: ModelConfig, dtype_bytes: int, w_layer: float = 0.0, w_kv: float = 0.0,
-           host_dtype: str = "native", int4_group_size: int = 64) -> "LayerShape":
-        return cls(x_tok=cfg.hidden_size * dtype_bytes, kv_tok=cfg.kv_bytes_per_token * dtype_bytes,
-                   recompute_flops_tok=recompute_flops_per_token(cfg), dense_flops_tok=dense_flops_per_token(cfg),
+           host_dtype: str = "native", int4_group_size: int = 64, tensor_parallel: int = 1) -> "LayerShape":
+        """cfg: the whole model's config; w_layer, w_kv: one device's weight bytes. With tensor_parallel=N
+        the shape is one device's (offload/sharding.py): its n_kv / N heads' K/V (stored, fetched over its
+        own link, attended, recomputed: 1/N of the flops), 1/N of each activation X (split along H) and
+        the (N-1)/N of X it receives in the all-gather before recomputing."""
+        from kvoffload.offload.sharding import device_config
+
+        n = int(tensor_parallel)
+        dev = device_config(cfg, n)
+        return cls(x_tok=cfg.hidden_size * dtype_bytes / n, kv_tok=dev.kv_bytes_per_token * dtype_bytes,
+                   recompute_flops_tok=recompute_flops_per_token(dev), dense_flops_tok=dense_flops_per_token(dev),
                    w_layer=w_layer, w_kv=w_kv,
-                   kv_host_tok=stored_kv_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size),
-                   x_host_tok=stored_x_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size))
+                   kv_host_tok=stored_kv_bytes_per_token(dev, dtype_bytes, host_dtype, int4_group_size),
+                   x_host_tok=stored_x_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size) / n,
+                   x_gather_tok=cfg.hidden_size * dtype_bytes * (n - 1) / n,
+                   allreduce_row=2 * cfg.hidden_size * dtype_bytes * (n - 1) / n, tensor_parallel=n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +242,8 @@ class LayerWork:
 def predict_layers(cost: CostModel, shape: LayerShape, works, *, offload_weights: bool = False,
                    layers: int = 1) -> dict:
     """Times of `layers` decode layers, each doing `works` (one LayerWork per GPU batch): transfers of
-    layer i+1 overlap compute of layer i, so a layer costs max(PCIe time, GPU time)."""
+    layer i+1 overlap compute of layer i, so a layer costs max(PCIe time, GPU time). Per device (shape:
+    `LayerShape.of`); GPU time includes the all-gather of recomputed X under tensor parallelism."""
     w_b = shape.w_layer if offload_weights else 0.0
     x_b = sum(w.bytes_x for w in works)
     kv_b = sum(w.bytes_kv for w in works)
@@ -196,11 +251,17 @@ def predict_layers(cost: CostModel, shape: LayerShape, works, *, offload_weights
     moved = x_b + kv_b + w_b
     transfer = 0.0 if moved <= 0 else max(1, n) * cost.h2d.intercept + cost.h2d.slope * moved
     recompute = sum(cost.recompute(w.recompute_tokens * shape.recompute_flops_tok) for w in works)
+    # tensor parallel: each batch's recomputed X is all-gathered inside its layer program before the recompute
+    gather_b = sum(w.recompute_tokens for w in works) * shape.x_gather_tok
+    gather = sum(cost.all_gather(w.recompute_tokens * shape.x_gather_tok) for w in works)
     attention = sum(cost.attention(w.attended_tokens * shape.kv_tok) for w in works)
     dense = sum(max(cost.dense(w.batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw) for w in works)
-    gpu = recompute + attention + dense
-    t = {"transfer_s": transfer, "gpu_s": gpu, "recompute_s": recompute, "attention_s": attention, "dense_s": dense,
-         "bytes_h2d": moved, "bytes_x": x_b, "bytes_kv": kv_b, "bytes_w": w_b, "layer_s": max(transfer, gpu)}
+    # tensor parallel: the layer's two all-reduces of [batch, h] (priced on the all-gather's links and fit)
+    allreduce = sum(2 * cost.all_gather(w.batch * shape.allreduce_row) for w in works)
+    gpu = recompute + gather + attention + dense + allreduce
+    t = {"transfer_s": transfer, "gpu_s": gpu, "recompute_s": recompute, "gather_s": gather, "attention_s": attention,
+         "dense_s": dense, "allreduce_s": allreduce, "bytes_h2d": moved, "bytes_x": x_b, "bytes_kv": kv_b, "bytes_w": w_b,
+         "bytes_gather": gather_b, "layer_s": max(transfer, gpu)}
     out = {k: v * layers for k, v in t.items()}
     out["step_s"] = out.pop("layer_s")
     out["bound"] = "pcie" if transfer >= gpu else "gpu"

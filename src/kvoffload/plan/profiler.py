@@ -4,6 +4,13 @@ Measured: host->GPU and GPU->host copy time over transfer sizes (pinned_host <->
 time of K/V recomputation at the recompute shapes (X [B, T, H] @ [W_K W_V]), decode attention time
 per layer over context lengths, and the per-layer projections + MLP time at the planned batch. Each
 is fitted with a line t = a + b * x (x = bytes or flops); the fits (and the raw points) go to JSON.
+
+With tensor_parallel=N (a mesh of N devices, offload/sharding.py) the profile is one device's as a
+tensor-parallel run sees it: transfers with all N links busy at once (each device moving its own shard),
+compute (per flop and byte, measured at the whole model's shapes on one device), and the all-gather of an activation split along H (what
+each device receives before recomputing; fitted as `all_gather`, seconds vs bytes received per device).
+On one device the all-gather fit is the platform's default (`plan.cost.DEFAULT_ALL_GATHER`), recorded
+with all_gather_devices 0.
 """
 
 from __future__ import annotations
@@ -17,10 +24,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvoffload.config import ModelConfig
 from kvoffload.offload import memory as M
-from kvoffload.plan.cost import CostModel, Linear, dense_flops_per_token, recompute_flops_per_token
+from kvoffload.offload import sharding as S
+from kvoffload.plan.cost import (DEFAULT_ALL_GATHER, CostModel, Linear, _platform_kind, dense_flops_per_token,
+                                 recompute_flops_per_token)
 
 MODEL_SHAPES = {
     "opt-6.7b": dict(model_type="opt", vocab_size=50272, hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
@@ -71,24 +81,50 @@ def default_progress(msg: str):
     print(f"[profile] {msg}", file=sys.stderr, flush=True)
 
 
-def measure_transfers(sizes_mb, reps=5, progress=None, queue=8) -> dict:
+def measure_transfers(sizes_mb, reps=5, progress=None, queue=8, mesh=None) -> dict:
     """Seconds per transfer when `queue` copies are issued back to back and waited for once (as the
-    runtime issues them: the per-copy host sync of a one-at-a-time timing is not paid there)."""
-    dev = M.default_device()
+    runtime issues them: the per-copy host sync of a one-at-a-time timing is not paid there). With a
+    mesh, each device moves its own `mb` shard of every array at once (as the tensor-parallel pool
+    does, each over its own link): the seconds and bytes are one device's with every link busy."""
+    n_dev = S.size(mesh)
+    where = M.default_device() if mesh is None else NamedSharding(mesh, P(S.MODEL))
     h2d, d2h = [], []
     for mb in sizes_mb:
         n = max(1, int(mb * 1e6 / 2))
-        x_dev = [jax.random.normal(jax.random.key(i), (n,), jnp.bfloat16) for i in range(queue)]
-        x_host = jax.block_until_ready(M.to_host(x_dev, dev))
-        th = _timeit(lambda xs: [M.to_device(a, dev) for a in xs], x_host, reps=reps) / queue
-        td = _timeit(lambda xs: [M.to_host(a, dev) for a in xs], x_dev, reps=reps) / queue
+        x_dev = [M.to_device(jax.random.normal(jax.random.key(i), (n_dev * n,), jnp.bfloat16), where)
+                 for i in range(queue)]
+        x_host = jax.block_until_ready(M.to_host(x_dev, where))
+        th = _timeit(lambda xs: [M.to_device(a, where) for a in xs], x_host, reps=reps) / queue
+        td = _timeit(lambda xs: [M.to_host(a, where) for a in xs], x_dev, reps=reps) / queue
         nbytes = n * 2
         h2d.append((nbytes, th))
         d2h.append((nbytes, td))
-        _log(progress, f"transfer {nbytes / 1e6:8.1f} MB: host->GPU {nbytes / th / 1e9:6.1f} GB/s, "
-                       f"GPU->host {nbytes / td / 1e9:6.1f} GB/s")
+        _log(progress, f"transfer {nbytes / 1e6:8.1f} MB{f' per device, {n_dev} at once' if mesh else ''}: "
+                       f"host->GPU {nbytes / th / 1e9:6.1f} GB/s, GPU->host {nbytes / td / 1e9:6.1f} GB/s")
         del x_dev, x_host
     return {"h2d": h2d, "d2h": d2h}
+
+
+def measure_all_gather(mesh, hidden_size: int, sizes_mb, dtype, reps=5, progress=None) -> list:
+    """(bytes each device receives, seconds) of all-gathering an activation block [T, H] stored split
+    along H over the mesh, as the layer program does before recomputing (sharding.constrain_replicated
+    inside a jitted program), for T giving about `mb` MB of X in all."""
+    n = S.size(mesh)
+    p = jnp.dtype(dtype).itemsize
+    split = NamedSharding(mesh, P(None, S.MODEL))
+    with S.context(mesh):
+        gather = jax.jit(S.constrain_replicated)
+        points = []
+        for mb in sizes_mb:
+            t = max(1, int(mb * 1e6 / (hidden_size * p)))
+            x = jax.device_put(jnp.ones((t, hidden_size), dtype), split)
+            sec = _timeit(gather, x, reps=reps)
+            received = t * hidden_size * p * (n - 1) / n
+            points.append((received, sec))
+            _log(progress, f"all-gather over {n} devices of {t * hidden_size * p / 1e6:8.1f} MB of X: "
+                           f"{sec * 1e3:8.3f} ms ({received / sec / 1e9:6.1f} GB/s received per device)")
+            del x
+    return points
 
 
 def measure_compute(cfg: ModelConfig, batch: int, dtype, tokens=(64, 256, 1024), contexts=(256, 1024, 4096),
@@ -152,40 +188,55 @@ def measure_compute(cfg: ModelConfig, batch: int, dtype, tokens=(64, 256, 1024),
     return out
 
 
-def fit_profile(raw: dict) -> dict:
+def fit_profile(raw: dict, all_gather_devices: int = 0, platform: str = "gpu") -> dict:
+    """The linear fits of the raw points; all_gather: fitted where raw has points (measured on
+    all_gather_devices devices), else the platform's default (all_gather_devices 0)."""
     def fit(points):
         xs, ys = zip(*points)
         return Linear.fit(xs, ys).to_json()
 
-    return {"h2d": fit(raw["h2d"]), "d2h": fit(raw["d2h"]), "recompute": fit(raw["recompute"]),
+    fits = {"h2d": fit(raw["h2d"]), "d2h": fit(raw["d2h"]), "recompute": fit(raw["recompute"]),
             "attention": fit(raw["attention"]), "dense": fit(raw["dense"]), "hbm_bw": float(raw["hbm_bw"])}
+    measured = bool(raw.get("all_gather")) and all_gather_devices > 1
+    fits["all_gather"] = fit(raw["all_gather"]) if measured else DEFAULT_ALL_GATHER[_platform_kind(platform)].to_json()
+    fits["all_gather_devices"] = int(all_gather_devices) if measured else 0
+    return fits
 
 
 def run_profile(cfg: ModelConfig, batch: int, dtype="bfloat16", quick: bool = False, progress=default_progress,
-                sizes_mb=None, tokens=None, contexts=None) -> dict:
-    """Measures, fits, returns the profile dict (see module docstring)."""
+                sizes_mb=None, tokens=None, contexts=None, tensor_parallel: int = 1) -> dict:
+    """Measures, fits, returns the profile dict (see module docstring); tensor_parallel=N: one device's
+    profile on a mesh of the first N devices (cfg is the whole model's)."""
     dtype = jnp.dtype(dtype)
     dev = M.default_device()
     cpu = dev.platform == "cpu"
+    mesh = S.resolve_mesh(tensor_parallel)
+    n = S.size(mesh)
     if sizes_mb is None:
         sizes_mb = ([0.25, 1, 4] if cpu else [1, 16, 64]) if quick else ([0.25, 1, 4, 16] if cpu else
                                                                            [1, 4, 16, 64, 256])
     tokens = tokens or ((32, 128) if cpu else ((128, 512) if quick else (64, 256, 1024)))
     contexts = contexts or ((128, 512) if cpu else ((512, 2048) if quick else (256, 1024, 4096)))
     reps = 3 if quick else 5
-    _log(progress, f"device {dev.device_kind} ({dev.platform}); {M.host_memory_kind(dev)[1]}")
-    raw = measure_transfers(sizes_mb, reps, progress)
+    _log(progress, f"device {dev.device_kind} ({dev.platform}); {M.host_memory_kind(dev)[1]}"
+                   + (f"; one of {n} devices (tensor parallel)" if mesh is not None else ""))
+    raw = measure_transfers(sizes_mb, reps, progress, mesh=mesh)
+    # compute on one device at the whole model's shapes: the fits are per flop / byte, which prices a
+    # device's heads (1/N of them) as well
     raw.update(measure_compute(cfg, batch, dtype, tokens, contexts, reps=reps, progress=progress))
-    fits = fit_profile(raw)
-    cm = CostModel.from_fits(fits, dev.device_kind)
+    if mesh is not None:
+        raw["all_gather"] = measure_all_gather(mesh, cfg.hidden_size, sizes_mb, dtype, reps, progress)
+    fits = fit_profile(raw, n, dev.platform)
+    cm = CostModel.from_fits(fits, dev.device_kind, platform=dev.platform)
     _log(progress, f"fits: PCIe host->GPU {cm.pcie_bw / 1e9:.1f} GB/s + {cm.h2d.intercept * 1e6:.0f} us, "
-                   f"recompute {1 / cm.recompute.slope / 1e12:.1f} TFLOP/s, attention {1 / cm.attention.slope / 1e9:.0f} GB/s")
+                   f"recompute {1 / cm.recompute.slope / 1e12:.1f} TFLOP/s, attention {1 / cm.attention.slope / 1e9:.0f} GB/s, "
+                   f"{cm.describe_all_gather()}")
     return {"version": 1, "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": {"family": cfg.family, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
                       "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "layers": cfg.num_layers},
-            "batch": batch, "dtype": str(dtype), "raw": {k: (v if k == "hbm_bw" else [list(p) for p in v])
-                                                          for k, v in raw.items()},
+            "tensor_parallel": n, "batch": batch, "dtype": str(dtype),
+            "raw": {k: (v if k == "hbm_bw" else [list(p) for p in v]) for k, v in raw.items()},
             "fits": fits}
 
 
@@ -194,4 +245,4 @@ def write_profile(prof: dict, path: str) -> None:
         json.dump(prof, f, indent=1)
 
 
-__all__ = ["run_profile", "write_profile", "model_shape", "MODEL_SHAPES", "fit_profile"]
+__all__ = ["run_profile", "write_profile", "model_shape", "MODEL_SHAPES", "fit_profile", "measure_all_gather"]

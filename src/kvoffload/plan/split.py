@@ -4,7 +4,10 @@ For one layer of a decode step, each extent of the pool in use, [0, n), can be a
 fetched from host memory or from K/V recomputed on the GPU from its activations X (fetched instead of
 the K/V: half the bytes for MHA). The split r recomputes extents [0, r) and fetches the K/V of [r, n).
 Transfers of layer i+1 run under layer i's compute, so a layer costs max(PCIe time, GPU time), both
-from the shared cost model (`plan.cost.predict_layers` over the `LayerWork` each r implies). The
+from the shared cost model (`plan.cost.predict_layers` over the `LayerWork` each r implies). Under
+tensor parallelism the times are one device's (`LayerShape.of(..., tensor_parallel=N)`): its 1/N of X
+and of the K/V over its own link, its heads' recompute, and the all-gather of the recomputed X (GPU
+time), so the split that balances the two sides moves with N. The
 candidates are few (the extents in use, plus one), so `choose_split` evaluates every one and keeps the
 fastest, the smallest r on ties.
 
@@ -45,13 +48,19 @@ def choose_split(cost: CostModel, shape: LayerShape, work_of: Callable[[int], Se
     LayerWork per GPU batch) when extents [0, r) are recomputed."""
     if not candidates:
         raise ValueError("choose_split needs at least one candidate")
-    times = {r: predict_layers(cost, shape, work_of(r), offload_weights=offload_weights)["step_s"] for r in candidates}
+    preds = {r: predict_layers(cost, shape, work_of(r), offload_weights=offload_weights) for r in candidates}
+    times = {r: p["step_s"] for r, p in preds.items()}
     best = min(candidates, key=lambda r: (times[r], r))
     if best == 0:
         reason = "no recompute: the GPU time (or transfer latency) dominates, recomputing would not shorten the layer"
     else:
         reason = (f"recompute {best} extents from X: predicted {times[best] * 1e3:.3f} ms/layer vs "
                   f"{times[candidates[0]] * 1e3:.3f} ms at {candidates[0]}")
+    if shape.tensor_parallel > 1:
+        p = preds[best]
+        reason += (f" (per device of {shape.tensor_parallel}: transfer {p['transfer_s'] * 1e3:.3f} ms, GPU "
+                   f"{p['gpu_s'] * 1e3:.3f} ms of which all-gather of X {p['bytes_gather'] / 1e6:.1f} MB "
+                   f"{p['gather_s'] * 1e3:.3f} ms; {cost.describe_all_gather()})")
     return SplitPlan(best, times[best], reason)
 
 

@@ -3,6 +3,8 @@ i+1, the activation extents [0, r) and the K/V extents [r, n) are fetched while 
 extents [0, r) are recomputed on the GPU through the model family's `recompute_kv` and attention runs
 over every extent in order, merged exactly. The scheduler picks r each step from the cost model
 (plan/cost.py: transfer of layer i+1 against compute of layer i), or a forced split point fixes it.
+Tensor-parallel runs price one device (its heads, 1/N of X over its link, the all-gather of X before
+recomputing: plan/split.py), and `describe` reports that all-gather per step.
 
 Stores: ``both`` (X and K/V of every block: r can move every step; twice the host memory) or ``split``
 (X of the extents below the split chosen at prefill, K/V above it: KVPR's memory saving, r fixed).
@@ -110,3 +112,18 @@ class KVPRPolicy(LayeredPolicy):
 
     def make_hooks(self, split_point=None, kvpr_store="both"):
         return KVPRHooks(split_point=split_point, kvpr_store=kvpr_store or "both")
+
+    def describe(self, state=None) -> dict:
+        """As every layered policy's; under tensor parallelism also the all-gather of the recomputed X that
+        the last step's split costs each device (predicted, every layer of the step)."""
+        d = super().describe(state)
+        pipe = self.pipeline
+        if pipe.tp > 1:
+            tp = {"devices": pipe.tp, "all_gather_fit": pipe.cost.describe_all_gather()}
+            if state is not None and state.records:
+                rec = state.records[-1]
+                tp.update(all_gather_bytes_per_step=rec["bytes_gather"], all_gather_s_per_step=rec["predicted_gather_s"],
+                          predicted_step_s=rec["predicted_s"], recompute_extents=rec["recompute_extents"],
+                          used_extents=rec["used_extents"])
+            d["tensor_parallel"] = tp
+        return d
