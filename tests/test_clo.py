@@ -225,9 +225,13 @@ def test_buffers_sized_per_request_and_counted_by_the_plan():
     assert k0 == bound and k1 == math.ceil(0.5 * (bound + 2 * BLOCK))  # layer 0 whole; the ratio of one request
     row = len(PROMPTS) * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K or V row of every (request, head)
     plan = pol.pipeline.memory_plan
-    # exact: V rows only (its K rows are read from the K extents on the GPU)
-    assert all(s.k_rows is None for s in gr.slots)
-    assert plan.gpu["row buffers (selected K/V rows)"] == row * (k0 + k1) == sum(s.v_rows.nbytes for s in gr.slots)
+    # exact without speculation: K and V rows buffered (a hit reads only the buffers)
+    assert all(s.k_rows is not None and s.k_rows.shape == s.v_rows.shape for s in gr.slots)
+    assert plan.gpu["row buffers (selected K/V rows)"] == 2 * row * (k0 + k1) == sum(
+        s.v_rows.nbytes + s.k_rows.nbytes for s in gr.slots)
+    pol_s, _, state_s = _decode(model, "clo", 0, topk_ratio=0.5, speculative_prefetch=True)
+    assert all(s.k_rows is None for s in state_s.groups[0].slots)  # speculating: K rows read from the K extents
+    assert pol_s.pipeline.memory_plan.gpu["row buffers (selected K/V rows)"] == row * (k0 + k1)
     _, want, _ = _decode(model, "full", steps)
     every = [(l, h) for l in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]
     _, got, state = _decode(model, "clo", steps, topk=8, num_recent=4, persistent_heads=every)

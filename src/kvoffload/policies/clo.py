@@ -44,7 +44,8 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    tables index it like the keys). HATA's W of the layer lives in the slots too (``hata_w``).
 
 Placement: ``exact``: as tokenselect ``kv=split``: K extents in device memory (the exact keys are the
-retrieval metadata), V extents in pinned host memory. ``quest`` / ``hata``: K and V extents both in
+retrieval metadata), V extents in pinned host memory; without speculation the selected K rows are kept in a
+GPU buffer too (``k_rows``, `CloHooks.buffers_k`: a hit reads only the buffers). ``quest`` / ``hata``: K and V extents both in
 pinned host memory (`keys_on_device` False), only the metadata on the GPU; the selected K rows are
 gathered from the host like the V rows, into a second cache buffer (``k_rows``) reused on hits.
 Persistent heads' K/V are NOT placed on the GPU separately: they stay in the host pool (K on the GPU
@@ -403,7 +404,8 @@ class CloAttend:
                                                 lambda: rows(indices, miss_nv, (slots.v_rows.dtype,), blk))
             k_rows = None
             v_sel = jnp.where(hit, slots.v_rows, fetched_v)
-        else:  # K on the host too: both from the host on a miss, both buffers reused on hits
+        else:  # K buffered too (on the host, or exact's device extents): both gathered on a miss, for the missed
+            # heads only; both buffers reused on hits
             (fetched_k, fetched_v), x_rows = jax.lax.cond(
                 jnp.all(reuse), lambda: ((slots.k_rows, slots.v_rows), no_x),
                 lambda: rows(indices, miss_nv, (slots.k_rows.dtype, slots.v_rows.dtype), blk))
@@ -684,7 +686,17 @@ class CloHooks(TokenSelectHooks):
                         meta=tuple(meta_zeros(layout.size(e)) for e in range(layout.num_extents))
                         if retrieval != "exact" else (),
                         hata_w=None if w is None else jnp.asarray(w[layer], jnp.float32),
-                        k_rows=None if retrieval == "exact" else jnp.zeros((batch, n_kv, K, d), dtype), **spec)
+                        k_rows=jnp.zeros((batch, n_kv, K, d), dtype) if self.buffers_k(layer) else None, **spec)
+
+    def buffers_k(self, layer) -> bool:
+        """Whether the layer keeps a GPU buffer of its selected K rows: K on the host (quest / hata), and for
+        exact (K on the GPU) where the layer stores K/V and does not speculate: an all-hit layer then reads only
+        its buffers (no gather over the pool's K extents: on an H100 at 128K that gather was most of a hit's
+        cost), and a miss gathers K rows only for its missed heads, from the device extents."""
+        if self.attend.retrieval != "exact":
+            return True
+        store = self.stores[layer] if self.stores else self.store  # before prefill: as asked (auto: the larger)
+        return store in ("kv", "auto") and not self.attend.speculative
 
 
 @register_policy("clo")

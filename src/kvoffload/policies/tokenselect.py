@@ -387,8 +387,10 @@ class HostRows:
 
     def __call__(self, indices, num_valid, dtypes, blk):
         """(rows [B, n_kv, K, d], one per part in `dtypes`, x_rows [B] int32: the X rows read) for indices
-        [B, n_kv, K], the first num_valid [B, n_kv] of each (request, head) wanted (kv: every row gathered)."""
-        if self.acts is None:
+        [B, n_kv, K], the first num_valid [B, n_kv] of each (request, head) wanted (the others come back 0 and
+        cost no transfer: a hit head's count of 0 moves nothing)."""
+        if self.acts is None:  # rows past num_valid are not read (-1: outside every extent; a masked load)
+            indices = jnp.where(jnp.arange(indices.shape[-1]) < num_valid[..., None], indices, -1)
             rows = tuple(native_extent(gather_rows(ext, indices, blk), dt).astype(dt)
                          for ext, dt in zip(self.extents, dtypes))
             return rows, jnp.zeros(indices.shape[:1], jnp.int32)
