@@ -335,7 +335,8 @@ def topk_scores_exact(q, k, lengths=None, *, scale=None, group_reduce="sum", imp
                       interpret=False):
     """Exact scores scale*q.K per KV head, aggregated over the GQA group
     (group_reduce 'sum' | 'max' | 'mean'). q [B, n_heads, d], k [B, n_kv, S, d],
-    lengths [B] or None. Returns [B, n_kv, S] float32, -inf past lengths."""
+    lengths [B], [B, n_kv] (per KV head; 0: the head is not scored, its keys not read) or None.
+    Returns [B, n_kv, S] float32, -inf past lengths."""
     scale = None if scale is None else float(scale)
     if _use_kernel(impl):
         if lengths is not None:

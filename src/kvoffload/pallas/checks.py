@@ -313,16 +313,21 @@ def check_recompute(B=2, T=40, H=128, n_kv=2, d=64, dtype="float32", bias=True, 
 
 
 def check_scores_exact(B=2, n_kv=2, G=4, S=150, d=96, dtype="float32", group_reduce="sum",
-                       mode="reference", seed=0):
+                       mode="reference", seed=0, per_head=False):
+    """per_head: lengths [B, n_kv] (one head of length 0: not scored, -inf everywhere)."""
     rng = np.random.default_rng(seed)
     H = n_kv * G
     q, q64 = _rand(rng, (B, H, d), dtype)
     k, k64 = _rand(rng, (B, n_kv, S, d), dtype)
-    lengths = np.array([S] + list(rng.integers(1, S + 1, B - 1)), np.int32)
+    if per_head:
+        lengths = rng.integers(1, S + 1, (B, n_kv)).astype(np.int32)
+        lengths[0, 0], lengths[-1, -1] = S, 0
+    else:
+        lengths = np.array([S] + list(rng.integers(1, S + 1, B - 1)), np.int32)
     s = np.einsum("bhgd,bhsd->bhgs", q64.reshape(B, n_kv, G, d), k64) * d ** -0.5
     red = {"sum": np.sum, "max": np.max, "mean": np.mean}[group_reduce]
     ref = red(s, axis=2)
-    valid = np.arange(S)[None, None] < lengths[:, None, None]
+    valid = np.arange(S)[None, None] < (lengths[:, :, None] if per_head else lengths[:, None, None])
     L = jnp.asarray(lengths)
     if mode == "reference":
         out = _tk.topk_scores_exact_reference(q, k, L, group_reduce=group_reduce)
@@ -333,8 +338,8 @@ def check_scores_exact(B=2, n_kv=2, G=4, S=150, d=96, dtype="float32", group_red
     inval_ok = bool(np.all(np.isneginf(out[~np.broadcast_to(valid, out.shape)])))
     vm = np.broadcast_to(valid, out.shape)
     errs = dict(err_scores=rel_err(out[vm], ref[vm]) if inval_ok else float("inf"))
-    return _result(f"scores_exact {group_reduce} B{B} kv{n_kv} G{G} S{S} d{d} {dtype}", mode,
-                   errs, TOL[dtype])
+    return _result(f"scores_exact {group_reduce} B{B} kv{n_kv} G{G} S{S} d{d} {dtype}"
+                   + (" per-head lengths" if per_head else ""), mode, errs, TOL[dtype])
 
 
 def _mode_kw(mode, kw):
@@ -660,6 +665,7 @@ def kernel_cases(full=False):
                           else [(g, d, dt, red) for g in GROUPS for d in HEAD_DIMS
                                 for dt in DTYPES for red in ("sum", "max")]):
         cases.append((check_scores_exact, dict(G=g, d=d, dtype=dt, group_reduce=red)))
+    cases.append((check_scores_exact, dict(G=4, d=128, dtype="bfloat16", group_reduce="max", per_head=True, S=256)))
     if full:
         # every group x head dim x dtype (x code width x popcount for HATA); the other
         # options (reduction, page size, num_pages, norm, shared) cycle along
@@ -761,6 +767,7 @@ def gpu_cases():
             add(check_sparse, dict(G=4, d=d, dtype=dt, page_size=1))
             add(check_sparse, dict(G=7, d=d, dtype=dt, page_size=16, with_lengths=True))
             add(check_scores_exact, dict(G=3, d=d, dtype=dt))
+            add(check_scores_exact, dict(G=4, d=d, dtype=dt, group_reduce="max", per_head=True, S=256))
     for d in (64, 128):
         for dt in DTYPES:
             for b in (True, False):

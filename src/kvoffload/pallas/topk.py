@@ -86,9 +86,11 @@ def _load_rows(ref, start, block, row_ok, c, cp, other):
 
 
 def _valid_mask(lengths, N, B):
+    """[B, 1 or n_kv, N]: positions < lengths ([B], or per KV head [B, n_kv])."""
     if lengths is None:
         return jnp.ones((B, 1, N), bool)
-    return jnp.arange(N)[None, None, :] < lengths.astype(jnp.int32)[:, None, None]
+    lengths = lengths.astype(jnp.int32)
+    return jnp.arange(N)[None, None, :] < (lengths[:, :, None] if lengths.ndim == 2 else lengths[:, None, None])
 
 
 # ----------------------------------------------------------------------------
@@ -97,7 +99,8 @@ def _valid_mask(lengths, N, B):
 
 
 def topk_scores_exact_reference(q, k, lengths=None, *, scale=None, group_reduce="sum"):
-    """q [B, n_heads, d], k [B, n_kv, S, d] -> scale * q.k aggregated over the group."""
+    """q [B, n_heads, d], k [B, n_kv, S, d] -> scale * q.k aggregated over the group; -inf at positions >=
+    lengths ([B], or [B, n_kv] per KV head: a head of length 0 is not scored, e.g. one that reuses a selection)."""
     B, H, d = q.shape
     _, n_kv, S, _ = k.shape
     G = H // n_kv
@@ -133,6 +136,7 @@ def topk_scores_exact_kernel(q, k, lengths=None, *, scale=None, group_reduce="su
     Gp = max(16, next_pow2(G))
     if lengths is None:
         lengths = jnp.full((B,), S, jnp.int32)
+    per_head = lengths.ndim == 2  # [B, n_kv]: a length per (b, KV head); 0 skips the head (its K is never read)
     block_s = min(block_s, max(16, next_pow2(S)))
     ns = cdiv(S, block_s)
     qg = jnp.pad(q.reshape(B, n_kv, G, d), ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
@@ -142,7 +146,7 @@ def topk_scores_exact_kernel(q, k, lengths=None, *, scale=None, group_reduce="su
         kernel, poison=poison,
         grid=(B, n_kv, ns),
         in_specs=[
-            pl.BlockSpec((1,), lambda b, h, j: (b,)),
+            pl.BlockSpec((1,), (lambda b, h, j: (b * n_kv + h,)) if per_head else (lambda b, h, j: (b,))),
             pl.BlockSpec((None, None, Gp, dp), lambda b, h, j: (b, h, 0, 0)),
             pl.BlockSpec((None, None, S, d), lambda b, h, j: (b, h, 0, 0)),
         ],
@@ -151,7 +155,7 @@ def topk_scores_exact_kernel(q, k, lengths=None, *, scale=None, group_reduce="su
         compiler_params=triton_params(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="kvo_topk_scores",
-    )(lengths.astype(jnp.int32), qg, k)
+    )(lengths.astype(jnp.int32).reshape(-1), qg, k)
     return out[:, :, :S]
 
 

@@ -173,9 +173,11 @@ jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclas
                                  meta_fields=[])
 
 
-def exact_scores(q, keys, tables):
+def exact_scores(q, keys, tables, skip=None):
     """[B, n_kv, N] f32 over the pool's token space (block-id order): max over each KV head's query
-    heads of q.k / sqrt(d); -inf where the request owns no token. keys: per extent [E, n_kv, blk, d]."""
+    heads of q.k / sqrt(d); -inf where the request owns no token. keys: per extent [E, n_kv, blk, d].
+    skip [B, n_kv] bool (optional): heads whose scores are not needed (they reuse their selection); at
+    batch 1 the kernel does not read their keys, elsewhere they are computed anyway (either is allowed)."""
     B, H, d = q.shape
     n_kv, blk = keys[0].shape[1], keys[0].shape[2]
     qg = q.reshape(B, n_kv, H // n_kv, d)
@@ -185,7 +187,8 @@ def exact_scores(q, keys, tables):
         if B == 1:  # the blocks as a batch of E: one read of K in place (GPU: the Pallas scores kernel); the
             # einsum below makes XLA transpose the whole extent first (n_kv is not K's leading dim): 80 us a
             # layer at 32K on an H100, more than the scores themselves
-            s = ops.topk_scores_exact(jnp.broadcast_to(q.astype(k.dtype), (E, H, d)), k, group_reduce="max")
+            lengths = None if skip is None else jnp.broadcast_to(jnp.where(skip[0], 0, blk).astype(jnp.int32), (E, n_kv))
+            s = ops.topk_scores_exact(jnp.broadcast_to(q.astype(k.dtype), (E, H, d)), k, lengths, group_reduce="max")
             s = jnp.swapaxes(s, 0, 1).reshape(1, n_kv, E * blk)
         else:
             s = jnp.einsum("bhgd,ehtd->bhget", qg.astype(k.dtype), k, preferred_element_type=jnp.float32,
@@ -366,10 +369,11 @@ class CloAttend:
             elif self.retrieval == "hata":
                 scores = hata_token_scores(q, slots.meta, slots.hata_w, tables)
             else:
-                scores = exact_scores(q, keys, tables)
+                scores = exact_scores(q, keys, tables, skip=reuse)  # a reusing head's keys are not read
             scores = jnp.where(slots.persistent[None, :, None] & (scores > NEG_INF), jnp.inf, scores)  # all
+            # ascending only where the rows held are looked up by token (speculation: `locate_rows`)
             return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
-                                 self.num_sink, self.num_recent, ps)
+                                 self.num_sink, self.num_recent, ps, ascending=self.speculative)
 
         return reuse, select, replay
 

@@ -227,8 +227,10 @@ def token_positions(tables, blk):
     return (first[:, None] + jnp.arange(blk, dtype=jnp.int32)[None]).reshape(-1)
 
 
-def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink, num_recent, page_size):
-    """The selection from a vote: (indices [B, n_kv, K] ascending, num_valid [B, n_kv]).
+def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink, num_recent, page_size,
+                  ascending=True):
+    """The selection from a vote: (indices [B, n_kv, K] ascending (else best first: no sort, for callers that
+    need no order; XLA's sort is a chain of bitonic kernels), num_valid [B, n_kv]).
 
     scores [B, n_kv, N] (-inf: not the request's); positions [N]; pool_tokens, context [B] (the
     context counts the tail and the new token); n_select [B] or per head [B, n_kv]: tokens to select
@@ -246,7 +248,8 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
     # the kept entries in ascending order (locality of the gather); the rest 0, ignored via num_valid
     big = jnp.int32(2 ** 30)
     keep = jnp.arange(idx.shape[-1])[None, None] < nv[..., None]
-    key = jnp.sort(jnp.where(keep, idx, big), axis=-1)
+    key = jnp.where(keep, idx, big)
+    key = jnp.sort(key, axis=-1) if ascending else key
     idx = jnp.where(key < big, key, 0)
     if page_size > 1:
         pos, _ = expand_indices(idx, nv, page_size, N)
