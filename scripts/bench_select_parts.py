@@ -111,7 +111,7 @@ def parts(ctx: int, batch: int, budget: int, extent_tokens=32768, blk=64, n_kv=8
     read_k = jax.jit(lambda ks: sum(jnp.sum(k.astype(jnp.float32)) for k in ks))
     fns.update(gather=(gather, idx), attend=(attend, ks, vs), read_k=(read_k, keys))
     us = lambda s: round(s * 1e6, 1)  # noqa: E731
-    out = {"ctx": ctx, "batch": batch, "budget": budget, "pool_tokens": blocks * blk, "request_tokens": tokens,
+    out = {"ctx": ctx, "batch": batch, "budget": budget, "pool_tokens": blocks * blk, "space_tokens": tokens,
            "extents": n_ext, "us": {name: us(timed(f, *a)) for name, (f, *a) in fns.items()}}
     return out
 
