@@ -1,13 +1,18 @@
 #!/usr/bin/env python
 """Where a selection miss spends its time on the GPU (issues 11 and 12): the pieces of `tokenselect`'s and
 `clo`'s miss path timed alone at the speed benchmark's shapes (Llama-3-8B: 8 KV heads of 4 query heads,
-d 128, bf16; a pool of one request's context in 64-token blocks, extents of 32K tokens), each one jitted
+d 128, bf16; a pool of the batch's contexts in 64-token blocks, position-major as the allocator places
+prompts, extents of 32K tokens; the per-request space's bound is ctx / 64 blocks), each one jitted
 program repeated back to back (GPU time, no host sync inside):
 
-* ``soft_vote``   tokenselect's scores over the pool (every K row read once, softmax per head, group sums)
-* ``exact``       clo's scores (max over the group of q.k)
-* ``top_k``       ``jax.lax.top_k`` of the scores [B, n_kv, N] (XLA sorts whole rows for a large k)
-* ``choose``      ``choose_tokens``: forced sinks / recent, top-k, the selection sorted ascending
+* ``space``       ``token_space``: each request's own blocks from the block tables (owners, compaction)
+* ``soft_vote``   tokenselect's scores (every K row read once against its owner's query, softmax per head
+                  over the request's tokens, group sums), laid out per request: [B, n_kv, T]
+* ``exact``       clo's scores (max over the group of q.k), per request
+* ``top_k``       ``jax.lax.top_k`` of the per-request scores [B, n_kv, T] (XLA sorts whole rows for a large k)
+* ``choose``      ``choose_tokens``: forced sinks / recent, top-k, sorted ascending, mapped to pool tokens
+* ``*_pool``      (batch > 1) the same over the batch's whole pool, N = B x T tokens per request row: the
+                  space scoring and top-k ran over before the per-request space (issues 11, 12)
 * ``gather``      the selected K and V rows from the device extents (``gather_rows``)
 * ``attend``      ``ops.sparse_attention`` over the gathered rows
 * ``read_k``      a plain read of every K row (the floor of any scoring)
@@ -46,7 +51,7 @@ def parts(ctx: int, batch: int, budget: int, extent_tokens=32768, blk=64, n_kv=8
     from kvoffload import ops
     from kvoffload.offload.pool import BlockTables
     from kvoffload.policies.clo import exact_scores
-    from kvoffload.policies.tokenselect import choose_tokens, gather_rows, soft_vote, token_positions
+    from kvoffload.policies.tokenselect import choose_tokens, gather_rows, soft_vote, token_positions, token_space
 
     dt = jnp.bfloat16
     blocks = batch * ctx // blk
@@ -75,30 +80,45 @@ def parts(ctx: int, batch: int, budget: int, extent_tokens=32768, blk=64, n_kv=8
     context = pool_tokens + 1
     n_select = jnp.full((batch,), budget, jnp.int32)
 
-    vote = jax.jit(soft_vote)
-    exact = jax.jit(exact_scores)
-    scores = vote(q, keys, tables)
-    topk = jax.jit(lambda s: jax.lax.top_k(s, budget))
-    choose = jax.jit(lambda s: choose_tokens(s, token_positions(tables, blk), pool_tokens, context, n_select, budget,
-                                             4, 64, 1))
-    idx, nv = choose(scores)
+    R = ctx // blk  # the most blocks one request owns (no generated blocks here)
+
+    def space_of(per_request):
+        return token_space(tables, blk, R if per_request else 0)
+
+    def choose_in(per_request):
+        def run(s):
+            sp = space_of(per_request)
+            return choose_tokens(s, sp.positions(tables), pool_tokens, context, n_select, budget, 4, 64, 1,
+                                 token_ids=sp.token_ids())
+        return jax.jit(run)
+
+    fns = {}
+    for tag, per_request in (("", True),) + ((("_pool", False),) if batch > 1 else ()):
+        vote = jax.jit(lambda q, keys, pr=per_request: soft_vote(q, keys, tables, space=space_of(pr)))
+        exact = jax.jit(lambda q, keys, pr=per_request: exact_scores(q, keys, tables, space_of(pr)))
+        scores = vote(q, keys)
+        fns.update({"soft_vote" + tag: (vote, q, keys), "exact" + tag: (exact, q, keys),
+                    "top_k" + tag: (jax.jit(lambda s: jax.lax.top_k(s, budget)), scores),
+                    "choose" + tag: (choose_in(per_request), scores)})
+        if per_request:
+            idx, nv = choose_in(True)(scores)
+            tokens = scores.shape[-1]
+    fns["space"] = (jax.jit(lambda t: token_space(t, blk, R)), tables)
     gather = jax.jit(lambda i: (gather_rows(keys, i, blk), gather_rows(vals, i, blk)))
     ks, vs = gather(idx)
     slot_ids = jnp.broadcast_to(jnp.arange(budget, dtype=jnp.int32), idx.shape)
     attend = jax.jit(lambda k, v: ops.sparse_attention(q, k, v, slot_ids, num_valid=nv))
     read_k = jax.jit(lambda ks: sum(jnp.sum(k.astype(jnp.float32)) for k in ks))
+    fns.update(gather=(gather, idx), attend=(attend, ks, vs), read_k=(read_k, keys))
     us = lambda s: round(s * 1e6, 1)  # noqa: E731
-    out = {"ctx": ctx, "batch": batch, "budget": budget, "pool_tokens": blocks * blk, "extents": n_ext,
-           "us": {"soft_vote": us(timed(vote, q, keys, tables)), "exact": us(timed(exact, q, keys, tables)),
-                  "top_k": us(timed(topk, scores)), "choose": us(timed(choose, scores)),
-                  "gather": us(timed(gather, idx)), "attend": us(timed(attend, ks, vs)),
-                  "read_k": us(timed(read_k, keys))}}
+    out = {"ctx": ctx, "batch": batch, "budget": budget, "pool_tokens": blocks * blk, "space_tokens": tokens,
+           "extents": n_ext, "us": {name: us(timed(f, *a)) for name, (f, *a) in fns.items()}}
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", default="32k:1:2048,128k:1:2048,32k:8:2048,32k:1:3277,128k:1:13108",
+    ap.add_argument("--runs", default="32k:1:2048,128k:1:2048,32k:8:2048,32k:1:3277,128k:1:13108,8k:64:820",
                     help="CTX:BATCH:BUDGET,... (budget: tokens selected per request and KV head)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

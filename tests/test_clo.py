@@ -4,6 +4,7 @@ cache's reuse rule around tau (and its V-row buffer), persistent heads, a small 
 (CPU, tiny random models, fp32)."""
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -202,6 +203,78 @@ def test_exact_scores_max_over_the_group():
             want = np.max(q[b, 3 * h:3 * h + 3].astype(np.float64) @ flat[h].T, axis=0) / np.sqrt(8)
             np.testing.assert_allclose(got[b, h][own], want[own], rtol=1e-5, atol=1e-6)
             assert np.isneginf(got[b, h][~own]).all()
+
+
+@functools.partial(jax.jit, static_argnames=("scoring", "K", "page"))
+def _selection(scoring, q, keys, tables, space, context, n_select, K, w, page):
+    """(indices, num_valid) of one scoring over a token space (the whole pool's where space is None)."""
+    from kvoffload.importance.hata import encode_keys
+    from kvoffload.policies.tokenselect import choose_tokens, soft_vote, token_positions, token_space
+
+    blk = keys[0].shape[2]
+    space = token_space(tables, blk) if space is None else space
+    if scoring == "quest":
+        meta = [clo_mod.key_metadata(k, None, "quest", page) for k in keys]
+        scores = clo_mod.quest_token_scores(q, meta, tables, blk, space)
+    elif scoring == "hata":
+        scores = clo_mod.hata_token_scores(q, [(encode_keys(w, k),) for k in keys], w, tables, space)
+    elif scoring == "vote":
+        scores = soft_vote(q, keys, tables, space=space)
+    else:
+        scores = exact_scores(q, keys, tables, space)
+    assert scores.shape[-1] == space.valid.shape[1] * blk
+    positions = token_positions(tables, blk) if space.blocks is None else space.positions(tables)
+    idx, nv = choose_tokens(scores, positions, None, context, n_select, K, 2, 3, page if scoring == "quest" else 1,
+                            token_ids=space.token_ids())
+    return idx, nv
+
+
+@pytest.mark.parametrize("scoring", ["exact", "quest", "hata", "vote"])
+def test_per_request_selection_equals_the_pools_and_each_request_alone(scoring):
+    """A ragged batch of 3 (blocks interleaved over 3 extents, one free slot) scored and ranked over each
+    request's own blocks (`token_space` with a bound: [B, n_kv, R blk], not the batch's pool) selects the same
+    pool tokens as over the batch's whole pool, and the same positions as each request alone at batch 1 in a
+    pool of its own (hata: integer scores, many ties, broken alike)."""
+    from kvoffload.offload.pool import BlockTables
+    from kvoffload.policies.tokenselect import token_positions, token_space
+
+    rng = np.random.default_rng(5)
+    blk, n_kv, G, d, page, K = 8, 2, 3, 16, 4, 16
+    owners = [0, 1, 2, 0, 1, 2, 0, -1, 2, 0, 1, 2, 0, 2, 0, 0]  # 7, 3 and 5 blocks, position-major
+    layout, alloc, tables, keys, _ = _pool(rng, n_kv=n_kv, d=d, blk=blk, sizes=(5, 5, 6), owners=owners)
+    B = 3
+    q = jnp.asarray(3 * rng.normal(size=(B, n_kv * G, d)), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (n_kv, d, 64)) / np.sqrt(d)
+    own = np.asarray([len(t) for t in alloc.tables])
+    context = jnp.asarray(own * blk + np.asarray([2, 5, 1]) + 1, jnp.int32)
+    n_select = jnp.asarray([16, 12, 16], jnp.int32)
+    args = (context, n_select, K, w, page)
+    space = token_space(tables, blk, 8)  # a bound above the longest request's 7 blocks
+    assert space.blocks.shape == (B, 8)
+    keys = [jnp.asarray(k) for k in keys]
+    got, nv = map(np.asarray, _selection(scoring, q, keys, tables, space, *args))
+    pool, pool_nv = map(np.asarray, _selection(scoring, q, keys, tables, None, *args))
+    np.testing.assert_array_equal(nv, pool_nv)
+    kept = np.arange(K) < nv[..., None]  # past num_valid: ignored (and not the same with pages)
+    np.testing.assert_array_equal(np.where(kept, got, -1), np.where(kept, pool, -1))
+    assert (nv == np.minimum(np.asarray(n_select), own * blk)[:, None]).all()
+    pos = np.asarray(token_positions(tables, blk))
+    flat = np.concatenate([np.asarray(k) for k in keys])
+    for b, ids in enumerate(alloc.tables):  # alone: its blocks in two extents of 4 and 5 slots, free slots after
+        n1 = len(ids) // 2
+        parts = (ids[:n1], ids[n1:])
+        alone_keys = [jnp.asarray(np.concatenate([flat[p], rng.normal(size=(size - len(p), n_kv, blk, d))]), jnp.float32)
+                      for p, size in zip(parts, (4, 5))]
+        alone = BlockTables(table=tuple(jnp.arange(size, dtype=jnp.int32)[None] for size in (4, 5)),
+                            count=tuple(jnp.asarray([len(p)], jnp.int32) for p in parts),
+                            first_pos=tuple(jnp.asarray(np.where(np.arange(size) < len(p), np.arange(size) + start, 0) * blk,
+                                                        jnp.int32) for p, size, start in zip(parts, (4, 5), (0, n1))))
+        one, one_nv = map(np.asarray, _selection(scoring, q[b:b + 1], alone_keys, alone, None, context[b:b + 1],
+                                                 n_select[b:b + 1], *args[2:]))
+        np.testing.assert_array_equal(one_nv[0], nv[b])
+        alone_pos = np.asarray(token_positions(alone, blk))
+        for h in range(n_kv):
+            np.testing.assert_array_equal(alone_pos[one[0, h, :nv[b, h]]], pos[got[b, h, :nv[b, h]]], err_msg=f"{b} {h}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -415,7 +488,9 @@ def test_quest_bounds_equal_numpy_upper_bound():
     q = rng.normal(size=(B, H, d)).astype(np.float32)
     k = rng.normal(size=(E, n_kv, blk, d)).astype(np.float32)
     kmin, kmax = clo_mod.key_metadata(jnp.asarray(k), None, "quest", page)
-    got = np.asarray(clo_mod.quest_bounds(jnp.asarray(q), kmin, kmax))  # [B, n_kv, E, P]
+    # each block against one request's query (its owner's, in the layer), for every request
+    got = np.stack([np.asarray(clo_mod.quest_bounds(jnp.broadcast_to(jnp.asarray(q[b]), (E, H, d)), kmin, kmax))
+                    .transpose(1, 0, 2) for b in range(B)])  # [B, n_kv, E, P]
     pages = k.reshape(E, n_kv, blk // page, page, d).astype(np.float64)
     lo, hi = pages.min(3), pages.max(3)
     qg = q.reshape(B, n_kv, H // n_kv, 1, 1, d).astype(np.float64)

@@ -31,8 +31,8 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    * ``quest``: per page of ``quest_page_tokens`` tokens inside a block (default 16), the channel-wise
      min and max of the keys (``ops.quest_page_minmax``, stored in the model's dtype: a min / max of keys
      is one of them). Score of a page per KV head: max over the group of Quest's upper bound
-     sum_c max(q_c min_c, q_c max_c) (``quest_bounds``, as q+ . max + q- . min: two matmuls over the
-     pool's shared extents, where ``ops.quest_page_scores`` wants every request's own pages); whole pages
+     sum_c max(q_c min_c, q_c max_c) (``quest_bounds``, as q+ . max + q- . min: two batched matmuls over
+     the extents' blocks, each block against its owner's query); whole pages
      are selected (``choose_tokens`` with page_size = quest_page_tokens).
    * ``hata``: per token a ``hata_bits``-bit sign code of the key (``ops.hata_encode`` with a per-KV-head
      projection W [d, r]: trained from ``kvoffload train-hata``'s output when ``hata_weights`` is given,
@@ -69,6 +69,11 @@ for ``exact``) and their whole context's rows are gathered into the cache buffer
    probes found the compute stream): the structure is in place, the overlap is to be measured.
    Indices never leave the device: everything above is inside the two programs.
 
+Scores and top-k per request (all three retrievals, as tokenselect's vote): every pool block is scored once
+against its owner's query, and the scores are laid out per request over its own blocks only
+(`tokenselect.TokenSpace`: [B, n_kv, T], T = the most tokens one request owns), where the top-k runs; the
+chosen slots map back to pool token ids. At batch 1 the request's space is the pool's (nothing gathered).
+
 int4 host storage (``host_dtype="int4"``, issue 13): the host extents (V; for quest / hata also K) are
 ``QuantizedInt4``; the gathers take the selected rows' codes and scales (``gather_rows``) and dequantize only
 those rows on the GPU (`native_extent`); K extents kept on the GPU (exact) stay in the model's dtype, and
@@ -101,12 +106,12 @@ from kvoffload.policies.tokenselect import (
     HostRows,
     SelectionCache,
     TokenSelectHooks,
+    TokenSpace,
     cache_decision,
     empty_selection,
     choose_tokens,
     gather_rows,
     hit_rates,
-    owned_blocks,
     pool_block_tokens,
     query_cosines,
     request_token_bound,
@@ -117,7 +122,7 @@ from kvoffload.policies.tokenselect import (
     selection_size,
     sorted_positions,
     tier_index,
-    token_positions,
+    token_space,
     with_replay,
 )
 
@@ -173,73 +178,74 @@ jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclas
                                  meta_fields=[])
 
 
-def exact_scores(q, keys, tables, skip=None):
-    """[B, n_kv, N] f32 over the pool's token space (block-id order): max over each KV head's query
-    heads of q.k / sqrt(d); -inf where the request owns no token. keys: per extent [E, n_kv, blk, d].
-    skip [B, n_kv] bool (optional): heads whose scores are not needed (they reuse their selection); at
-    batch 1 the kernel does not read their keys, elsewhere they are computed anyway (either is allowed)."""
-    B, H, d = q.shape
-    n_kv, blk = keys[0].shape[1], keys[0].shape[2]
-    qg = q.reshape(B, n_kv, H // n_kv, d)
-    out = []
-    for e, k in enumerate(keys):
+def exact_scores(q, keys, tables, space: TokenSpace | None = None, skip=None):
+    """[B, n_kv, T] f32 over the token space (`token_space`; default the pool's, T = N in block-id order):
+    max over each KV head's query heads of q.k / sqrt(d); -inf where the request owns no token.
+    keys: per extent [E, n_kv, blk, d]. Each extent's blocks go to the scores kernel as a batch of E, each
+    with its owner's query: one read of K in place, no transpose of it (the einsum of q against the extent
+    made XLA transpose the whole extent first: 80 us a layer at 32K on an H100, more than the scores
+    themselves), and no request scores another's blocks (1x the pool's flops at any batch).
+    skip [B, n_kv] bool (optional): heads whose scores are not needed (they reuse their selection): the
+    kernel reads none of their keys (their scores come back -inf)."""
+    blk = keys[0].shape[2]
+    space = token_space(tables, blk) if space is None else space
+    qb = space.owner_rows(q)
+    lengths = None if skip is None else space.owner_rows(jnp.where(skip, 0, blk).astype(jnp.int32))  # [blocks, n_kv]
+    out, start = [], 0
+    for k in keys:
         E = k.shape[0]
-        if B == 1:  # the blocks as a batch of E: one read of K in place (GPU: the Pallas scores kernel); the
-            # einsum below makes XLA transpose the whole extent first (n_kv is not K's leading dim): 80 us a
-            # layer at 32K on an H100, more than the scores themselves
-            lengths = None if skip is None else jnp.broadcast_to(jnp.where(skip[0], 0, blk).astype(jnp.int32), (E, n_kv))
-            s = ops.topk_scores_exact(jnp.broadcast_to(q.astype(k.dtype), (E, H, d)), k, lengths, group_reduce="max")
-            s = jnp.swapaxes(s, 0, 1).reshape(1, n_kv, E * blk)
-        else:
-            s = jnp.einsum("bhgd,ehtd->bhget", qg.astype(k.dtype), k, preferred_element_type=jnp.float32,
-                           precision=jax.lax.Precision.HIGHEST)
-            s = jnp.max(s, axis=2).reshape(B, n_kv, E * blk) * d ** -0.5
-        own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None]
-        out.append(jnp.where(own, s, NEG_INF))
-    return jnp.concatenate(out, axis=-1)
+        out.append(ops.topk_scores_exact(qb[start:start + E].astype(k.dtype), k,
+                                         None if lengths is None else lengths[start:start + E], group_reduce="max"))
+        start += E
+    return space.per_request(jnp.concatenate(out))
 
 
 def quest_bounds(q, kmin, kmax):
-    """[B, n_kv, E, P] f32: per page, max over each KV head's query heads of Quest's upper bound
-    sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min (q [B, H, d]; kmin, kmax [E, n_kv, P, d])."""
-    B, H, d = q.shape
+    """[E, n_kv, P] f32: per page, max over each KV head's query heads of Quest's upper bound
+    sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min. q [E, H, d]: each block's owner's query;
+    kmin, kmax [E, n_kv, P, d]."""
+    E, H, d = q.shape
     n_kv = kmin.shape[1]
-    qg = q.astype(jnp.float32).reshape(B, n_kv, H // n_kv, d)
+    qg = q.astype(jnp.float32).reshape(E, n_kv, H // n_kv, d)
     hp = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("bhgd,ehpd->bhgep", jnp.maximum(qg, 0.0), kmax.astype(jnp.float32), precision=hp) + \
-        jnp.einsum("bhgd,ehpd->bhgep", jnp.minimum(qg, 0.0), kmin.astype(jnp.float32), precision=hp)
+    s = jnp.einsum("ehgd,ehpd->ehgp", jnp.maximum(qg, 0.0), kmax.astype(jnp.float32), precision=hp) + \
+        jnp.einsum("ehgd,ehpd->ehgp", jnp.minimum(qg, 0.0), kmin.astype(jnp.float32), precision=hp)
     return jnp.max(s, axis=2)
 
 
-def quest_token_scores(q, meta, tables, blk):
-    """[B, n_kv, N] f32 over the pool's token space: each token its page's bound (``quest_bounds``);
-    -inf where the request owns no token. meta: per extent (kmin, kmax) [E, n_kv, P, d]."""
-    out = []
-    for e, (kmin, kmax) in enumerate(meta):
+def quest_token_scores(q, meta, tables, blk, space: TokenSpace | None = None):
+    """[B, n_kv, T] f32 over the token space (default the pool's): each token its page's bound
+    (``quest_bounds``, each block against its owner's query); -inf where the request owns no token.
+    meta: per extent (kmin, kmax) [E, n_kv, P, d]."""
+    space = token_space(tables, blk) if space is None else space
+    qb = space.owner_rows(q)
+    out, start = [], 0
+    for kmin, kmax in meta:
         E, P = kmin.shape[0], kmin.shape[2]
-        s = jnp.repeat(quest_bounds(q, kmin, kmax), blk // P, axis=-1)  # [B, n_kv, E, blk]
-        s = s.reshape(s.shape[0], s.shape[1], E * blk)
-        own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None]
-        out.append(jnp.where(own, s, NEG_INF))
-    return jnp.concatenate(out, axis=-1)
+        out.append(jnp.repeat(quest_bounds(qb[start:start + E], kmin, kmax), blk // P, axis=-1))  # [E, n_kv, blk]
+        start += E
+    return space.per_request(jnp.concatenate(out))
 
 
-def hata_token_scores(q, meta, w, tables):
-    """[B, n_kv, N] f32 over the pool's token space: max over each KV head's query heads of
-    r - hamming(code(q), code(k)) (codes by ``ops.hata_encode`` with the head's W [n_kv, d, r]); -inf
-    where the request owns no token. meta: per extent (codes [E, n_kv, blk, r/32],)."""
+def hata_token_scores(q, meta, w, tables, space: TokenSpace | None = None):
+    """[B, n_kv, T] f32 over the token space (default the pool's): max over each KV head's query heads of
+    r - hamming(code(q), code(k)) (codes by ``ops.hata_encode`` with the head's W [n_kv, d, r]), each block
+    against its owner's query; -inf where the request owns no token. meta: per extent (codes [E, n_kv, blk,
+    r/32],)."""
     from kvoffload.importance.hata import encode_queries
 
     B, H, d = q.shape
     n_kv, r = w.shape[0], w.shape[-1]
-    qc = encode_queries(w, q, H // n_kv).reshape(B, n_kv, H // n_kv, 1, 1, r // 32)
-    out = []
-    for e, (codes,) in enumerate(meta):
-        E, blk = codes.shape[0], codes.shape[2]
-        ham = jnp.min(ops.hamming_distance(qc, jnp.swapaxes(codes, 0, 1)[None, :, None]), axis=2)  # [B, n_kv, E, blk]
-        own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None]
-        out.append(jnp.where(own, (r - ham).reshape(B, n_kv, E * blk).astype(jnp.float32), NEG_INF))
-    return jnp.concatenate(out, axis=-1)
+    blk = meta[0][0].shape[2]
+    space = token_space(tables, blk) if space is None else space
+    qc = space.owner_rows(encode_queries(w, q, H // n_kv).reshape(B, n_kv, H // n_kv, 1, r // 32))
+    out, start = [], 0
+    for (codes,) in meta:
+        E = codes.shape[0]
+        ham = jnp.min(ops.hamming_distance(qc[start:start + E], codes[:, :, None]), axis=2)  # [E, n_kv, blk]
+        out.append((r - ham).astype(jnp.float32))
+        start += E
+    return space.per_request(jnp.concatenate(out))
 
 
 @functools.partial(jax.jit, static_argnames=("retrieval", "page"))
@@ -363,17 +369,19 @@ class CloAttend:
         reuse, replay = cache_decision((sim >= slots.tau[None]) & ~slots.persistent[None], valid, sel)
         reuse = reuse | (slots.persistent[None] & valid)  # a persistent head re-selects only when the pool grows
 
-        def select():
+        def select():  # over each request's own blocks (`TokenSpace`): scores and top-k of T = R * blk tokens
+            space = token_space(tables, blk, src.request_blocks)
             if self.retrieval == "quest":
-                scores = quest_token_scores(q, slots.meta, tables, blk)
+                scores = quest_token_scores(q, slots.meta, tables, blk, space)
             elif self.retrieval == "hata":
-                scores = hata_token_scores(q, slots.meta, slots.hata_w, tables)
+                scores = hata_token_scores(q, slots.meta, slots.hata_w, tables, space)
             else:
-                scores = exact_scores(q, keys, tables, skip=reuse)  # a reusing head's keys are not read
+                scores = exact_scores(q, keys, tables, space, skip=reuse)  # a reusing head's keys are not read
             scores = jnp.where(slots.persistent[None, :, None] & (scores > NEG_INF), jnp.inf, scores)  # all
             # ascending only where the rows held are looked up by token (speculation: `locate_rows`)
-            return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
-                                 self.num_sink, self.num_recent, ps, ascending=self.speculative)
+            return choose_tokens(scores, space.positions(tables), pool_tokens, context, n_select, K,
+                                 self.num_sink, self.num_recent, ps, token_ids=space.token_ids(),
+                                 ascending=self.speculative)
 
         return reuse, select, replay
 

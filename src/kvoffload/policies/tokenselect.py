@@ -39,7 +39,10 @@ request (K and V of the whole context: no saving at all); the gather reads the K
 and V per (request, head), writes them once and the attention reads them again: 3 * K rows against
 the context's S rows (K = 2048 of S = 128K: ~1/20 of the bytes). A kernel reading the rows straight
 from the extents would read K rows once (future work, with a paged scoring kernel: see the report).
-Scoring reads every K row of the pool once per layer (the vote needs every key) unless the cache hits.
+Scoring reads every K row of the pool once per layer (the vote needs every key) unless the cache hits,
+each block against its owner's query only; the vote and the top-k then run per request over its own
+tokens (`TokenSpace`: [B, n_kv, T] with T the most tokens one request owns, not the batch's pool: at batch
+8 the top-k alone over the batch's pool cost 2 ms a layer on an H100).
 
 Length extrapolation (``extrapolate=True``): prompts past the model's trained positions, attending only
 the selected tokens at rank positions inside the window; a separate dense runner, see
@@ -170,9 +173,12 @@ class SelectSources:
 
     pool: object  # PoolSources
     tail_len: jax.Array  # [B] int32
+    # static: the most blocks one request owns (`request_token_bound` / blk), the size of the per-request
+    # token space the selection scores and ranks (`TokenSpace`); 0: not known (the whole pool's space)
+    request_blocks: int = 0
 
 
-jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len"], meta_fields=[])
+jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len"], meta_fields=["request_blocks"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,45 +186,116 @@ jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len"]
 # ---------------------------------------------------------------------------------------------
 
 
-def owned_blocks(table, count, num_slots):
-    """[B, E] bool: which slots of an extent each request owns (its table's first count entries)."""
-    B, M = table.shape
-    j = jnp.arange(M, dtype=jnp.int32)[None]
-    slot = jnp.where(j < count[:, None], table, num_slots)  # past the end: dropped
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, M))
-    return jnp.zeros((B, num_slots), bool).at[rows, slot].set(True, mode="drop")
+def block_owners(tables):
+    """[num_blocks] int32: the request owning each block of the pool (block-id order), -1 where none."""
+    out = []
+    for table, count, first in zip(tables.table, tables.count, tables.first_pos):
+        B, M = table.shape
+        slot = jnp.where(jnp.arange(M, dtype=jnp.int32)[None] < count[:, None], table, first.shape[0])
+        req = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, M))
+        out.append(jnp.full(first.shape, -1, jnp.int32).at[slot.reshape(-1)].set(req.reshape(-1), mode="drop"))
+    return jnp.concatenate(out)
 
 
-def soft_vote(q, keys, tables, scale=None):
+@dataclasses.dataclass(frozen=True)
+class TokenSpace:
+    """The token space a selection scores and ranks, per request: [B, T] over its own pool blocks.
+
+    Scoring: every pool block is scored once, against its owner's query (``owner_rows``: no request scores
+    another's blocks: 1x the flops of the pool, not B x), as per-block values [num_blocks, C, blk];
+    ``per_request`` lays them out per request. Two layouts:
+    * per request (``blocks`` given, batch > 1 with a known bound): each request's blocks in ascending
+      block-id order, padded to R = the most blocks one request owns (`request_token_bound`), T = R * blk;
+      the top-k runs over T, not over the batch's pool, and ``token_ids`` maps a slot back to its pool token.
+    * the pool (``blocks`` None: batch 1, or no bound): T = N, every pool token, the request's valid (at
+      batch 1 the request owns the pool: nothing to gather, the scores as computed).
+    Either way a request's own tokens come in ascending pool token order, so the top-k (ties to the lower
+    index) picks the same tokens in both layouts, and in the pool of the request alone."""
+
+    owner: jax.Array  # [num_blocks] int32: each block's request (-1: free)
+    blocks: jax.Array | None  # [B, R] int32: each request's blocks, ascending (0 past its count); None: the pool
+    valid: jax.Array  # [B, R] (per request) or [B, num_blocks] (the pool) bool: the request owns the block
+    blk: int
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
+
+    def owner_rows(self, x):
+        """[num_blocks, ...]: per block its owner's row of x [B, ...] (request 0's where free)."""
+        if self.batch == 1:
+            return jnp.broadcast_to(x, (self.owner.shape[0],) + x.shape[1:])
+        return x[jnp.maximum(self.owner, 0)]
+
+    def token_valid(self):
+        """[B, T] bool: the slot holds one of the request's tokens."""
+        return jnp.repeat(self.valid, self.blk, axis=1)
+
+    def per_request(self, x):
+        """[B, C, T] f32 from per-block values x [num_blocks, C, blk], -inf where the request owns no token."""
+        n, C, blk = x.shape
+        if self.blocks is None:
+            y = jnp.swapaxes(x, 0, 1).reshape(1, C, n * blk)
+        else:
+            y = jnp.swapaxes(x[self.blocks], 1, 2).reshape(self.batch, C, -1)  # [B, R, C, blk] -> [B, C, R blk]
+        return jnp.where(self.token_valid()[:, None], y.astype(jnp.float32), NEG_INF)
+
+    def token_ids(self):
+        """[B, T] int32: the pool token (block id * blk + offset) of each slot; None for the pool's own space."""
+        if self.blocks is None:
+            return None
+        return (self.blocks[..., None] * self.blk + jnp.arange(self.blk, dtype=jnp.int32)).reshape(self.batch, -1)
+
+    def positions(self, tables):
+        """[T] (the pool) or [B, T] int32: each slot's token position (``token_positions``)."""
+        pos = token_positions(tables, self.blk)
+        ids = self.token_ids()
+        return pos if ids is None else pos[ids]
+
+
+jax.tree_util.register_dataclass(TokenSpace, data_fields=["owner", "blocks", "valid"], meta_fields=["blk"])
+
+
+def token_space(tables, blk: int, request_blocks: int = 0) -> TokenSpace:
+    """The selection's token space for these tables (`TokenSpace`): per request, R = request_blocks blocks
+    each, where the batch has more than one request and R is known and below the pool's blocks; else the
+    pool's. request_blocks must bound every request's blocks (the slots' sizes rest on the same bound)."""
+    owner = block_owners(tables)
+    B, n = tables.count[0].shape[0], owner.shape[0]
+    mine = owner[None] == jnp.arange(B, dtype=jnp.int32)[:, None]  # [B, num_blocks]
+    if B == 1 or not 0 < request_blocks < n:
+        return TokenSpace(owner=owner, blocks=None, valid=mine, blk=blk)
+    blocks = jax.vmap(lambda m: jnp.nonzero(m, size=request_blocks, fill_value=0)[0].astype(jnp.int32))(mine)
+    valid = jnp.arange(request_blocks)[None] < jnp.sum(mine, axis=1, dtype=jnp.int32)[:, None]
+    return TokenSpace(owner=owner, blocks=blocks, valid=valid, blk=blk)
+
+
+def soft_vote(q, keys, tables, scale=None, space: TokenSpace | None = None):
     """TokenSelect's soft vote over a request's pool tokens spread over extents.
 
-    q [B, H, d]; keys: per extent [E_e, n_kv, blk, d]; tables: BlockTables. Returns [B, n_kv, N] f32
-    over the pool's token space (N = sum_e E_e * blk, block-id order: block id * blk + offset):
-    per query head the softmax of scale*q.k over the request's own pool tokens (one normalisation
-    across every extent), summed over each KV head's query heads; -inf where the request owns no token.
-    Each extent is scored for every request (one read of the extent, B times the flops; a paged
-    kernel would read only each request's blocks)."""
+    q [B, H, d]; keys: per extent [E_e, n_kv, blk, d]; tables: BlockTables; space: the token space
+    (`token_space`; default the pool's). Returns [B, n_kv, T] f32 over the space's tokens (the pool's: T = N,
+    block-id order, block id * blk + offset): per query head the softmax of scale*q.k over the request's
+    own pool tokens (one normalisation across every extent), summed over each KV head's query heads; -inf
+    where the request owns no token. Each block is scored once, against its owner's query."""
     B, H, d = q.shape
     n_kv, blk = keys[0].shape[1], keys[0].shape[2]
     G = H // n_kv
     scale = d ** -0.5 if scale is None else scale
-    qg = q.reshape(B, n_kv, G, d)
-    logits, masks = [], []
-    for e, k in enumerate(keys):
+    space = token_space(tables, blk) if space is None else space
+    qb = space.owner_rows(q.reshape(B, n_kv, G, d))
+    logits, start = [], 0
+    for k in keys:
         E = k.shape[0]
-        s = jnp.einsum("bhgd,ehtd->bhget", qg.astype(k.dtype), k, preferred_element_type=jnp.float32,
-                       precision=jax.lax.Precision.HIGHEST).reshape(B, n_kv, G, E * blk) * scale
-        own = jnp.repeat(owned_blocks(tables.table[e], tables.count[e], E), blk, axis=1)[:, None, None]
-        logits.append(jnp.where(own, s, NEG_INF))
-        masks.append(own)
-    # pass 1: the global max per query head; pass 2: the global sum, then the normalised group sums
-    m = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in logits]), axis=0)[..., None]
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = [jnp.exp(s - m) for s in logits]  # exp(-inf) = 0 outside the request
-    z = sum(jnp.sum(x, axis=-1, keepdims=True) for x in p)
-    z = jnp.where(z > 0, z, 1.0)
-    votes = [jnp.where(own[:, :, 0], jnp.sum(x / z, axis=2), NEG_INF) for x, own in zip(p, masks)]
-    return jnp.concatenate(votes, axis=-1)
+        logits.append(jnp.einsum("ehgd,ehtd->ehgt", qb[start:start + E].astype(k.dtype), k,
+                                 preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST))
+        start += E
+    s = space.per_request(jnp.concatenate(logits).reshape(start, H, blk) * scale)  # [B, H, T]
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))  # exp(-inf) = 0 outside the request
+    z = jnp.sum(p, axis=-1, keepdims=True)
+    votes = jnp.sum((p / jnp.where(z > 0, z, 1.0)).reshape(B, n_kv, G, -1), axis=2)
+    return jnp.where(space.token_valid()[:, None], votes, NEG_INF)
 
 
 def token_positions(tables, blk):
@@ -228,17 +305,20 @@ def token_positions(tables, blk):
 
 
 def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink, num_recent, page_size,
-                  ascending=True):
+                  token_ids=None, ascending=True):
     """The selection from a vote: (indices [B, n_kv, K] ascending (else best first: no sort, for callers that
     need no order; XLA's sort is a chain of bitonic kernels), num_valid [B, n_kv]).
 
-    scores [B, n_kv, N] (-inf: not the request's); positions [N]; pool_tokens, context [B] (the
-    context counts the tail and the new token); n_select [B] or per head [B, n_kv]: tokens to select
-    (<= K, a multiple of page_size). Forced in: positions < num_sink, and positions >= context - num_recent (pool tokens
-    only where the tail is shorter than num_recent). With page_size > 1 the vote is summed over
-    pages (page_size tokens inside one block) and whole pages are selected."""
+    scores [B, n_kv, T] (-inf: not the request's) over a token space: the pool's (T = N), or each request's
+    own (`TokenSpace`: then token_ids [B, T] gives each slot's pool token, ascending in the request's valid
+    slots, and the indices returned are those pool tokens); positions [T] or [B, T]; pool_tokens, context
+    [B] (the context counts the tail and the new token); n_select [B] or per head [B, n_kv]: tokens to select
+    (<= K, a multiple of page_size). Forced in: positions < num_sink, and positions >= context - num_recent
+    (pool tokens only where the tail is shorter than num_recent). With page_size > 1 the vote is summed
+    over pages (page_size tokens inside one block) and whole pages are selected."""
     B, n_kv, N = scores.shape
-    forced = (positions < num_sink)[None] | (positions[None] >= (context - num_recent)[:, None])  # [B, N]
+    positions = positions if positions.ndim == 2 else positions[None]
+    forced = (positions < num_sink) | (positions >= (context - num_recent)[:, None])  # [B, N]
     pri = jnp.where(forced[:, None] & (scores > NEG_INF), jnp.inf, scores)
     if page_size > 1:
         pri = jnp.sum(pri.reshape(B, n_kv, N // page_size, page_size), axis=-1)  # a forced token forces its page
@@ -252,10 +332,12 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
     key = jnp.sort(key, axis=-1) if ascending else key
     idx = jnp.where(key < big, key, 0)
     if page_size > 1:
-        pos, _ = expand_indices(idx, nv, page_size, N)
-        return pos, nv * page_size
+        idx, _ = expand_indices(idx, nv, page_size, N)
+        nv = nv * page_size
+    if token_ids is not None:  # slots of the requests' own spaces -> pool tokens (monotone: order kept)
+        kept = jnp.arange(idx.shape[-1])[None, None] < nv[..., None]
+        idx = jnp.where(kept, jnp.take_along_axis(token_ids[:, None], idx, axis=-1), 0)  # any order
     return idx, nv
-
 
 
 def sorted_positions(sorted_rows, values):
@@ -466,9 +548,10 @@ class TokenSelectAttend:
                                        (slots.pool_tokens == pool_tokens)[:, None], slots)
 
         def select():
-            scores = soft_vote(q, keys, tables)
-            return choose_tokens(scores, token_positions(tables, blk), pool_tokens, context, n_select, K,
-                                 self.num_sink, self.num_recent, ps)
+            space = token_space(tables, blk, src.request_blocks)
+            return choose_tokens(soft_vote(q, keys, tables, space=space), space.positions(tables), pool_tokens,
+                                 context, n_select, K, self.num_sink, self.num_recent, ps,
+                                 token_ids=space.token_ids())
 
         indices, num_valid = reuse_or_select(reuse, slots, select)
 
@@ -679,7 +762,8 @@ class TokenSelectHooks(LayerHooks):
                                recompute=pipe.scalar(0), prompt_extents=group.layout.prompt_extents)
         else:
             pool = super().sources(pipe, group, plan, layer, fetched)
-        return SelectSources(pool=pool, tail_len=group.tail_len)
+        return SelectSources(pool=pool, tail_len=group.tail_len,
+                             request_blocks=request_token_bound(group.layout, group.size) // group.layout.block_tokens)
 
 
 def check_store(store, error):
