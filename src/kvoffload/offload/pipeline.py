@@ -878,8 +878,10 @@ class LayerPipeline:
             moved["arrays"] += len(jax.tree.leaves((early, late)))
             fetched[n] = (early_d, late_d)
 
-        # a device pool moves nothing: no transfer buffers to bound, the host never waits in the step
-        sync_depth = o.sync_depth if self.host_pool or o.offload_weights else 0
+        # a device pool moves nothing, nor does a host pool read in place (clo, tokenselect kv=split: the layer
+        # programs gather selected rows themselves): no transfer buffers to bound, the host never waits in the step
+        fetches = self.host_pool and self.hooks.fetches_extents(self)
+        sync_depth = o.sync_depth if fetches or o.offload_weights else 0
         # XLA starts a host->GPU copy only after every program dispatched before it (its allocator is
         # synchronised with the compute stream), so a copy overlaps only programs dispatched after it:
         # item n+k's copies are issued before item n's program, k = lookahead. With k = 1 a layer's first
