@@ -17,7 +17,14 @@ program repeated back to back (GPU time, no host sync inside):
 * ``attend``      ``ops.sparse_attention`` over the gathered rows
 * ``read_k``      a plain read of every K row (the floor of any scoring)
 
+With ``--clo-breakdown`` (issue 11, the CLO paper's Fig. 11): clo's attention of one layer in four parts
+(retrieval, transfer, cache management, attention; `clo_breakdown`) for exact and HATA retrieval at three miss
+patterns (every head, one KV head per request, none), the parts' floors over bandwidths measured in the same
+run, and `full`'s attention of the same pool; plotted by plot_clo_breakdown.py (``--smoke``: tiny, CPU).
+
     PYTHONPATH=src python scripts/bench_select_parts.py --out $OUT/select_parts.json
+    PYTHONPATH=src python scripts/bench_select_parts.py --clo-breakdown --out $OUT/clo_breakdown.json
+    python scripts/plot_clo_breakdown.py $OUT/clo_breakdown.json --out $OUT/clo_breakdown.png
 """
 
 import argparse
@@ -224,8 +231,8 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
                 jnp.where(reuse[..., None], cached_idx, fresh_idx), jnp.where(reuse, cached_nv, fresh_nv),
                 jnp.where(keep_q, cached_q, q.astype(jnp.float32)))
 
-    slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (batch, n_kv, K))
-    attend = jax.jit(lambda q, k, v, nv: ops.sparse_attention(q, k, v, slot_ids, num_valid=nv))
+    attend = jax.jit(lambda q, k, v, nv: ops.sparse_attention(
+        q, k, v, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), nv.shape + (K,)), num_valid=nv))
 
     @jax.jit
     def full_attention(q, keys, vals):  # `full`: every extent of the pool in device memory (attend_pool)
