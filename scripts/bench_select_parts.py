@@ -171,8 +171,9 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
     program timed alone (`timed`), per retrieval and miss pattern; one row per (retrieval, pattern):
 
     * retrieval: the token space, the scores (``exact_scores`` with ``skip`` = the hit heads: their keys are
-      not read; ``hata_token_scores``: every head's codes, it has no skip) and ``choose_tokens`` (top-k,
-      sinks and recent forced in, best first as clo without speculation asks)
+      not read; ``hata_token_scores``: every head's codes, it has no skip) and ``choose_tokens`` (top-k over
+      every head, as in the library, where the hit heads' picks are dropped; sinks and recent forced in, best
+      first as clo without speculation asks)
     * transfer: ``HostRows`` of the K and V extents (V in pinned_host memory; K in device memory for exact,
       pinned_host for hata), the missed heads' selected rows only (a hit head's count is 0: its rows are -1
       and move nothing)
