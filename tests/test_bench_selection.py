@@ -59,3 +59,48 @@ def test_hit_rates_per_layer_resampled_over_depth(rate, layers, want):
         got, note = bs.per_layer(bs.parse_rate(rate), layers)
     assert got == pytest.approx(want)
     assert (note is None) == (rate.count(",") + 1 in (1, layers))
+
+
+@pytest.mark.slow  # ~25 s on 2 cores (compilation of ~8 programs per shape); the script itself runs on the GPU
+def test_clo_breakdown_smoke_writes_every_part_and_the_plot(tmp_path):
+    out, png = tmp_path / "clo_breakdown.json", tmp_path / "clo_breakdown.png"
+    with script_module("bench_select_parts") as bp:
+        assert bp.main(["--clo-breakdown", "--smoke", "--out", str(out)]) == 0
+        shapes, n_kv = bp.parse_runs(bp.SMOKE["runs"]), bp.SMOKE["n_kv"]
+        patterns, parts = bp.PATTERNS, bp.PARTS
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "clo_breakdown" and doc["probes"]["hbm_bytes_per_s"] > 0
+    runs = {(r["ctx"], r["batch"], r["retrieval"], r["pattern"]): r for r in doc["runs"]}
+    assert len(runs) == len(doc["runs"]) == len(shapes) * 2 * len(patterns)
+    for ctx, batch, budget in shapes:
+        for retrieval in ("exact", "hata"):
+            rows = {p: runs[ctx, batch, retrieval, p] for p in patterns}
+            assert [rows[p]["missed_heads"] for p in patterns] == [batch * n_kv, batch, 0]
+            for p, r in rows.items():
+                assert r["budget"] == budget and r["full_attention_us"] > 0 and r["full_attention_floor_us"] > 0
+                assert r["us"]["attention"] > 0 and r["us"]["cache_management"] > 0
+                skipped = ["retrieval", "transfer"] if p == "all_hit" else []
+                assert r["not_run"] == skipped
+                for part in parts:  # measured where run, 0 (and no floor) where the lax.cond skips the part
+                    assert (r["us"][part] > 0) == (part not in skipped) == (r["floor_us"][part] > 0), (p, part)
+            # the hit heads' rows do not move: one head of n_kv moves 1/n_kv of every head's rows
+            moved = [rows[p]["pcie_bytes"]["transfer"] for p in patterns]
+            assert moved[0] == n_kv * moved[1] > 0 and moved[2] == 0
+            # exact: the hit heads' keys are not scored
+            if retrieval == "exact":
+                scored = [rows[p]["hbm_bytes"]["retrieval"] for p in patterns]
+                assert scored[0] == n_kv * scored[1] > 0 and scored[2] == 0
+        # hata moves K rows from the host beside V
+        assert runs[ctx, batch, "hata", "all_miss"]["pcie_bytes"]["transfer"] == \
+            2 * runs[ctx, batch, "exact", "all_miss"]["pcie_bytes"]["transfer"]
+    with script_module("plot_clo_breakdown") as plot:
+        assert plot.main([str(out), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_clo_breakdown_plot_refuses_other_results(tmp_path):
+    other = tmp_path / "select_parts.json"
+    other.write_text(json.dumps({"device": "cpu", "runs": [{"ctx": 512, "us": {"exact": 1.0}}]}))
+    with script_module("plot_clo_breakdown") as plot, pytest.raises(SystemExit, match="clo-breakdown"):
+        plot.main([str(other), "--out", str(tmp_path / "x.png")])
+    assert not (tmp_path / "x.png").exists()
