@@ -58,6 +58,29 @@ def test_matches_full(ref, policy, opts):
         assert np.array_equal(logits, want_logits)
 
 
+@pytest.mark.parametrize("policy,opts", [("full", {}), ("kvpr", dict(split_point=16))])
+def test_prefill_in_row_chunks_equals_one_program(ref, policy, opts):
+    """A prefill workspace of one row: each layer's prefill runs one prompt row at a time and its outputs are
+    written into the group's buffers in place (never all chunks beside their concatenation): the same logits,
+    bit for bit, as one program over the whole batch; the planner counts one chunk's outputs on top."""
+    arch, model, want, want_logits = ref
+    tiny = dict(BASE, prefill_workspace_gb=1e-9, **opts)  # chunk = 1 row
+    got, logits = generate(model, PROMPTS, NEW, policy=policy, policy_options=tiny, return_logits=True)
+    assert got == want
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
+    if policy == "full":
+        np.testing.assert_array_equal(logits, want_logits)
+    cfg = model.config
+    t_pad, b = 48, len(PROMPTS)
+    from kvoffload.offload.pipeline import prefill_workspace_per_row
+
+    layouts = plan_pool(cfg, jnp.float32, [np.asarray([19, 40, 3])], 60, block_tokens=BLOCK).layouts
+    whole, chunked = (pool_memory(cfg, jnp.float32, layouts, b, t_pad, host_pool=False, offload_weights=False,
+                                  prefill_workspace_gb=gb).gpu["prefill workspace"] for gb in (10.0, 1e-9))
+    outputs = t_pad * (cfg.hidden_size + cfg.kv_bytes_per_token) * 4  # one row's h and K/V, before its write
+    assert whole - chunked == (b - 1) * prefill_workspace_per_row(cfg, jnp.float32, t_pad) - outputs
+
+
 def test_full_matches_the_dense_reference(ref):
     """The pool-based `full` against the dense one-jit decode of models/transformer.py (itself tested
     against HF transformers in test_models.py)."""

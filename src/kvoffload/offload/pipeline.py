@@ -176,6 +176,13 @@ def _layer_prefill(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
     return h, k, v, (x if keep_x else None)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_row_chunk(bufs, outs, start):
+    """A row chunk's layer-prefill outputs (h, k, v, x; x may be None) written into the group's buffers in
+    place, at row `start`: the chunks' outputs are never all alive beside a concatenation of them."""
+    return jax.tree.map(lambda b, o: jax.lax.dynamic_update_slice_in_dim(b, o, start, 0), bufs, outs)
+
+
 @jax.jit
 def _last_hidden(h, lengths):
     return jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -720,17 +727,20 @@ class LayerPipeline:
             lp = self.to_device(layers[i]) if o.offload_weights else layers[i]
             for gr in groups:
                 a, z = gr["rows"]
-                outs = []
+                bufs = None
                 for c in range(a, z, chunk):  # row chunks bound the attention / MLP workspace
                     e = min(z, c + chunk)
-                    outs.append(_layer_prefill(cfg, lp, gr["h"][c - a:e - a] if (a, z) != (c, e) else gr["h"],
-                                               positions[c:e], lengths[c:e], keep_x, o.prefill_chunk_tokens))
-                if len(outs) == 1:
-                    gr["h"], k, v, x = outs[0]
-                else:
-                    gr["h"], k, v = (jnp.concatenate([o_[j] for o_ in outs], 0) for j in range(3))
-                    x = jnp.concatenate([o_[3] for o_ in outs], 0) if keep_x else None
-                del outs
+                    out = _layer_prefill(cfg, lp, gr["h"][c - a:e - a] if (a, z) != (c, e) else gr["h"],
+                                         positions[c:e], lengths[c:e], keep_x, o.prefill_chunk_tokens)
+                    if (a, z) == (c, e):
+                        bufs = out
+                        break
+                    if bufs is None:  # the layer's outputs for the group, filled chunk by chunk
+                        bufs = jax.tree.map(lambda t: jnp.zeros((z - a,) + t.shape[1:], t.dtype), out)
+                    bufs = _put_row_chunk(bufs, out, c - a)
+                    del out
+                gr["h"], k, v, x = bufs
+                del bufs
                 pk, pv, px, k_dev = self._extents_from_prefill(gr["layout"], gr["srcs"], gr["alloc"], k, v, x, dtype,
                                                                self.hooks.layer_parts(self, i))
                 if gr["slots"]:

@@ -231,7 +231,9 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         # token chunk's, and the layer's K/V/X gathered into extents before they go to the host)
         "prefill weights in flight": min(2, streamed) * wb.per_layer,
         "prefill workspace": b * t_pad * (2 * cfg.hidden_size * p + cfg.kv_bytes_per_token * p + x_tok)
-        + min(b, chunk) * per_row + (b * t_pad * (cfg.kv_bytes_per_token * p + x_tok) if prefill_chunk_tokens else 0),
+        + min(b, chunk) * per_row + (b * t_pad * (cfg.kv_bytes_per_token * p + x_tok) if prefill_chunk_tokens else 0)
+        # row chunks: one chunk's outputs (h, K/V, X) before they are written into the layer's buffers
+        + (chunk * t_pad * (cfg.hidden_size * p + cfg.kv_bytes_per_token * p + x_tok) if b > chunk else 0),
     }
     phase = {"weights in flight": "decode", "transfer buffers": "decode", "recompute workspace": "decode",
              "dequantize workspace": "decode", "prefill weights in flight": "prefill", "prefill workspace": "prefill"}
