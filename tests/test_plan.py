@@ -109,3 +109,16 @@ def test_profiler_cli_writes_a_profile(tmp_path, capsys):
     assert "[profile]" in capsys.readouterr().err
     cm = CostModel.load(str(out))
     assert cm.pcie_bw > 0
+
+
+def test_named_shapes_of_the_speed_benchmarks():
+    """The random-weight shapes the GPU benchmarks name: heads, GQA groups, biases and weight bytes as the
+    published configs give them (Qwen2.5-7B: 28 query heads on 4 KV heads, q/k/v biases, ~7.6e9 params)."""
+    q = model_shape("qwen2.5-7b")
+    assert (q.model_type, q.num_layers, q.num_heads, q.num_kv_heads, q.head_dim, q.qkv_bias) == \
+        ("qwen2", 28, 28, 4, 128, True)
+    l2 = model_shape("llama-2-7b")
+    assert (l2.num_heads, l2.num_kv_heads, l2.intermediate_size, l2.qkv_bias) == (32, 32, 11008, False)
+    for name, params in (("qwen2.5-7b", 7.6e9), ("llama-2-7b", 6.7e9), ("llama-3-8b", 8.0e9)):
+        wb = weight_bytes(model_shape(name), jnp.bfloat16)
+        assert abs((wb.other + wb.per_layer * model_shape(name).num_layers) / 2 / params - 1) < 0.03, name

@@ -46,6 +46,15 @@ MODEL_SHAPES = {
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                        bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False),
+    # issue 11's second GQA shape: 7 query heads per KV head, q/k/v biases
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=False),
+    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
     "tiny-opt": dict(model_type="opt", vocab_size=258, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=512, do_layer_norm_before=True,
                      word_embed_proj_dim=64, activation_function="relu"),
@@ -53,7 +62,8 @@ MODEL_SHAPES = {
 
 
 def model_shape(name_or_path: str) -> ModelConfig:
-    """A named shape (opt-6.7b, opt-13b, llama-3-8b, tiny-opt) or an HF config.json / directory."""
+    """A named shape (opt-6.7b, opt-13b, opt-30b, llama-3-8b, llama-2-7b, qwen2.5-7b, tiny-opt) or an HF
+    config.json / directory."""
     if name_or_path in MODEL_SHAPES:
         return ModelConfig.from_hf_dict(MODEL_SHAPES[name_or_path])
     return ModelConfig.from_json(name_or_path)
