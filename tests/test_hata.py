@@ -286,3 +286,18 @@ def test_clo_decodes_with_trained_512_bit_projections(model, tmp_path):
     assert pol.describe(state)["clo"]["hata_bits"] == 512
     with pytest.raises(CloOptionError, match="bits"):
         _decode(model, "clo", 0, retrieval="hata", hata_weights=d, hata_bits=128)
+
+
+@pytest.mark.slow  # about 3 minutes: SmolLM2 forwards over RULER prompts on the CPU
+def test_ruler_data_beats_random_on_heldout_needle_queries():
+    from kvoffload.models import load_model
+
+    model = load_model(None, quiet=True)
+    hc = hata.HataConfig(data="ruler", steps=40, num_prompts=4, eval_prompts=1, prompt_length=1024,
+                         queries_per_prompt=16, ruler_tasks=("niah_single_2", "niah_multiquery"))
+    ev = {"ruler_needles": hata.collect_data(model, hc, "eval", 2, "ruler")}
+    assert ev["ruler_needles"].qpos.min() > 900  # queries at the question / answer end of the prompts
+    res = hata.train_hata(model, hc, eval_qk=ev, quiet=True)
+    r = res.recalls["ruler_needles"]
+    assert r["trained"].mean() > r["random"].mean() + 0.05
+    assert r["trained_top"].mean() > r["random_top"].mean()
