@@ -267,7 +267,7 @@ def test_cli_end_to_end(tmp_path, model):
     assert rc == 0
     doc = json.load(open(os.path.join(out, ktrain.SCORES_JSON)))
     assert set(doc["check"]) >= {"full", "lowest_streaming", "highest_streaming"}
-    rc = cli.train_hata_main(["--model", mdir, "--text", text, "--steps", "2", "--bits", "32", "--prompts", "1",
+    rc = cli.train_hata_main(["--model", mdir, "--text", text, "--steps", "2", "--bits", "32", "--prompts", "1", "--data", "essays",
                               "--eval-prompts", "1", "--prompt-length", "192", "--queries", "8",
                               "--out", str(tmp_path / "hata"), "--quiet"])
     assert rc == 0 and os.path.exists(str(tmp_path / "hata" / "hata.json"))

@@ -2,7 +2,7 @@
 
     kvoffload train-importance --model PATH --steps 500 --max-length 8192 --out runs/imp
     kvoffload train-importance --out runs/imp --evaluate --eval-samples 32   # + the 50/50 check
-    kvoffload train-hata --model PATH --steps 300 --out runs/hata
+    kvoffload train-hata --model PATH --steps 300 --out runs/hata   # 256 bits, essay + RULER prompts
 
 Both resume from --out when it holds a checkpoint of the same settings.
 """
@@ -56,7 +56,8 @@ def hata_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvoffload train-hata",
                                 description="Learn HATA hash projections per layer and KV head.")
     _add_common(p)
-    p.add_argument("--bits", type=int, default=128)
+    p.add_argument("--bits", type=int, default=None,
+                   help="code bits, a multiple of 32 (default 256; clo needs the same hata_bits)")
     p.add_argument("--top-frac", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -65,6 +66,13 @@ def hata_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=int, default=2)
     p.add_argument("--prompt-length", type=int, default=2048)
     p.add_argument("--queries", type=int, default=64, help="query positions per prompt")
+    p.add_argument("--data", choices=("essays", "ruler", "mixed"), default=None,
+                   help="training prompts: essay windows (random query positions), RULER prompts + answers "
+                        "(queries at the question / answer positions), or half of each (default: mixed)")
+    p.add_argument("--ruler-tasks", default=None,
+                   help="comma-separated RULER tasks for --data ruler/mixed (default: the niah tasks, vt, qa)")
+    p.add_argument("--top-boost", type=float, default=None,
+                   help="loss weight factor of each query's true top-1%% keys among its top-10%% positives")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out recall check")
     return p
 
@@ -156,13 +164,21 @@ def train_hata_main(argv=None) -> int:
         kw["lr"] = args.lr
     if args.scale is not None:
         kw["scale"] = args.scale
-    hcfg = HataConfig(
-        bits=args.bits, top_frac=args.top_frac, steps=args.steps, momentum=args.momentum,
-        num_prompts=args.prompts, eval_prompts=args.eval_prompts, prompt_length=args.prompt_length,
-        queries_per_prompt=args.queries, seed=args.seed, out_dir=args.out, text_path=args.text,
-        checkpoint_every=args.checkpoint_every or max(1, args.steps // 5), **kw,
-    )
+    if args.bits is not None:
+        kw["bits"] = args.bits
+    if args.data is not None:
+        kw["data"] = args.data
+    if args.ruler_tasks:
+        kw["ruler_tasks"] = tuple(t.strip() for t in args.ruler_tasks.split(",") if t.strip())
+    if args.top_boost is not None:
+        kw["top_boost"] = args.top_boost
     try:
+        hcfg = HataConfig(
+            top_frac=args.top_frac, steps=args.steps, momentum=args.momentum,
+            num_prompts=args.prompts, eval_prompts=args.eval_prompts, prompt_length=args.prompt_length,
+            queries_per_prompt=args.queries, seed=args.seed, out_dir=args.out, text_path=args.text,
+            checkpoint_every=args.checkpoint_every or max(1, args.steps // 5), **kw,
+        )
         train_hata(model, hcfg, evaluate=not args.no_eval, quiet=args.quiet)
     except ValueError as e:
         print(f"train-hata: {e}", file=sys.stderr)
