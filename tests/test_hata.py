@@ -281,9 +281,11 @@ def test_clo_decodes_with_trained_512_bit_projections(model, tmp_path):
     w = np.asarray(hata.init_projection(cfg, 512, 1))
     d = str(tmp_path / "w")
     hata.save_projections(d, w, cfg, _cfg(bits=512))
-    pol, logits, state = _decode(model, "clo", 4, retrieval="hata", hata_weights=d, hata_bits=512, topk_ratio=0.5)
+    pol, logits, state = _decode(model, "clo", 4, retrieval="hata", hata_weights=d, topk_ratio=0.5)  # width: W's
     assert np.isfinite(np.asarray(logits)).all()
     assert pol.describe(state)["clo"]["hata_bits"] == 512
+    _, same, _ = _decode(model, "clo", 4, retrieval="hata", hata_weights=d, hata_bits=512, topk_ratio=0.5)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(logits))
     with pytest.raises(CloOptionError, match="bits"):
         _decode(model, "clo", 0, retrieval="hata", hata_weights=d, hata_bits=128)
 

@@ -34,7 +34,8 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
      sum_c max(q_c min_c, q_c max_c) (``quest_bounds``, as q+ . max + q- . min: two batched matmuls over
      the extents' blocks, each block against its owner's query); whole pages
      are selected (``choose_tokens`` with page_size = quest_page_tokens).
-   * ``hata``: per token a ``hata_bits``-bit sign code of the key (``ops.hata_encode`` with a per-KV-head
+   * ``hata``: per token a ``hata_bits``-bit sign code of the key (default: the trained weights' width, or 128
+     for random projections) (``ops.hata_encode`` with a per-KV-head
      projection W [d, r]: trained from ``kvoffload train-hata``'s output when ``hata_weights`` is given,
      else seeded Gaussian projections, ``importance.hata.init_projection``, i.e. SimHash). Score per KV
      head: max over the group of r - hamming(code(q), code(k)) (``hata_token_scores``).
@@ -131,6 +132,7 @@ SCORING = {"exact": "max over the group of q.k", "quest": "max over the group of
            "hata": "max over the group of bits - hamming(code(q), code(k))"}
 AGGREGATIONS = ("harmonic", "min")
 DEFAULT_RATIO = 0.1
+DEFAULT_HATA_BITS = 128  # random projections without hata_weights (trained weights bring their own width)
 PRETRAINED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "importance", "pretrained")
 SHIPPED_SCORES = os.path.join(PRETRAINED, "smollm2_135m_instruct_head_scores.json")
 SHIPPED_PROFILE = os.path.join(PRETRAINED, "smollm2_135m_instruct_clo_profile.json")
@@ -549,7 +551,7 @@ class CloHooks(TokenSelectHooks):
     option_error = CloOptionError
 
     def __init__(self, attend: CloAttend, importance, eta, p, fixed_threshold, persistent_heads, layer0_full,
-                 hata_weights=None, hata_bits=128, store="kv", replay_hit_rate=None):
+                 hata_weights=None, hata_bits=None, store="kv", replay_hit_rate=None):
         super().__init__(attend, split=True, store=store, replay_hit_rate=replay_hit_rate)
         self.importance, self.eta, self.p, self.fixed_threshold = importance, eta, p, fixed_threshold
         self.persistent_heads, self.layer0_full = persistent_heads, layer0_full
@@ -588,6 +590,7 @@ class CloHooks(TokenSelectHooks):
 
         L, n_kv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         if self.hata_weights is None:
+            self.hata_bits = self.hata_bits or DEFAULT_HATA_BITS
             return np.asarray(init_projection(cfg, self.hata_bits, seed=0)), f"random projections (seed 0, {self.hata_bits} bits)"
         if not os.path.exists(self.hata_weights):
             raise CloOptionError(f"hata_weights not found: {self.hata_weights}")
@@ -595,8 +598,9 @@ class CloHooks(TokenSelectHooks):
         if w.ndim != 4 or w.shape[:3] != (L, n_kv, d) or w.shape[3] % 32:
             raise CloOptionError(f"hata_weights must be [{L}, {n_kv}, {d}, r] (r a multiple of 32) for this model, "
                                  f"got {w.shape} ({self.hata_weights})")
-        if w.shape[3] != self.hata_bits:
+        if self.hata_bits is not None and w.shape[3] != self.hata_bits:
             raise CloOptionError(f"hata_weights has {w.shape[3]} bits, hata_bits asks for {self.hata_bits}")
+        self.hata_bits = int(w.shape[3])  # the trained width (hata_bits not given)
         return w, self.hata_weights
 
     def keys_written(self, pipe, slot, extent, k_blocks, at):
@@ -724,7 +728,7 @@ class CloPolicy(LayeredPolicy):
             raise CloOptionError("policy 'clo' keeps the weights on the device; offload_weights is not supported")
         super().__init__(**options)
 
-    def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=128, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
+    def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=None, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="none",
                    layer0_full=True, speculative_prefetch=False, store="kv", replay_hit_rate=None):
         if retrieval not in RETRIEVALS:
@@ -733,8 +737,8 @@ class CloPolicy(LayeredPolicy):
         page = int(quest_page_tokens) if retrieval == "quest" else 1
         if page < 1 or blk % page:
             raise CloOptionError(f"quest_page_tokens must divide block_tokens ({blk}), got {quest_page_tokens}")
-        hata_bits = int(hata_bits)
-        if hata_bits < 32 or hata_bits % 32:
+        hata_bits = None if hata_bits is None else int(hata_bits)  # None: the weights' width, else 128
+        if hata_bits is not None and (hata_bits < 32 or hata_bits % 32):
             raise CloOptionError(f"hata_bits must be a positive multiple of 32 (packed uint32 words), got {hata_bits}")
 
         if gqa_aggregation not in AGGREGATIONS:
