@@ -58,7 +58,7 @@ def test_matches_full(ref, policy, opts):
         assert np.array_equal(logits, want_logits)
 
 
-@pytest.mark.parametrize("policy,opts", [("full", {}), ("kvpr", dict(split_point=16))])
+@pytest.mark.parametrize("policy,opts", [("full", {}), pytest.param("kvpr", dict(split_point=16), marks=pytest.mark.slow)])
 def test_prefill_in_row_chunks_equals_one_program(ref, policy, opts):
     """A prefill workspace of one row: each layer's prefill runs one prompt row at a time and its outputs are
     written into the group's buffers in place (never all chunks beside their concatenation): the same logits,
