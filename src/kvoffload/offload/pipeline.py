@@ -736,7 +736,7 @@ class LayerPipeline:
                         bufs = out
                         break
                     if bufs is None:  # the layer's outputs for the group, filled chunk by chunk
-                        bufs = jax.tree.map(lambda t: jnp.zeros((z - a,) + t.shape[1:], t.dtype), out)
+                        bufs = jax.tree.map(lambda t: jnp.zeros((z - a,) + t.shape[1:], t.dtype, device=t.sharding), out)
                     bufs = _put_row_chunk(bufs, out, c - a)
                     del out
                 gr["h"], k, v, x = bufs
