@@ -229,7 +229,7 @@ def _selection(scoring, q, keys, tables, space, context, n_select, K, w, page):
     return idx, nv
 
 
-@pytest.mark.parametrize("scoring", ["exact", "quest", "hata", "vote"])
+@pytest.mark.parametrize("scoring", ["exact"] + [pytest.param(s, marks=pytest.mark.slow) for s in ("quest", "hata", "vote")])
 def test_per_request_selection_equals_the_pools_and_each_request_alone(scoring):
     """A ragged batch of 3 (blocks interleaved over 3 extents, one free slot) scored and ranked over each
     request's own blocks (`token_space` with a bound: [B, n_kv, R blk], not the batch's pool) selects the same

@@ -47,15 +47,22 @@ def check_equal(res):
 
 def test_mesh_runs_equal_one_device_and_bad_splits_are_refused():
     """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split along
-    H, K/V above it fetched by head) and with its own split on a 2-way mesh (OPT) equals `full` on one
-    device; tensor_parallel=3 with 8 query heads is refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow test below; a
-    2-way OPT offload run: the two-process test.)"""
+    H, K/V above it fetched by head) equals `full` on one device; tensor_parallel=3 with 8 query heads is
+    refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow tests below; a 2-way
+    OPT offload run: the two-process test.)"""
     res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
-                     dict(arch="llama", policy="offload", tp=3), dict(arch="opt", policy="kvpr", tp=2)])
+                     dict(arch="llama", policy="offload", tp=3)])
     check_equal(res[0])
     assert res[0]["pool_x"], "kvpr with split_point=16 stores activations"
     assert res[1]["error"] == "TensorParallelError"
     assert "query heads 8" in res[1]["message"] and "not divisible by 3" in res[1]["message"], res[1]
+
+
+@pytest.mark.slow  # 12 s: a subprocess with 2 virtual devices
+def test_kvpr_own_split_on_a_2_way_mesh_prices_the_all_gather():
+    """kvpr with its own split on a 2-way mesh (OPT) equals `full` on one device, and describe() prices the
+    all-gather of the recomputed X."""
+    res = [None, None] + run_cases([dict(arch="opt", policy="kvpr", tp=2)])
     # kvpr's own split on a 2-way mesh (the scheduler pricing one device, all-gather included) equals one
     # device, and describe() gives the all-gather of the recomputed X: each device receives half of each
     # recomputed token's X (tiny OPT: h 64, fp32) in each of the 2 layers

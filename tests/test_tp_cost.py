@@ -126,6 +126,7 @@ print("PROFILE " + json.dumps({k: prof[k] for k in ("tensor_parallel", "fits", "
 """
 
 
+@pytest.mark.slow  # 9 s: a subprocess with 4 virtual devices
 def test_profiler_measures_the_all_gather_on_a_mesh():
     """On 4 virtual CPU devices (meaningless speeds, the path a GPU mesh takes): transfers per device with
     every device moving at once, and the all-gather of X, fitted and recorded with its mesh size."""
