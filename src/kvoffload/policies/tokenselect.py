@@ -509,15 +509,11 @@ def selection_size(token_budget, token_ratio, num_sink, num_recent, page_size, K
     return jnp.minimum(-(-want // page_size) * page_size, K)
 
 
-def reuse_or_select(reuse, slots, select, some_miss: bool = False):
+def reuse_or_select(reuse, slots, select):
     """(indices, num_valid): the cached selection where reuse [B, n_kv], else select()'s; select (the
-    scoring and top-k) runs under a ``lax.cond`` only when some (request, head) misses, or unconditionally
-    where the caller knows one does (some_miss: inside its own miss branch, no second conditional)."""
-    if some_miss:
-        fresh_idx, fresh_nv = select()
-    else:
-        fresh_idx, fresh_nv = jax.lax.cond(jnp.all(reuse), lambda _: (slots.indices, slots.num_valid),
-                                           lambda _: select(), None)
+    scoring and top-k) runs under a ``lax.cond`` only when some (request, head) misses."""
+    fresh_idx, fresh_nv = jax.lax.cond(jnp.all(reuse), lambda _: (slots.indices, slots.num_valid),
+                                       lambda _: select(), None)
     return jnp.where(reuse[..., None], slots.indices, fresh_idx), jnp.where(reuse, slots.num_valid, fresh_nv)
 
 
