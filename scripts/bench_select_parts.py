@@ -191,6 +191,7 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
 
     from kvoffload import ops
     from kvoffload.offload import memory as M
+    from kvoffload.offload.pipeline import PoolSources, attend_pool
     from kvoffload.policies.clo import aggregate_similarity, exact_scores, hata_token_scores, key_metadata
     from kvoffload.policies.tokenselect import HostRows, choose_tokens, query_cosines, token_space
 
@@ -236,11 +237,9 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
         q, k, v, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), nv.shape + (K,)), num_valid=nv))
 
     @jax.jit
-    def full_attention(q, keys, vals):  # `full`: every extent of the pool in device memory (attend_pool)
-        acc = ops.empty_attention(q)
-        for e, (k, v) in enumerate(zip(keys, vals)):
-            acc = ops.merge_attention_into(acc, ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e]))
-        return acc
+    def full_attention(q, keys, vals):  # `full`: every extent of the pool in device memory, the pipeline's fold
+        src = PoolSources(k=tuple(keys), v=tuple(vals), x=(None,) * len(keys), recompute=jnp.int32(0))
+        return attend_pool(None, None, q, ops.empty_attention(q), src, tables, None, "auto", "auto")[0]
 
     # one fresh selection (every head scored) gives the rows every pattern moves and attends
     idx, nv = jax.block_until_ready(retrieve["exact"](q, keys, jnp.ones((batch, n_kv), bool)))
