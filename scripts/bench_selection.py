@@ -75,13 +75,14 @@ VARIANTS = {
     "tokenselect_split": ("tokenselect", {"kv": "split"}, "tokenselect"),
     "clo_exact": ("clo", {"retrieval": "exact", "topk_of_context": 0.1}, "clo"),
     "clo_hata": ("clo", {"retrieval": "hata", "topk_of_context": 0.1}, "clo"),
+    "clo_exact_int4": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "host_dtype": "int4"}, "clo"),  # issue 13
     # issue 11's "naive top-k offload": the same selection, no cache, no speculative prefetch
     "clo_naive": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
     "offload": ("offload", {}, None),
 }
 DEFAULT_POLICIES = ("full", "tokenselect_gpu", "tokenselect_split", "offload", "clo_exact", "clo_hata")
 COST_RANK = {name: i for i, name in enumerate(
-    ("full", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_hata", "clo_naive", "offload"))}
+    ("full", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_naive", "offload"))}
 GB = 1e9
 
 
