@@ -6,7 +6,9 @@ times are per layer of one decode step (every layer does the same work). A KV bl
 (``kv_bytes`` per layer), an ACT block moves the activation X (``act_bytes``: half a KV block for MHA,
 h / (2 n_kv d) of it in general, larger than a KV block with GQA) and has its K/V regenerated on the
 GPU. With weights offloaded, each layer's weights cross PCIe once per step (``load_w``), the GPU is
-otherwise idle unless it recomputes: that idle time is what ACT blocks fill.
+otherwise idle unless it recomputes: that idle time is what ACT blocks fill. Under tensor parallelism
+everything is one device's (its heads' K/V, its 1/N of X, its weight shard; an ACT block's regeneration
+includes the all-gather of its X over the mesh), so the same block ids hold every device's share.
 
 The lines come from the machine's profile (`plan.cost.CostModel`: host->GPU copy time over bytes,
 K/V recomputation over flops, attention over K/V bytes; `kvoffload profile` measures and fits them);

@@ -23,6 +23,9 @@ on the GPU while the next transfers run), and some ACT blocks stay on the GPU wh
   accumulator: the same partial sums over the same blocks in the same order as `full` with the same
   GPU batches, so at any split the logits are `full`'s (bit for bit in fp32 where recomputing an
   extent's K/V rounds as the prefill's projection did: MHA on XLA CPU, the real models' shapes).
+* Tensor parallelism (tensor_parallel=N): the shared pipeline's mesh runtime (every extent split by KV head
+  or, X, along H; weight shards streamed); the plan prices one device (`BlockRates.of` on the pipeline's
+  per-device shape: all-gather of X before each recompute included) within its share of the budgets.
 """
 
 from __future__ import annotations
