@@ -88,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hybrid-gpu-budget-gb", type=float, default=24.0,
                     help="hybrid: the GPU memory per device its plan may use (GPU-resident blocks included); 0: "
                          "the free memory")
+    ap.add_argument("--hybrid-gpu-blocks", default="auto",
+                    help="hybrid: GPU-resident blocks (auto: as many as the budget holds; 0: every block on the host)")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="kvpr: also time every forced split 0..extents in use at each N (measured best vs chosen)")
     args = ap.parse_args(argv)
@@ -137,6 +139,8 @@ def main(argv=None) -> int:
             opts["kvpr_store"] = wl["kvpr_store"]
         if pol == "hybrid" and args.hybrid_gpu_budget_gb > 0:
             opts["gpu_memory_limit_gb"] = args.hybrid_gpu_budget_gb
+        if pol == "hybrid":
+            opts["gpu_blocks"] = args.hybrid_gpu_blocks if args.hybrid_gpu_blocks == "auto" else int(args.hybrid_gpu_blocks)
         prof = profile_for(wl, n)
         if prof:
             opts["profile"] = prof
