@@ -1,10 +1,11 @@
-"""Tensor-parallel decode benchmark (issue 14): `offload` and `kvpr` decode throughput on 1, 2 and 4 GPUs
-of one host (random weights in OPT-6.7B b64 P512 and OPT-13B shapes), and each GPU's host->GPU bandwidth
+"""Tensor-parallel decode benchmark (issue 14): `offload`, `kvpr` (and `hybrid` with --policies) decode
+throughput on 1, 2 and 4 GPUs of one host (random weights in OPT-6.7B b64 P512 and OPT-13B shapes), and each GPU's host->GPU bandwidth
 alone and with every link active at once. One call; JSON to --out.
 
     PYTHONPATH=src python scripts/bench_tp.py --out $OUT            # 1, 2 and 4 GPUs where present
     PYTHONPATH=src python scripts/bench_tp.py --tp 1,2 --workloads opt67b --out $OUT
     PYTHONPATH=src python scripts/bench_tp.py --tp 2,4 --workloads opt67b --policies kvpr --sweep-splits --out $OUT
+    PYTHONPATH=src python scripts/bench_tp.py --workloads opt13b_col --policies offload,kvpr,hybrid --out $OUT
 
 Each (workload, policy, N) is `kvoffload.offload.bench.measure` (prefill, warm-up steps, timed steps each
 ending when its tokens are on the host) with tensor_parallel=N: heads, weights and the pinned host pool
@@ -19,7 +20,11 @@ recompute, the all-gather of X over NVLink before recomputing). With --profile a
 (shape, N) is first profiled on the N-GPU mesh (`plan.profiler.run_profile(tensor_parallel=N)`, quick:
 transfers with every link busy, compute, the all-gather; JSON beside the results) and both policies run
 with that profile; each kvpr row reports the split it chose, the predicted step (the last step's record)
-against the measured one, and the predicted all-gather. --sweep-splits also runs kvpr at every forced
+against the measured one, and the predicted all-gather. `hybrid` (HybridServe: weights streamed, each
+request's blocks split into host KV, host ACT and GPU-resident ACT blocks by its per-device cost model)
+runs under a GPU budget per device (--hybrid-gpu-budget-gb, the 24 GB card of bench_hybrid.py; its GPU-
+resident blocks would otherwise fill the card and nothing would be offloaded); each hybrid row reports
+its blocks of each class and the mini-batches, the predicted step and all-gather against the measured. --sweep-splits also runs kvpr at every forced
 split (0 .. all extents in use) per N, so the chosen split can be checked against the measured best.
 """
 
@@ -80,6 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="auto",
                     help="auto: profile each (shape, N) on the mesh first and run with it; none: the built-in "
                          "default cost model; or a profile JSON for every N")
+    ap.add_argument("--hybrid-gpu-budget-gb", type=float, default=24.0,
+                    help="hybrid: the GPU memory per device its plan may use (GPU-resident blocks included); 0: "
+                         "the free memory")
+    ap.add_argument("--hybrid-gpu-blocks", default="auto",
+                    help="hybrid: GPU-resident blocks (auto: as many as the budget holds; 0: every block on the host)")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="kvpr: also time every forced split 0..extents in use at each N (measured best vs chosen)")
     args = ap.parse_args(argv)
@@ -127,6 +137,10 @@ def main(argv=None) -> int:
                     tensor_parallel=n, **(extra or {}))
         if pol == "kvpr":
             opts["kvpr_store"] = wl["kvpr_store"]
+        if pol == "hybrid" and args.hybrid_gpu_budget_gb > 0:
+            opts["gpu_memory_limit_gb"] = args.hybrid_gpu_budget_gb
+        if pol == "hybrid":
+            opts["gpu_blocks"] = args.hybrid_gpu_blocks if args.hybrid_gpu_blocks == "auto" else int(args.hybrid_gpu_blocks)
         prof = profile_for(wl, n)
         if prof:
             opts["profile"] = prof
@@ -149,6 +163,10 @@ def main(argv=None) -> int:
                "profile": prof, "wall_s": time.perf_counter() - t0, **r}
         if row["predicted_step_s"]:
             row["predicted_over_measured"] = row["predicted_step_s"] / r["step_s"]
+        if plan.get("gpu_batches"):  # hybrid: the blocks of each class over its mini-batches (the last step)
+            mbs = plan["gpu_batches"]
+            row["blocks"] = {k: sum(m.get(k, 0) for m in mbs) for k in ("kv_host", "act_host", "act_gpu", "kv_gpu")}
+            row["mini_batches"] = len(mbs)
         res["runs"].append(row)
         save()
         return row
@@ -166,6 +184,10 @@ def main(argv=None) -> int:
             line += (f"; split {row['recompute_extents']}/{row['used_extents']} extents recomputed, predicted "
                      f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (all-gather {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms,"
                      f" {(row['bytes_gather'] or 0) / 1e6:.1f} MB per GPU) vs measured {row['step_s'] * 1e3:.1f} ms")
+        if row["policy"] == "hybrid" and row.get("blocks"):
+            line += (f"; blocks {row['blocks']} in {row['mini_batches']} mini-batches, predicted "
+                     f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (all-gather {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms)"
+                     f" vs measured {row['step_s'] * 1e3:.1f} ms")
         print(line, flush=True)
 
     for n in tps:
@@ -207,7 +229,7 @@ def main(argv=None) -> int:
         del model
         gc.collect()
     print(json.dumps([{k: r.get(k) for k in ("workload", "policy", "tp", "split_point", "step_s", "tokens_per_s",
-                                             "speedup_vs_1", "recompute_extents", "used_extents", "predicted_step_s",
+                                             "speedup_vs_1", "recompute_extents", "used_extents", "predicted_step_s", "blocks",
                                              "measured_best_split", "error")} for r in res["runs"]], indent=1))
     return 0
 

@@ -51,11 +51,12 @@ def test_mesh_runs_equal_one_device_and_bad_splits_are_refused():
     refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow tests below; a 2-way
     OPT offload run: the two-process test.)"""
     res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
-                     dict(arch="llama", policy="offload", tp=3)])
+                     dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY])
     check_equal(res[0])
     assert res[0]["pool_x"], "kvpr with split_point=16 stores activations"
     assert res[1]["error"] == "TensorParallelError"
     assert "query heads 8" in res[1]["message"] and "not divisible by 3" in res[1]["message"], res[1]
+    check_hybrid_4_way(res[2])
 
 
 @pytest.mark.slow  # 12 s: a subprocess with 2 virtual devices
@@ -94,7 +95,7 @@ def test_refusals_without_devices():
     llama = tiny_random_model("llama")  # 4 query heads, 2 KV heads
     with pytest.raises(S.TensorParallelError, match=r"KV heads 2.*\(KV heads not divisible by 4\).*\[1, 2\]"):
         S.check_divisible(llama.config, 4)
-    for name in ("hybrid", "clo", "tokenselect"):
+    for name in ("clo", "tokenselect"):
         with pytest.raises(S.TensorParallelError, match=f"policy '{name}' does not run tensor-parallel"):
             make_policy(name, tensor_parallel=2)
     with pytest.raises(S.TensorParallelError, match="needs 64 devices"):
@@ -150,3 +151,126 @@ def test_two_processes_equal_one(cases):
         check_equal(a)
         check_equal(b)
         assert a["tokens"] == b["tokens"]
+
+
+# -- hybrid (HybridServe) on a mesh ----------------------------------------------------------------
+
+
+def check_hybrid(res, resident=""):
+    """check_equal for hybrid: its GPU-resident extents (resident: "k" K/V, "x" activations) live in
+    device memory split like the host ones (K/V by KV head, X along H); the host blocks it moves and
+    recomputes are as `check_equal` wants them."""
+    for key, spec, kind in (("pool_k", HEADS, "k"), ("pool_x", ALONG_H, "x")):
+        on_gpu = f"{spec}@device"
+        assert (on_gpu in res[key]) == (kind in resident), (key, res)
+        res = {**res, key: [s for s in res[key] if s != on_gpu]}
+    check_equal(res)
+    d = res["describe"]
+    assert d["tensor_parallel"]["devices"] == res["case"]["tp"], res
+    return d["last_step"]
+
+
+# in the default test's subprocess above (its llama reference shared): ~7 s
+HYBRID_4_WAY = dict(arch="llama", policy="hybrid", tp=4, opts=dict(act_share=0.5, gpu_blocks=6))
+
+
+def check_hybrid_4_way(res):
+    """hybrid on a 4-way mesh (GQA LLaMA, weights streamed from pinned host sharded Megatron-style): host KV
+    blocks fetched by head, host ACT blocks split along H and all-gathered before recompute, GPU-resident
+    ACT blocks; tokens equal `full` on one device, and the all-gather of every recomputed block is priced."""
+    last = check_hybrid(res, resident="x")
+    (mb,) = last["gpu_batches"]
+    assert mb["kv_host"] > 0 and mb["act_host"] > 0 and mb["act_gpu"] > 0, res
+    # each device receives 3/4 of each recomputed token's X (tiny GQA llama: h 64, fp32) in each of 2 layers
+    assert last["recompute_tokens"] > 0 and last["bytes_gather"] == last["recompute_tokens"] * 64 * 4 * 3 / 4 * 2, res
+
+
+HYBRID_CASES = [dict(arch=a, policy="hybrid", tp=n, opts=o) for a in ("opt", "llama") for n in (2, 4) for o in (
+    {},  # its own plan: balanced split, GPU-resident blocks in the (CPU: absent) GPU budget
+    dict(act_share=0.4, gpu_blocks=6),  # host KV, host ACT and GPU-resident ACT extents
+    dict(act_share=0.0, gpu_blocks=6),  # host KV and GPU-resident KV extents
+    dict(act_share=0.7, gpu_blocks=0, mini_batch_gb=1e-6),  # one request per mini-batch (zig-zag over 3)
+    dict(act_share=0.5, gpu_blocks=0, host_dtype="int4", int4_group_size=8),  # int4 host blocks
+)]
+
+
+@pytest.mark.slow
+def test_hybrid_on_2_and_4_way_meshes():
+    for res in run_cases(HYBRID_CASES, timeout=3000):
+        o = res["case"]["opts"]
+        resident = "" if not o.get("gpu_blocks") else "x" if o["act_share"] > 0 else "k"
+        last = check_hybrid(res, resident=resident)
+        mbs = last["gpu_batches"]
+        if o.get("mini_batch_gb"):
+            assert len(mbs) == 3, res
+        if 0 < o.get("act_share", 0) < 1:  # a mixed split really mixes, and the recomputed X is gathered
+            assert sum(m["act_host"] for m in mbs) > 0 and sum(m["kv_host"] for m in mbs) > 0, res
+            assert last["bytes_gather"] > 0 and res["describe"]["tensor_parallel"]["all_gather_s_per_step"] > 0, res
+        if o.get("gpu_blocks"):
+            assert sum(m["act_gpu" if o["act_share"] > 0 else "kv_gpu"] for m in mbs) > 0, res
+
+
+def test_hybrid_block_rates_price_one_device_of_the_mesh():
+    """hybrid's cost model at N=2 prices one device: half of each block's K/V and X over its own link (the
+    per-transfer intercept whole), half the recompute flops plus the all-gather of the block's X before it
+    (absent on one device), its weight shard streamed, the dense time with the two all-reduces; memory
+    budgets split over the devices that share the host."""
+    import jax.numpy as jnp
+
+    from kvoffload.plan.cost import CostModel, LayerShape, Linear
+    from kvoffload.plan.hybrid import BlockRates, algorithm1
+
+    model = tiny_random_model("opt")  # MHA: h 64 = 4 heads x 16, fp32
+    cfg, cost, blk, batch = model.config, CostModel.default("gpu"), 16, 4
+    rates = {}
+    for n in (1, 2):
+        wb = S.weight_bytes_per_device(cfg, jnp.float32, model.params, n)
+        shape = LayerShape.of(cfg, 4, wb.per_layer, wb.kv_per_layer, tensor_parallel=n)
+        rates[n] = BlockRates.of(cost, shape, blk, offload_weights=True, batch=batch)
+    one, two = rates[1], rates[2]
+    h = cfg.hidden_size
+    assert two.kv_bytes == one.kv_bytes / 2 == blk * 2 * h * 4 / 2 and two.act_bytes == one.act_bytes / 2
+    assert two.kv_gpu_bytes == one.kv_gpu_bytes / 2 and two.act_gpu_bytes == one.act_gpu_bytes / 2
+    assert two.load_kv == Linear(one.load_kv.intercept, one.load_kv.slope / 2)
+    assert two.load_act == Linear(one.load_act.intercept, one.load_act.slope / 2)
+    assert two.attention == Linear(one.attention.intercept, one.attention.slope / 2)
+    # regenerating an ACT block: the all-gather of the other half of its X, then half the flops
+    assert one.x_gather == Linear(0.0, 0.0) and one.kv_gen == Linear(cost.recompute.intercept, one.kv_gen.slope)
+    assert two.x_gather == Linear(cost.all_gather.intercept, cost.all_gather.slope * blk * h * 4 / 2)
+    assert two.kv_gen.intercept == cost.recompute.intercept + cost.all_gather.intercept
+    assert abs(two.kv_gen.slope - (one.kv_gen.slope / 2 + two.x_gather.slope)) <= 1e-12 * one.kv_gen.slope
+    assert two.to_json()["x_gather"] == two.x_gather.to_json() and two.to_json()["tensor_parallel"] == 2
+    # the weights: each device streams its shard (the split matrices halved, norms and output biases whole)
+    w1 = S.weight_bytes_per_device(cfg, jnp.float32, model.params, 1).per_layer
+    w2 = S.weight_bytes_per_device(cfg, jnp.float32, model.params, 2).per_layer
+    assert w1 / 2 < w2 < w1 * 0.55 and two.load_w == cost.h2d(w2) < one.load_w
+    allreduce = 2 * cost.all_gather(batch * 2 * h * 4 / 2)
+    dense_flops = LayerShape.of(cfg, 4, tensor_parallel=2).dense_flops_tok
+    assert two.dense_s == max(cost.dense(batch * dense_flops), w2 / cost.hbm_bw) + allreduce
+    assert one.dense_s == max(cost.dense(batch * 2 * dense_flops), w1 / cost.hbm_bw)
+    # OPT-13B's shape (bf16, 16-token blocks): an ACT block's GPU time per device is more than half of one
+    # device's (the all-gather) and less than it (half the flops), its load exactly half: the balance moves
+    from kvoffload.plan.profiler import model_shape
+
+    big = model_shape("opt-13b")
+    per_n = {n: BlockRates.of(cost, LayerShape.of(big, 2, tensor_parallel=n), blk, offload_weights=False)
+             for n in (1, 2)}
+    g1, g2 = per_n[1].kv_gen.slope, per_n[2].kv_gen.slope
+    assert g1 / 2 < g2 < g1 and per_n[2].x_gather.slope == cost.all_gather.slope * blk * big.hidden_size * 2 / 2
+    assert per_n[2].load_act.slope == per_n[1].load_act.slope / 2
+    # Algorithm 1 with one device's share of a host budget holds the same blocks (each half the bytes)
+    host = 2e6
+    a1, a2 = algorithm1(one, host, cfg.num_layers, act_share=0.5), algorithm1(two, host / 2, cfg.num_layers, act_share=0.5)
+    assert (a1.kv_host, a1.act_host) == (a2.kv_host, a2.act_host)
+    # budgets: host memory split over the local devices; GPU memory per device (on a CPU backend the
+    # "devices" share host memory, so that too)
+    assert S.device_budgets(8e9, 4e9, None, "gpu") == (8e9, 4e9)
+    import types
+
+    import jax
+    import numpy as np
+
+    two_local = types.SimpleNamespace(devices=np.array([jax.devices()[0]] * 2))  # a 2-device mesh's devices
+    assert S.local_size(two_local) == 2
+    assert S.device_budgets(8e9, 4e9, two_local, "gpu") == (4e9, 4e9)
+    assert S.device_budgets(8e9, 4e9, two_local, "cpu") == (4e9, 2e9)

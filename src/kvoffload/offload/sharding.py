@@ -101,13 +101,26 @@ def local_device(mesh: Mesh):
     return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
 
 
+def local_size(mesh: Mesh | None) -> int:
+    """Devices of the mesh that this process drives (all of them without jax.distributed)."""
+    return 1 if mesh is None else sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
+def device_budgets(host_bytes: float, gpu_bytes: float, mesh: Mesh | None, platform: str) -> tuple[float, float]:
+    """One device's share of the machine's memory budgets, as `machine_plan` counts the other way: host
+    bytes split over the local devices (each keeps its shard of the pool there); GPU bytes per device
+    already, except on a CPU backend where the "devices" share host memory."""
+    n = local_size(mesh)
+    return host_bytes / n, gpu_bytes / (n if platform == "cpu" else 1)
+
+
 def machine_plan(plan, mesh: Mesh | None, platform: str):
     """A per-device memory plan as this process's machine holds it: host parts once per local device
     (each keeps its shard of the pool, and its own copy of replicated activations); GPU parts per
     device, except on a CPU backend where the "devices" are host memory too."""
     if mesh is None:
         return plan
-    n = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+    n = local_size(mesh)
     times = lambda d: {k: v * n for k, v in d.items()}  # noqa: E731
     return dataclasses.replace(plan, host=times(plan.host), gpu=times(plan.gpu) if platform == "cpu" else plan.gpu)
 

@@ -6,7 +6,9 @@ times are per layer of one decode step (every layer does the same work). A KV bl
 (``kv_bytes`` per layer), an ACT block moves the activation X (``act_bytes``: half a KV block for MHA,
 h / (2 n_kv d) of it in general, larger than a KV block with GQA) and has its K/V regenerated on the
 GPU. With weights offloaded, each layer's weights cross PCIe once per step (``load_w``), the GPU is
-otherwise idle unless it recomputes: that idle time is what ACT blocks fill.
+otherwise idle unless it recomputes: that idle time is what ACT blocks fill. Under tensor parallelism
+everything is one device's (its heads' K/V, its 1/N of X, its weight shard; an ACT block's regeneration
+includes the all-gather of its X over the mesh), so the same block ids hold every device's share.
 
 The lines come from the machine's profile (`plan.cost.CostModel`: host->GPU copy time over bytes,
 K/V recomputation over flops, attention over K/V bytes; `kvoffload profile` measures and fits them);
@@ -41,6 +43,10 @@ class BlockRates:
     # None: as the host's
     kv_gpu_bytes: float | None = None
     act_gpu_bytes: float | None = None
+    # tensor parallelism (per device of `tensor_parallel`): the all-gather of an ACT block's X before its
+    # recompute (each device holds 1/N of X along H), already part of kv_gen; 0 on one device
+    x_gather: Linear = Linear(0.0, 0.0)
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.kv_gpu_bytes is None:
@@ -52,24 +58,33 @@ class BlockRates:
     def of(cls, cost: CostModel, shape: LayerShape, block_tokens: int, *, offload_weights: bool,
            batch: int = 1, weight_share: float = 1.0) -> "BlockRates":
         """weight_share: the fraction of layers whose weights stream (resident layers move none); the
-        per-layer weight time is its average over the layers."""
+        per-layer weight time is its average over the layers.
+        shape: one device's (`LayerShape.of(..., tensor_parallel=N)`, as `LayerPipeline.shape` gives it):
+        its heads' K/V per block over its own link, its 1/N of each X, its weight shard; regenerating an
+        ACT block then also all-gathers the block's X over the mesh first, and the layer's two
+        all-reduces of [batch, h] join the dense time (the terms `predict_layers` prices)."""
         blk = int(block_tokens)
         # loads and host memory at the bytes the host pool stores (int4 host blocks: ~1/4 of bf16's)
         kv_b, act_b = blk * shape.kv_host_tok, blk * shape.x_host_tok
         per_block = lambda line, x: Linear(line.intercept, line.slope * x)  # noqa: E731
         dense = max(cost.dense(batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw)
+        dense += 2 * cost.all_gather(batch * shape.allreduce_row)  # 0 on one device
+        gen = per_block(cost.recompute, blk * shape.recompute_flops_tok)
+        gather = per_block(cost.all_gather, blk * shape.x_gather_tok) if shape.x_gather_tok > 0 else Linear(0.0, 0.0)
         return cls(block_tokens=blk, load_kv=per_block(cost.h2d, kv_b), load_act=per_block(cost.h2d, act_b),
-                   kv_gen=per_block(cost.recompute, blk * shape.recompute_flops_tok),
+                   kv_gen=Linear(gen.intercept + gather.intercept, gen.slope + gather.slope),
                    attention=per_block(cost.attention, blk * shape.kv_tok),
                    load_w=cost.h2d(shape.w_layer) * weight_share if offload_weights else 0.0, dense_s=dense,
-                   kv_bytes=kv_b, act_bytes=act_b, kv_gpu_bytes=blk * shape.kv_tok, act_gpu_bytes=blk * shape.x_tok)
+                   kv_bytes=kv_b, act_bytes=act_b, kv_gpu_bytes=blk * shape.kv_tok, act_gpu_bytes=blk * shape.x_tok,
+                   x_gather=gather, tensor_parallel=shape.tensor_parallel)
 
     def to_json(self) -> dict:
         return {"block_tokens": self.block_tokens, "load_kv": self.load_kv.to_json(),
                 "load_act": self.load_act.to_json(), "kv_gen": self.kv_gen.to_json(),
                 "attention": self.attention.to_json(), "load_w_s": self.load_w, "dense_s": self.dense_s,
                 "kv_bytes": self.kv_bytes, "act_bytes": self.act_bytes, "kv_gpu_bytes": self.kv_gpu_bytes,
-                "act_gpu_bytes": self.act_gpu_bytes}
+                "act_gpu_bytes": self.act_gpu_bytes, "x_gather": self.x_gather.to_json(),
+                "tensor_parallel": self.tensor_parallel}
 
     # -- one layer of a step -------------------------------------------------------------------
     def pcie_s(self, kv_host: float, act_host: float) -> float:

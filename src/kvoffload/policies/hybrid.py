@@ -23,6 +23,9 @@ on the GPU while the next transfers run), and some ACT blocks stay on the GPU wh
   accumulator: the same partial sums over the same blocks in the same order as `full` with the same
   GPU batches, so at any split the logits are `full`'s (bit for bit in fp32 where recomputing an
   extent's K/V rounds as the prefill's projection did: MHA on XLA CPU, the real models' shapes).
+* Tensor parallelism (tensor_parallel=N): the shared pipeline's mesh runtime (every extent split by KV head
+  or, X, along H; weight shards streamed); the plan prices one device (`BlockRates.of` on the pipeline's
+  per-device shape: all-gather of X before each recompute included) within its share of the budgets.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class HybridPlan:
     rows: list  # mini-batches
     kv_max: float
     act_max: float
-    host_budget_bytes: float
+    host_budget_bytes: float  # one device's (under tensor parallelism: its share, `sharding.device_budgets`)
     gpu_budget_bytes: float
     max_requests: int  # requests of this batch's mean length the host budget holds at this allocation
     rates: BlockRates
@@ -99,11 +102,16 @@ class HybridHooks(LayerHooks):
 
     # -- budgets -----------------------------------------------------------------------------
     def _budgets(self, pipe, model, dtype):
+        """(host, GPU) bytes one device's blocks may use: the machine's host memory (less the streamed
+        weights) split over its devices, and one device's GPU memory (`sharding.device_budgets`; the
+        budgets as given on one device)."""
         from kvoffload.offload import memory as M
-        from kvoffload.plan.memory import weight_bytes
+        from kvoffload.offload import sharding as S
 
         o = pipe.opts
-        wb = weight_bytes(model.config, dtype, model.params)
+        # the weight shards of every device this process drives (replicated fields once per device)
+        wb = S.weight_bytes_per_device(model.config, dtype, model.params, pipe.tp)
+        shards = S.local_size(pipe.mesh)
         if self.host_budget_gb is not None:
             host = self.host_budget_gb * GB
         elif o.host_memory_limit_gb is not None:
@@ -111,10 +119,12 @@ class HybridHooks(LayerHooks):
         else:
             avail = M.available_host_bytes() or 0
             cap = M.host_pool_cap_bytes(pipe.dev.platform) if pipe.host_kind == "pinned_host" else None
-            weights = model.config.num_layers * wb.per_layer if o.offload_weights and not M.on_host(model.params.layers) else 0
+            weights = (model.config.num_layers * wb.per_layer * shards
+                       if o.offload_weights and not M.on_host(model.params.layers) else 0)
             host = max(0.0, (min(avail, cap) if cap else avail) * 0.9 - weights)
-        gpu = o.gpu_memory_limit_gb * GB if o.gpu_memory_limit_gb is not None else (M.available_device_bytes() or 0) * 0.9
-        return host, gpu
+        gpu = (o.gpu_memory_limit_gb * GB if o.gpu_memory_limit_gb is not None
+               else (M.available_device_bytes(pipe.dev) or 0) * 0.9)
+        return S.device_budgets(host, gpu, pipe.mesh, pipe.dev.platform)
 
     # -- prefill: allocation, mini-batches, layouts -------------------------------------------
     def group_rows(self, pipe, model, lengths, capacity, t_pad=None):
@@ -239,6 +249,7 @@ def class_columns(classes, per_req):
 
 @register_policy("hybrid")
 class HybridPolicy(LayeredPolicy):
+    supports_tensor_parallel = True
     host_pool = True
     extra_options = ("act_share", "gpu_blocks", "mini_batch_gb", "host_budget_gb", "allocation")
     # HybridServe offloads the weights too and switches mini-batches at layer granularity
@@ -261,4 +272,6 @@ class HybridPolicy(LayeredPolicy):
         plan = self.pipeline.hooks.plan
         if plan is not None:
             d["hybrid"] = plan.to_json()
+        if self.pipeline.tp > 1:
+            d["tensor_parallel"] = self.tensor_parallel_summary(state)
         return d

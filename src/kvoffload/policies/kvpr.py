@@ -117,13 +117,6 @@ class KVPRPolicy(LayeredPolicy):
         """As every layered policy's; under tensor parallelism also the all-gather of the recomputed X that
         the last step's split costs each device (predicted, every layer of the step)."""
         d = super().describe(state)
-        pipe = self.pipeline
-        if pipe.tp > 1:
-            tp = {"devices": pipe.tp, "all_gather_fit": pipe.cost.describe_all_gather()}
-            if state is not None and state.records:
-                rec = state.records[-1]
-                tp.update(all_gather_bytes_per_step=rec["bytes_gather"], all_gather_s_per_step=rec["predicted_gather_s"],
-                          predicted_step_s=rec["predicted_s"], recompute_extents=rec["recompute_extents"],
-                          used_extents=rec["used_extents"])
-            d["tensor_parallel"] = tp
+        if self.pipeline.tp > 1:
+            d["tensor_parallel"] = self.tensor_parallel_summary(state)
         return d

@@ -38,7 +38,7 @@ class LayeredPolicy(Policy):
             from kvoffload.offload.sharding import TensorParallelError
 
             raise TensorParallelError(f"policy {self.name!r} does not run tensor-parallel yet (tensor_parallel / mesh); "
-                                      "policies 'full', 'offload' and 'kvpr' do")
+                                      "policies 'full', 'offload', 'kvpr' and 'hybrid' do")
         self.pipeline = LayerPipeline(self.make_hooks(**hook_opts), self.options, host_pool=self.host_pool)
 
     def make_hooks(self, **hook_options) -> LayerHooks:
@@ -55,6 +55,18 @@ class LayeredPolicy(Policy):
     def release(self, state, rows):
         """Frees the pool blocks of finished requests."""
         return self.pipeline.release(state, rows)
+
+    def tensor_parallel_summary(self, state=None) -> dict:
+        """On a mesh: its size, the all-gather fit, and what the last step's plan costs each device for the
+        all-gather of recomputed X (predicted, every layer of the step) (kvpr, hybrid)."""
+        pipe = self.pipeline
+        tp = {"devices": pipe.tp, "all_gather_fit": pipe.cost.describe_all_gather()}
+        if state is not None and state.records:
+            rec = state.records[-1]
+            tp.update(all_gather_bytes_per_step=rec["bytes_gather"], all_gather_s_per_step=rec["predicted_gather_s"],
+                      predicted_step_s=rec["predicted_s"], recompute_extents=rec["recompute_extents"],
+                      recompute_tokens=rec["recompute_tokens"], used_extents=rec["used_extents"])
+        return tp
 
     def describe(self, state=None) -> dict:
         o = self.options
