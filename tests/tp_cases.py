@@ -20,6 +20,7 @@ NEW = 10
 BASE = dict(block_tokens=4, extent_mb=3 * 4 * 2 * 16 * 4 / 2**20)  # 3-block extents of the tiny models
 # GQA llama for the 4-way mesh: 8 query heads, 4 KV heads (the default tiny llama has 2 KV heads)
 MODELS = {"opt": dict(), "llama": dict(num_attention_heads=8, num_key_value_heads=4)}
+APPROXIMATE = ("clo", "tokenselect")  # policies whose reference is their own single-device run
 
 
 def model_of(arch):
@@ -38,8 +39,9 @@ def run_case(case, refs):
 
     arch, policy, n, opts = case["arch"], case["policy"], case["tp"], case.get("opts", {})
     model = model_of(arch)
-    # the reference: `full` on one device; a lossy store (int4) is compared with itself on one device
-    lossy = opts.get("host_dtype", "native") != "native"
+    # the reference: `full` on one device; a lossy store (int4) or an approximate policy (a top-k selection:
+    # clo, tokenselect) is compared with itself on one device
+    lossy = opts.get("host_dtype", "native") != "native" or policy in APPROXIMATE
     key = (arch, policy, json.dumps(opts, sort_keys=True)) if lossy else arch
     if key not in refs:
         refs[key] = generate(model, PROMPTS, NEW, policy=policy if lossy else "full",
@@ -65,9 +67,13 @@ def run_case(case, refs):
                                               for a in jax.tree.leaves(t)})
                     seen.update(pool_k=specs(gr.pool_k), pool_x=specs(gr.pool_x), tail_k=specs(gr.tail_k),
                                 tail_x=specs(gr.tail_x), logits=specs(logits))
+                    seen.update(pool_v=specs(gr.pool_v), slots=specs(gr.slots))
                     seen["compiles_at_2"] = counter.count
                 # what the policy says of the last step (kvpr on a mesh: the all-gather of X it predicts)
                 seen["describe"] = {k: v for k, v in pol.describe(state).items() if k in ("tensor_parallel", "last_step")}
+                if policy in APPROXIMATE:  # selection-cache hits so far (per request and KV head)
+                    d = pol.describe(state)
+                    seen["hit_rate"] = (d.get("clo") or d["selection"])["hit_rate"]
                 return logits, state
 
         import jax
