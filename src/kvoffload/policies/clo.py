@@ -658,7 +658,8 @@ class CloHooks(TokenSelectHooks):
             mask, report = plan_persistent_heads(
                 cfg, pipe.cost, pipe.shape(model), prof.s_hat, scores, batch=batch,
                 context=request_token_bound(layout, batch), k_tokens=K, sink=self.attend.num_sink,
-                recent=self.attend.num_recent, dtype_bytes=itemsize, eta=self.eta, p=self.p)
+                recent=self.attend.num_recent, dtype_bytes=itemsize, eta=self.eta, p=self.p,
+                devices=pipe.tp)  # tensor parallel: each device's heads against its own link and compute
         else:
             mask = np.zeros((L, n_kv), bool)
             for item in spec:
