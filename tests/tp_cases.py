@@ -91,6 +91,53 @@ def run_case(case, refs):
     return out
 
 
+def kernel_case(case):
+    """The Pallas kernels clo and tokenselect call inside their layer programs (row gather from a K/V or an
+    activation extent in pinned host memory, sparse attention, exact scores with per-head lengths), run in
+    interpret mode under an N-way mesh with head-split inputs (each device its heads: `sharding.per_shard`),
+    against their references on one device: the largest difference per kernel and the outputs' shardings."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from kvoffload import ops
+    from kvoffload.offload import sharding as S
+
+    mesh = S.make_mesh(case["tp"])
+    r = np.random.default_rng(0)
+    E, n_kv, blk, d, B, H, K, T = 3, 4, 8, 16, 2, 8, 5, 12
+    arr = lambda shape, lo=None, hi=None: jnp.asarray(r.normal(size=shape), jnp.float32) if lo is None else \
+        jnp.asarray(r.integers(lo, hi, size=shape), jnp.int32)  # noqa: E731
+    heads = S.kv_sharding(mesh)
+    split = lambda *a: [jax.device_put(x, heads) for x in a]  # noqa: E731
+    kernel = dict(impl="kernel", interpret=True)
+    x, block, off = arr((E, n_kv, blk, d)), arr((B, n_kv, K), -1, E), arr((B, n_kv, K), 0, blk)
+    acts, tok = arr((E, blk, 64)), arr((B, K), 0, E * blk)
+    q, k, v, idx, nv, lens = arr((B, H, d)), arr((B, n_kv, T, d)), arr((B, n_kv, T, d)), arr((B, n_kv, K), 0, T), \
+        arr((B, n_kv), 0, K + 1), arr((B, n_kv), 0, T + 1)
+    finite = lambda a, b: float(np.abs(np.where(np.isfinite(b), a - b, 0)).max())  # noqa: E731
+    out, shardings = {}, {}
+    with S.context(mesh):
+        got = jax.jit(lambda a, b, o: ops.gather_block_rows(a, b, o, **kernel))(
+            jax.device_put(x, S.kv_sharding(mesh, "pinned_host")), *split(block, off))
+        out["gather_kv"] = finite(got, ops.gather_block_rows(x, block, off, impl="reference"))
+        shardings["gather_kv"] = str(got.sharding.spec)
+        got = jax.jit(lambda a, b, o: ops.gather_block_rows(a, b, o, **kernel))(
+            jax.device_put(acts, NamedSharding(mesh, S.X_SPEC, memory_kind="pinned_host")), tok // blk, tok % blk)
+        out["gather_x"] = finite(got, ops.gather_block_rows(acts, tok // blk, tok % blk, impl="reference"))
+        shardings["gather_x"] = str(got.sharding.spec)
+        o, lse = jax.jit(lambda *a: ops.sparse_attention(*a[:4], num_valid=a[4], **kernel))(*split(q, k, v, idx, nv))
+        wo, wl = ops.sparse_attention(q, k, v, idx, num_valid=nv, impl="reference")
+        out["sparse_attention"] = max(finite(o, wo), finite(lse, wl))
+        shardings["sparse_attention"] = str(o.sharding.spec)
+        s = jax.jit(lambda *a: ops.topk_scores_exact(*a, group_reduce="max", **kernel))(*split(q, k, lens))
+        want = ops.topk_scores_exact(q, k, lens, group_reduce="max", impl="reference")
+        out["scores"] = finite(s, want) if (np.isfinite(s) == np.isfinite(want)).all() else float("inf")
+        shardings["scores"] = str(s.sharding.spec)
+    return dict(case=case, max_abs=out, shardings=shardings)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", help="JSON list of {arch, policy, tp, opts}")
@@ -106,7 +153,7 @@ def main():
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
     refs = {}
     for case in json.loads(args.cases):
-        print("CASE " + json.dumps(run_case(case, refs)), flush=True)
+        print("CASE " + json.dumps(kernel_case(case) if case.get("kernels") else run_case(case, refs)), flush=True)
 
 
 if __name__ == "__main__":
