@@ -6,6 +6,10 @@ weights, contexts 32K and 128K, batch 1 and 8; one call, JSON after every run, a
     PYTHONPATH=src python scripts/bench_selection.py --out $OUT/bench_selection.json --budget-s 540
     PYTHONPATH=src python scripts/bench_selection.py --only clo_exact:128k:1,full:128k:1 --step-extremes
     PYTHONPATH=src python scripts/bench_selection.py --cpu-smoke --out /tmp/sel.json   # CPU, tiny, < 20 s
+    PYTHONPATH=src python scripts/bench_selection.py --tensor-parallel 2 --only full:32k:1,clo_exact:32k:1
+
+``--tensor-parallel N``: every run on an N-device mesh (policies' tensor_parallel; weights placed Megatron-style
+once, before the runs; the memory check per device). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N.
 
 What is measured, per (policy, context, batch); the JSON's "method" says the same:
 
@@ -149,9 +153,10 @@ def _random_kv_layer():
 
 
 @contextlib.contextmanager
-def random_kv_prefill():
+def random_kv_prefill(mesh=None):
     """Within: the pipeline's prefill computes no layer; each layer's K/V (and X) are random, of the shapes
-    and dtype the layer program would give, and the hidden state passes through. See the module doc."""
+    and dtype the layer program would give, and the hidden state passes through. See the module doc. On a
+    tensor-parallel mesh the outputs are placed as the real program's are (K/V by head, X along H, h replicated)."""
     import jax
 
     from kvoffload.offload import memory as M
@@ -163,7 +168,14 @@ def random_kv_prefill():
     def committed(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
         # committed to the device, as the real program's outputs are (it reads the committed weights): the
         # tails made from them then enter the first decode step as later steps' do (one compilation)
-        return jax.device_put(layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens), dev)
+        out = layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens)
+        if mesh is None:
+            return jax.device_put(out, dev)
+        from kvoffload.offload import sharding as S
+
+        h, k, v, x = out
+        return (jax.device_put(h, S.replicated(mesh)), *jax.device_put((k, v), S.kv_sharding(mesh)),
+                None if x is None else jax.device_put(x, S.x_shardings(x, mesh)))
 
     real = pipeline._layer_prefill
     pipeline._layer_prefill = committed
@@ -453,6 +465,8 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     cfg = model.config
     policy, vopts, rate_of = VARIANTS[variant]
     opts = {"block_tokens": 64, "prefill_chunk_tokens": min(8192, ctx), **vopts, **args.extra.get(variant, {})}
+    if args.tensor_parallel > 1:
+        opts["tensor_parallel"] = args.tensor_parallel
     share = opts.pop("topk_of_context", None)
     if share is not None and "topk" not in opts and "topk_ratio" not in opts:  # an --option's budget wins
         opts["topk"] = max(math.ceil(share * ctx), opts.get("num_sink", 4) + opts.get("num_recent", 64))
@@ -468,7 +482,8 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     if note:
         r["replay_note"] = note
     base = memory_stats()
-    weights_bytes = int(sum(a.nbytes for a in jax.tree.leaves(model.params)))
+    # one device's weights (its shard on a mesh): what the device's memory_stats count
+    weights_bytes = int(sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(model.params)))
     if args.host_limit_gb is not None:
         opts["host_memory_limit_gb"] = args.host_limit_gb
     if base["bytes_limit"] is not None:  # the card's budget as a fresh process sees it: the weights are in the plan
@@ -484,7 +499,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         return r
     r["memory_plan"] = plan_json(pol.pipeline.memory_plan)
     tokens = jnp.asarray(np.random.default_rng(0).integers(4, cfg.vocab_size - 1, (batch, ctx)), jnp.int32)
-    with random_kv_prefill():
+    with random_kv_prefill(pol.pipeline.mesh):
         prefill_s, warm, logits, state, nxt = timed_decode(pol, model, tokens, jnp.asarray(lengths, jnp.int32),
                                                             capacity, args.warmup)
     del tokens
@@ -528,8 +543,11 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     del logits
     layer = cfg.num_layers // 2
     try:
-        a = attention_bench(pol, model, state, layer, args.attn_reps, not args.no_extremes, args.timing_reps,
-                            args.attn_method)
+        from kvoffload.offload import sharding as S
+
+        with S.context(pol.pipeline.mesh):  # a mesh run's attend traces per device (its kernels: per_shard)
+            a = attention_bench(pol, model, state, layer, args.attn_reps, not args.no_extremes, args.timing_reps,
+                                args.attn_method)
         r["attention"] = a
         floors = {}
         for case, (hbm, pcie) in a["bytes"].items():
@@ -651,6 +669,8 @@ def build_parser():
     ap.add_argument("--host-limit-gb", type=float, default=None, help="host memory the planner may use (default: the machine's)")
     ap.add_argument("--trace", default=None, help="a folder: one extra decode step of each run is captured with "
                     "jax.profiler into FOLDER/VARIANT_CTX_BATCH (summarise with scripts/trace_summary.py)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="run every policy on an N-device mesh (tensor parallelism over heads)")
     ap.add_argument("--compile-cache", default=None, help="a folder for JAX's persistent compilation cache")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny 2-layer llama, 256-token context and one run "
                     "the planner refuses (1M tokens under a 0.5 GB limit), float32: the whole script on a CPU")
@@ -695,6 +715,12 @@ def main(argv=None) -> int:
     else:
         model = make_model(args.shape, jnp.dtype(args.dtype), offload_weights=False)
         shape = args.shape
+    if args.tensor_parallel > 1:  # the weights split over the mesh once (each device holds its shard only)
+        from kvoffload.offload import sharding as S
+
+        S.check_divisible(model.config, args.tensor_parallel)
+        model = Model(model.config, S.shard_params(model.params, S.make_mesh(args.tensor_parallel)))
+        shape += f", tensor_parallel={args.tensor_parallel}"
     runs = run_list(args, model.config.num_layers)
     probes = bandwidth_probes(args.cpu_smoke)
     doc = {"meta": {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "shape": shape,

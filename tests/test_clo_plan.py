@@ -258,3 +258,31 @@ def test_shipped_profile_of_the_embedded_model():
     # per-KV-head weights are one weight per group: the harmonic mean with equal weights
     want = np.asarray(group_similarity(prof.s_hat_q.reshape(30, 3, 3), np.repeat(alpha[:, :, None], 3, -1)))
     np.testing.assert_allclose(prof.s_hat, want, rtol=1e-5)
+
+
+def test_plan_persistent_heads_per_device_under_tensor_parallelism():
+    """devices=2: each device's KV heads planned on their own (its N_p against its D), the masks joined; with
+    N_p = 1 per device, a device whose two heads both have D > 0 keeps one, the other (one D > 0) none."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_random_model("llama").config, num_layers=3, num_heads=4, num_kv_heads=4)
+    cost = CostModel(h2d=Linear(0, 1 / 1e9), d2h=Linear(0, 1 / 1e9), recompute=Linear(0, 0), attention=Linear(0, 0),
+                     dense=Linear(1.5e-6, 0), hbm_bw=1e15)
+    shape = LayerShape(x_tok=128, kv_tok=128, recompute_flops_tok=0, dense_flops_tok=1, w_layer=0, w_kv=0)
+    # mem_head = 2 * 1 * 15 * 16 * 2 = 960 B: 0.96 us a fetch, T_comp 1.5 us: N_p = 1
+    kw = dict(batch=1, context=100, k_tokens=15, sink=0, recent=1, dtype_bytes=2, epsilon=EPS)
+    scores = np.ones((3, 4))
+    one, rep1 = plan_persistent_heads(cfg, cost, shape, S_HAT, scores, **kw)
+    two, rep2 = plan_persistent_heads(cfg, cost, shape, S_HAT, scores, devices=2, **kw)
+    assert rep1["n_p"] == rep2["n_p"] == [1, 1, 1]
+    D = np.asarray(rep2["D"])
+    for i in range(2):  # each device: its own single-device plan of its heads
+        mine, _ = persistent_heads(D[:, 2 * i:2 * i + 2], 1, None, 2 * 100 * 16 * 2)
+        np.testing.assert_array_equal(two[:, 2 * i:2 * i + 2], mine)
+    # one device hides 1 of 4 heads' fetches a layer; two devices 1 each of their 2
+    np.testing.assert_array_equal(one, [[1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 1, 0]])
+    np.testing.assert_array_equal(two, [[1, 1, 1, 1], [1, 0, 0, 1], [1, 0, 1, 0]])
+    assert rep2["devices"] == 2 and rep2["n_kept"] == two.sum(1).tolist()
+    assert rep2["n_kept_per_device"] == [two[:, :2].sum(1).tolist(), two[:, 2:].sum(1).tolist()]
+    with pytest.raises(CloPlanError, match="do not split over 3"):
+        plan_persistent_heads(cfg, cost, shape, S_HAT, scores, devices=3, **kw)

@@ -95,9 +95,8 @@ def test_refusals_without_devices():
     llama = tiny_random_model("llama")  # 4 query heads, 2 KV heads
     with pytest.raises(S.TensorParallelError, match=r"KV heads 2.*\(KV heads not divisible by 4\).*\[1, 2\]"):
         S.check_divisible(llama.config, 4)
-    for name in ("clo", "tokenselect"):
-        with pytest.raises(S.TensorParallelError, match=f"policy '{name}' does not run tensor-parallel"):
-            make_policy(name, tensor_parallel=2)
+    with pytest.raises(S.TensorParallelError, match="extrapolate=True .* does not run tensor-parallel"):
+        make_policy("tokenselect", extrapolate=True, tensor_parallel=2)
     with pytest.raises(S.TensorParallelError, match="needs 64 devices"):
         make_policy("full", tensor_parallel=64)
     with pytest.raises(S.TensorParallelError, match="integer >= 1"):

@@ -20,6 +20,7 @@ NEW = 10
 BASE = dict(block_tokens=4, extent_mb=3 * 4 * 2 * 16 * 4 / 2**20)  # 3-block extents of the tiny models
 # GQA llama for the 4-way mesh: 8 query heads, 4 KV heads (the default tiny llama has 2 KV heads)
 MODELS = {"opt": dict(), "llama": dict(num_attention_heads=8, num_key_value_heads=4)}
+APPROXIMATE = ("clo", "tokenselect")  # policies whose reference is their own single-device run
 
 
 def model_of(arch):
@@ -38,8 +39,9 @@ def run_case(case, refs):
 
     arch, policy, n, opts = case["arch"], case["policy"], case["tp"], case.get("opts", {})
     model = model_of(arch)
-    # the reference: `full` on one device; a lossy store (int4) is compared with itself on one device
-    lossy = opts.get("host_dtype", "native") != "native"
+    # the reference: `full` on one device; a lossy store (int4) or an approximate policy (a top-k selection:
+    # clo, tokenselect) is compared with itself on one device
+    lossy = opts.get("host_dtype", "native") != "native" or policy in APPROXIMATE
     key = (arch, policy, json.dumps(opts, sort_keys=True)) if lossy else arch
     if key not in refs:
         refs[key] = generate(model, PROMPTS, NEW, policy=policy if lossy else "full",
@@ -65,9 +67,13 @@ def run_case(case, refs):
                                               for a in jax.tree.leaves(t)})
                     seen.update(pool_k=specs(gr.pool_k), pool_x=specs(gr.pool_x), tail_k=specs(gr.tail_k),
                                 tail_x=specs(gr.tail_x), logits=specs(logits))
+                    seen.update(pool_v=specs(gr.pool_v), slots=specs(gr.slots))
                     seen["compiles_at_2"] = counter.count
                 # what the policy says of the last step (kvpr on a mesh: the all-gather of X it predicts)
                 seen["describe"] = {k: v for k, v in pol.describe(state).items() if k in ("tensor_parallel", "last_step")}
+                if policy in APPROXIMATE:  # selection-cache hits so far (per request and KV head)
+                    d = pol.describe(state)
+                    seen["hit_rate"] = (d.get("clo") or d["selection"])["hit_rate"]
                 return logits, state
 
         import jax
@@ -85,6 +91,53 @@ def run_case(case, refs):
     return out
 
 
+def kernel_case(case):
+    """The Pallas kernels clo and tokenselect call inside their layer programs (row gather from a K/V or an
+    activation extent in pinned host memory, sparse attention, exact scores with per-head lengths), run in
+    interpret mode under an N-way mesh with head-split inputs (each device its heads: `sharding.per_shard`),
+    against their references on one device: the largest difference per kernel and the outputs' shardings."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from kvoffload import ops
+    from kvoffload.offload import sharding as S
+
+    mesh = S.make_mesh(case["tp"])
+    r = np.random.default_rng(0)
+    E, n_kv, blk, d, B, H, K, T = 3, 4, 8, 16, 2, 8, 5, 12
+    arr = lambda shape, lo=None, hi=None: jnp.asarray(r.normal(size=shape), jnp.float32) if lo is None else \
+        jnp.asarray(r.integers(lo, hi, size=shape), jnp.int32)  # noqa: E731
+    heads = S.kv_sharding(mesh)
+    split = lambda *a: [jax.device_put(x, heads) for x in a]  # noqa: E731
+    kernel = dict(impl="kernel", interpret=True)
+    x, block, off = arr((E, n_kv, blk, d)), arr((B, n_kv, K), -1, E), arr((B, n_kv, K), 0, blk)
+    acts, tok = arr((E, blk, 64)), arr((B, K), 0, E * blk)
+    q, k, v, idx, nv, lens = arr((B, H, d)), arr((B, n_kv, T, d)), arr((B, n_kv, T, d)), arr((B, n_kv, K), 0, T), \
+        arr((B, n_kv), 0, K + 1), arr((B, n_kv), 0, T + 1)
+    finite = lambda a, b: float(np.abs(np.where(np.isfinite(b), a - b, 0)).max())  # noqa: E731
+    out, shardings = {}, {}
+    with S.context(mesh):
+        got = jax.jit(lambda a, b, o: ops.gather_block_rows(a, b, o, **kernel))(
+            jax.device_put(x, S.kv_sharding(mesh, "pinned_host")), *split(block, off))
+        out["gather_kv"] = finite(got, ops.gather_block_rows(x, block, off, impl="reference"))
+        shardings["gather_kv"] = str(got.sharding.spec)
+        got = jax.jit(lambda a, b, o: ops.gather_block_rows(a, b, o, **kernel))(
+            jax.device_put(acts, NamedSharding(mesh, S.X_SPEC, memory_kind="pinned_host")), tok // blk, tok % blk)
+        out["gather_x"] = finite(got, ops.gather_block_rows(acts, tok // blk, tok % blk, impl="reference"))
+        shardings["gather_x"] = str(got.sharding.spec)
+        o, lse = jax.jit(lambda *a: ops.sparse_attention(*a[:4], num_valid=a[4], **kernel))(*split(q, k, v, idx, nv))
+        wo, wl = ops.sparse_attention(q, k, v, idx, num_valid=nv, impl="reference")
+        out["sparse_attention"] = max(finite(o, wo), finite(lse, wl))
+        shardings["sparse_attention"] = str(o.sharding.spec)
+        s = jax.jit(lambda *a: ops.topk_scores_exact(*a, group_reduce="max", **kernel))(*split(q, k, lens))
+        want = ops.topk_scores_exact(q, k, lens, group_reduce="max", impl="reference")
+        out["scores"] = finite(s, want) if (np.isfinite(s) == np.isfinite(want)).all() else float("inf")
+        shardings["scores"] = str(s.sharding.spec)
+    return dict(case=case, max_abs=out, shardings=shardings)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", help="JSON list of {arch, policy, tp, opts}")
@@ -100,7 +153,9 @@ def main():
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
     refs = {}
     for case in json.loads(args.cases):
-        print("CASE " + json.dumps(run_case(case, refs)), flush=True)
+        res = kernel_case(case) if case.get("kernels") else run_case(case, refs)
+        # device values in a step record (clo's speculative guess rates) as numbers
+        print("CASE " + json.dumps(res, default=lambda a: __import__("numpy").asarray(a).tolist()), flush=True)
 
 
 if __name__ == "__main__":

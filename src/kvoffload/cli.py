@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split-point", type=int, default=None, help="kvpr: force the recompute split point l")
     g.add_argument("--profile", default=None, help="JSON profile written by `kvoffload profile`")
     g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
-                   help="full/offload/kvpr: split heads, weights and the host pool over the first N devices")
+                   help="every policy: split heads, weights and the host pool over the first N devices")
     g.add_argument("--trace", default=None, help="write a per-step trace (JSON) here")
     g.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="any other policy option")
     g.add_argument("--quiet", action="store_true", help="no progress bars or loading messages")

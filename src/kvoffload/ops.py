@@ -226,10 +226,13 @@ def sparse_attention(q, k, v, indices, *, num_valid=None, page_size=1, scale=Non
     use_kernel = _use_kernel(impl)
     if traced:
         _LAST_SPARSE_PATH["path"] = "traced"
-        if use_kernel:
-            return _sa.sparse_attention_kernel(q, k, v, indices, num_valid=num_valid,
-                                               page_size=page_size, scale=scale,
-                                               lengths=lengths, interpret=interpret)
+        if use_kernel:  # per device on its heads under a tensor-parallel mesh (clo, tokenselect)
+            heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+            return _sh.per_shard(
+                lambda q_, k_, v_, i_, n_, l_: _sa.sparse_attention_kernel(q_, k_, v_, i_, num_valid=n_,
+                                                                           page_size=page_size, scale=scale,
+                                                                           lengths=l_, interpret=interpret),
+                (heads, heads, heads, heads, heads, rep), (heads, heads))(q, k, v, indices, num_valid, lengths)
         return _sa.sparse_attention_reference(q, k, v, indices, num_valid=num_valid,
                                               page_size=page_size, scale=scale,
                                               lengths=lengths)
@@ -341,7 +344,11 @@ def topk_scores_exact(q, k, lengths=None, *, scale=None, group_reduce="sum", imp
     if _use_kernel(impl):
         if lengths is not None:
             lengths = jnp.asarray(lengths, jnp.int32)
-        return _scores_kernel_jit(q, k, lengths, scale, group_reduce, interpret)
+        # per device on its heads under a tensor-parallel mesh; per-head lengths [B, n_kv] split with them
+        heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+        return _sh.per_shard(lambda q_, k_, n_: _scores_kernel_jit(q_, k_, n_, scale, group_reduce, interpret),
+                             (heads, heads, heads if lengths is not None and lengths.ndim == 2 else rep),
+                             heads)(q, k, lengths)
     return _tk.topk_scores_exact_reference(q, k, lengths, scale=scale,
                                            group_reduce=group_reduce)
 
@@ -531,4 +538,10 @@ def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k
     path = _gather_path(x, _use_kernel(impl), interpret)
     _LAST_GATHER_PATH["path"] = path
     call = _gather_block_rows if isinstance(x, jax.core.Tracer) else _gather_jit
+    if path.startswith("kernel"):  # per device on its shard under a tensor-parallel mesh: a K/V extent's heads
+        # (block, offset split with them), an activation extent's slice of H (every device the same tokens)
+        rows = _sh.KV_SPEC if x.ndim == 4 else _sh.X_SPEC
+        idx = _sh.KV_SPEC if x.ndim == 4 else _sh.REPLICATED
+        return _sh.per_shard(lambda x_, b_, o_: call(x_, b_, o_, path, bool(interpret), block_k), (rows, idx, idx),
+                             rows)(x, block, offset)
     return call(x, block, offset, path, bool(interpret), block_k)

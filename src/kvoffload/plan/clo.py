@@ -178,12 +178,18 @@ def persistent_heads(D, n_p, gpu_budget_bytes: float | None, full_head_bytes) ->
 def plan_persistent_heads(cfg: ModelConfig, cost: CostModel, shape: LayerShape, s_hat, scores, *, batch: int,
                           context: int, k_tokens: int, sink: int = 4, recent: int = 64, dtype_bytes: int = 2,
                           gpu_budget_bytes: float | None = None, eta: float = 0.8, p: float = 3.0,
-                          epsilon: float = 0.05) -> tuple[np.ndarray, dict]:
+                          epsilon: float = 0.05, devices: int = 1) -> tuple[np.ndarray, dict]:
     """The whole item: thresholds from `scores` (`kv_thresholds`), D from the profiled s_hat [L, n_kv],
     T_comp of a layer attending k_tokens + sink + recent tokens per sequence (`layer_compute_s`),
     N_p with mem_head = one head's top-k K/V for the batch and B_pcie = the cost model's H2D
     bandwidth, then `persistent_heads` with each head's whole KV (context tokens) as its size.
-    Returns (mask, report); the report also carries tau, D, t_comp_s, mem_head_bytes."""
+    Returns (mask, report); the report also carries tau, D, t_comp_s, mem_head_bytes.
+
+    devices > 1 (tensor parallelism over heads: device i holds KV heads [i n_kv / N, (i + 1) n_kv / N), its own
+    PCIe link and its share of the compute; `shape` is one device's): each device's heads are planned on their
+    own (N_p heads of it hide under its layer time, its D ranks its heads; gpu_budget_bytes is per device), and
+    the masks are joined. Devices may then keep different counts: the policy's buffers are whole-capacity for
+    every head of a layer with a persistent one, so shapes stay equal per device."""
     tau = kv_thresholds(scores, cfg.num_kv_heads, eta, p)
     s_hat = np.asarray(s_hat, np.float64)
     if s_hat.shape != (cfg.num_layers, cfg.num_kv_heads):
@@ -192,7 +198,20 @@ def plan_persistent_heads(cfg: ModelConfig, cost: CostModel, shape: LayerShape, 
     t_comp = layer_compute_s(cost, shape, batch, k_tokens + sink + recent)
     mem_head = topk_head_bytes(cfg.head_dim, k_tokens, batch, dtype_bytes)
     n_p = prefetchable_heads(np.full(cfg.num_layers, t_comp), cost.pcie_bw, mem_head)
-    mask, report = persistent_heads(D, n_p, gpu_budget_bytes, full_head_bytes(cfg.head_dim, context, batch, dtype_bytes))
+    whole = full_head_bytes(cfg.head_dim, context, batch, dtype_bytes)
+    if cfg.num_kv_heads % devices:
+        raise CloPlanError(f"{cfg.num_kv_heads} KV heads do not split over {devices} devices")
+    per = cfg.num_kv_heads // devices
+    parts = [persistent_heads(D[:, i * per:(i + 1) * per], n_p, gpu_budget_bytes, whole) for i in range(devices)]
+    mask = np.concatenate([m for m, _ in parts], axis=1)
+    if devices == 1:
+        report = parts[0][1]
+    else:  # counts and bytes summed over the devices; dropped heads by their model-wide index
+        reps = [r for _, r in parts]
+        report = {k: np.sum([r[k] for r in reps], axis=0).tolist() for k in ("n_d", "n_persist", "n_kept", "bytes")}
+        report.update(n_p=reps[0]["n_p"], dropped=[(l, i * per + h, dd) for i, r in enumerate(reps) for l, h, dd in r["dropped"]],
+                      total_bytes=float(sum(r["total_bytes"] for r in reps)), budget_bytes=gpu_budget_bytes,
+                      devices=devices, n_kept_per_device=[r["n_kept"] for r in reps])
     report.update(tau=tau.tolist(), D=D.tolist(), t_comp_s=t_comp, mem_head_bytes=mem_head)
     return mask, report
 

@@ -97,6 +97,7 @@ from kvoffload import ops
 from kvoffload.errors import KVOffloadError
 from kvoffload.importance.deploy import group_similarity
 from kvoffload.models.transformer import family
+from kvoffload.offload import sharding as S
 from kvoffload.offload.pipeline import native_extent
 from kvoffload.offload.pool import write_blocks
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
@@ -111,6 +112,7 @@ from kvoffload.policies.tokenselect import (
     cache_decision,
     empty_selection,
     choose_tokens,
+    constrain_slots,
     gather_rows,
     hit_rates,
     pool_block_tokens,
@@ -119,6 +121,8 @@ from kvoffload.policies.tokenselect import (
     check_store,
     reuse_or_select,
     selection_budget,
+    selection_specs,
+    place_slots,
     replay_rates,
     selection_size,
     sorted_positions,
@@ -178,6 +182,24 @@ class CloSlots:
 
 jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclasses.fields(CloSlots)],
                                  meta_fields=[])
+
+
+def clo_slot_specs(slots: CloSlots) -> CloSlots:
+    """Where a layer's CloSlots live on a tensor-parallel mesh (PartitionSpecs in their place): everything per
+    KV head split by head with the K/V it comes from -- the selection cache (`selection_specs`), the row buffers
+    and their counters (axis 1), the metadata of every extent ([E, n_kv, ...]: axis 1), the per-head rule (tau,
+    weights, persistent) and HATA's W (axis 0); step flags replicated. A persistent head's buffers are the
+    layer's whole-capacity ones (K = the request bound for every head of a layer with one): each device's
+    shapes are equal and static whichever of its heads persist."""
+    heads, by_head, rep = S.KV_SPEC, S.P(S.MODEL), S.REPLICATED
+    opt = lambda a, spec: None if a is None else spec  # noqa: E731
+    return CloSlots(selection=selection_specs(slots.selection), v_rows=heads, v_rows_fetched=heads, tau=by_head,
+                    weights=by_head, persistent=by_head, meta=jax.tree.map(lambda _: heads, slots.meta),
+                    hata_w=opt(slots.hata_w, by_head), k_rows=opt(slots.k_rows, heads), held=opt(slots.held, heads),
+                    held_valid=opt(slots.held_valid, heads), guessed=opt(slots.guessed, rep),
+                    spec_rows_fetched=opt(slots.spec_rows_fetched, heads),
+                    guess_covered=opt(slots.guess_covered, heads), guess_needed=opt(slots.guess_needed, heads),
+                    last_guess=opt(slots.last_guess, rep))
 
 
 def exact_scores(q, keys, tables, space: TokenSpace | None = None, skip=None):
@@ -442,7 +464,7 @@ class CloAttend:
                                  x_rows=None if sel.x_rows is None else sel.x_rows + x_rows, replay=replay)
         new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows,
                                   v_rows_fetched=slots.v_rows_fetched + fetched, **spec)
-        return acc, new
+        return acc, constrain_slots(new, clo_slot_specs(new))
 
 
 def refill_buffers(slots: CloSlots, indices, num_valid, rows: HostRows, blk):
@@ -478,8 +500,9 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
     sel = slots.selection
     if sel.x_rows is not None:  # the guesses' X rows count with the layer programs'
         slots = dataclasses.replace(slots, selection=dataclasses.replace(sel, x_rows=sel.x_rows + x_rows))
-    return dataclasses.replace(slots, v_rows=v_rows, k_rows=k_rows, held=g_idx, held_valid=g_nv,
-                               guessed=jnp.ones((), bool), spec_rows_fetched=slots.spec_rows_fetched + fetched)
+    slots = dataclasses.replace(slots, v_rows=v_rows, k_rows=k_rows, held=g_idx, held_valid=g_nv,
+                                guessed=jnp.ones((), bool), spec_rows_fetched=slots.spec_rows_fetched + fetched)
+    return constrain_slots(slots, clo_slot_specs(slots))
 
 
 @jax.jit
@@ -608,6 +631,8 @@ class CloHooks(TokenSelectHooks):
         if r == "exact":
             return slot
         new = key_metadata(k_blocks, slot.hata_w, r, self.attend.page_size)
+        if pipe.mesh is not None:  # the blocks' metadata split by head like the extent's (write_blocks keeps it)
+            new = jax.device_put(new, jax.tree.map(lambda old: old.sharding, slot.meta[extent]))
         written = tuple(write_blocks(old, part, at) for old, part in zip(slot.meta[extent], new))
         return dataclasses.replace(slot, meta=slot.meta[:extent] + (written,) + slot.meta[extent + 1:])
 
@@ -633,7 +658,8 @@ class CloHooks(TokenSelectHooks):
             mask, report = plan_persistent_heads(
                 cfg, pipe.cost, pipe.shape(model), prof.s_hat, scores, batch=batch,
                 context=request_token_bound(layout, batch), k_tokens=K, sink=self.attend.num_sink,
-                recent=self.attend.num_recent, dtype_bytes=itemsize, eta=self.eta, p=self.p)
+                recent=self.attend.num_recent, dtype_bytes=itemsize, eta=self.eta, p=self.p,
+                devices=pipe.tp)  # tensor parallel: each device's heads against its own link and compute
         else:
             mask = np.zeros((L, n_kv), bool)
             for item in spec:
@@ -671,9 +697,8 @@ class CloHooks(TokenSelectHooks):
                          for layer in range(cfg.num_layers))
         return make
 
-    def init_slots(self, pipe, model, layout, batch):
-        # committed, like a step's outputs
-        return jax.device_put(self.slot_maker(pipe, model, layout, batch)(), pipe.dev)
+    def slot_specs(self, slot):
+        return clo_slot_specs(slot)
 
     def layer_slots(self, model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w, replay_rate=None):
         """One layer's CloSlots before the first step (replay_rate: the layer's replayed reuse probability)."""
@@ -717,6 +742,7 @@ class CloHooks(TokenSelectHooks):
 
 @register_policy("clo")
 class CloPolicy(LayeredPolicy):
+    supports_tensor_parallel = True  # slots split by KV head (`clo_slot_specs`), persistent heads per device
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
     host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
     extra_options = ("retrieval", "quest_page_tokens", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",

@@ -13,7 +13,7 @@ class LayeredPolicy(Policy):
     host_pool = True  # the pool in pinned host memory (False: device memory)
     extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
     host_dtypes: tuple = ("native",)  # the host_dtype values its hooks support (int4: offload, kvpr, hybrid)
-    supports_tensor_parallel: bool = False  # whether its hooks run on a tensor-parallel mesh (full, offload, kvpr)
+    supports_tensor_parallel: bool = False  # whether its hooks run on a tensor-parallel mesh (full, offload, kvpr, clo, tokenselect)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -37,8 +37,11 @@ class LayeredPolicy(Policy):
         if not self.supports_tensor_parallel and (self.options.mesh is not None or self.options.tensor_parallel != 1):
             from kvoffload.offload.sharding import TensorParallelError
 
+            from kvoffload.policies.base import _REGISTRY
+
+            able = sorted(n for n, c in _REGISTRY.items() if getattr(c, "supports_tensor_parallel", False))
             raise TensorParallelError(f"policy {self.name!r} does not run tensor-parallel yet (tensor_parallel / mesh); "
-                                      "policies 'full', 'offload', 'kvpr' and 'hybrid' do")
+                                      f"policies {', '.join(map(repr, able))} do")
         self.pipeline = LayerPipeline(self.make_hooks(**hook_opts), self.options, host_pool=self.host_pool)
 
     def make_hooks(self, **hook_options) -> LayerHooks:

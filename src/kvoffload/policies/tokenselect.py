@@ -61,6 +61,7 @@ import numpy as np
 
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
+from kvoffload.offload import sharding as S
 from kvoffload.offload.pipeline import LayerHooks, PoolSources, native_extent
 from kvoffload.pallas.sparse_attention import expand_indices
 from kvoffload.policies import extrapolation
@@ -164,6 +165,48 @@ def cache_decision(rule, valid, sel: SelectionCache):
     u = jax.vmap(draw)(jnp.arange(B, dtype=jnp.int32), sel.steps)
     return (u < sel.replay.rate) & valid, dataclasses.replace(
         sel.replay, rule_hits=sel.replay.rule_hits + (rule & valid).astype(jnp.int32))
+
+
+def selection_specs(sel: SelectionCache) -> SelectionCache:
+    """Where a selection cache lives on a tensor-parallel mesh (PartitionSpecs in its place): per head parts
+    (queries per query head, selections and counters per KV head: axis 1) split by head like the K/V they
+    select from, so each device keeps its own heads' (query head h goes with KV head h // G: contiguous groups,
+    one device's); per request parts (pool tokens, steps, X rows) and scalars replicated."""
+    heads, rep = S.KV_SPEC, S.REPLICATED
+    return SelectionCache(query=heads, indices=heads, num_valid=heads, pool_tokens=rep, hits=heads, steps=rep,
+                          scored=rep, x_rows=None if sel.x_rows is None else rep,
+                          replay=None if sel.replay is None else ReplayDraw(rate=rep, key=rep, rule_hits=heads))
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def place_slots(pipe, slots, specs):
+    """slots committed where the run keeps them: the pipeline's device, or on its mesh as specs (a pytree of
+    PartitionSpecs shaped like slots) say."""
+    if pipe.mesh is None:
+        return jax.device_put(slots, pipe.dev)
+    return jax.tree.map(lambda s, a: S.put(a, jax.sharding.NamedSharding(pipe.mesh, s)), specs, slots, is_leaf=_is_spec)
+
+
+def constrain_slots(slots, specs):
+    """Inside a program: slots kept where specs say on the context mesh, so a step returns them as it took them
+    (the layer program compiles once); slots themselves without a mesh."""
+    if S.context_size() == 1:
+        return slots
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.tree.map(lambda s, a: jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, s)), specs,
+                        slots, is_leaf=_is_spec)
+
+
+def device_shapes(shapes, specs, n: int):
+    """ShapeDtypeStructs of one device's share of a pytree (`jax.eval_shape`'s) on an n-way mesh: the axes
+    specs split over the model axis divided by n (what the per-device memory plan counts)."""
+    def one(s, a):
+        dims = [dim // n if ax == S.MODEL else dim for dim, ax in zip(a.shape, tuple(s) + (None,) * a.ndim)]
+        return jax.ShapeDtypeStruct(tuple(dims), a.dtype)
+    return jax.tree.map(one, specs, shapes, is_leaf=_is_spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,7 +608,7 @@ class TokenSelectAttend:
                              hits=slots.hits + reuse.astype(jnp.int32), steps=slots.steps + 1,
                              scored=slots.scored + jnp.any(~reuse).astype(jnp.int32),
                              x_rows=None if slots.x_rows is None else slots.x_rows + x_rows, replay=replay)
-        return acc, new
+        return acc, constrain_slots(new, selection_specs(new))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -698,21 +741,27 @@ class TokenSelectHooks(LayerHooks):
         """GPU bytes of one layer's slots by part name (the memory plan's entries)."""
         return {"selection cache (queries, indices)": _tree_nbytes(slot)}
 
+    def slot_specs(self, slot):
+        """Where one layer's slots live on a tensor-parallel mesh (`selection_specs`)."""
+        return selection_specs(slot)
+
     def slot_memory(self, pipe, model, layouts, batch):
-        """The slots' bytes, from their shapes (``jax.eval_shape`` of `slot_maker`'s function: nothing
-        allocated), for GPU batches of equal size (the default `group_rows`)."""
+        """One device's slot bytes, from their shapes (``jax.eval_shape`` of `slot_maker`'s function: nothing
+        allocated; on a mesh each device's share, `slot_specs`), for GPU batches of equal size (the default
+        `group_rows`)."""
         b = -(-batch // max(1, len(layouts)))
         out: dict = {}
         for layout in layouts:
             for one in jax.eval_shape(self.slot_maker(pipe, model, layout, b)):
-                for k, v in self.slot_parts(one).items():
+                for k, v in self.slot_parts(device_shapes(one, self.slot_specs(one), pipe.tp)).items():
                     out[k] = out.get(k, 0) + v
-        if "act" in self.stores:  # one layer's X rows of the largest union and their K/V, while it runs
+        if "act" in self.stores:  # one layer's X rows of the largest union (whole on every device) and their K/V
             cfg = model.config
             p = jnp.dtype(model.params.layers[0].wk.dtype).itemsize
             cap = max(union_tiers(self.static_budget(lay, b), cfg.num_kv_heads, request_token_bound(lay, b))[-1]
                       for lay in layouts)
-            out["activation-row recompute workspace"] = b * cap * (cfg.hidden_size + cfg.kv_bytes_per_token) * p
+            kv_tok = S.device_config(cfg, pipe.tp).kv_bytes_per_token
+            out["activation-row recompute workspace"] = b * cap * (cfg.hidden_size + kv_tok) * p
         return out
 
     def plan_group(self, pipe, model, group):
@@ -749,8 +798,9 @@ class TokenSelectHooks(LayerHooks):
         return make
 
     def init_slots(self, pipe, model, layout, batch):
-        # committed, like a step's outputs (no recompilation)
-        return jax.device_put(self.slot_maker(pipe, model, layout, batch)(), pipe.dev)
+        # committed, like a step's outputs (no recompilation); on a mesh split by head (`slot_specs`)
+        slots = self.slot_maker(pipe, model, layout, batch)()
+        return place_slots(pipe, slots, tuple(self.slot_specs(s) for s in slots))
 
     def sources(self, pipe, group, plan, layer, fetched):
         if self.split:  # the pool's arrays as they are, as for a device pool (no zero stand-ins: nothing fetched)
@@ -796,6 +846,7 @@ def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None
 
 @register_policy("tokenselect")
 class TokenSelectPolicy(LayeredPolicy):
+    supports_tensor_parallel = True  # the selection state split by KV head (`selection_specs`); not extrapolate=True
     host_pool = False
     extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size",
                      "extrapolate", "prefill_chunk", "store", "replay_hit_rate")
@@ -829,6 +880,9 @@ class TokenSelectPolicy(LayeredPolicy):
             token_budget, token_ratio, num_sink, num_recent, default_budget=DEFAULT_BUDGET)
         replay_rates(replay_hit_rate)  # the values checked here, their number once the model is known
         if extrapolate:
+            if self.options.mesh is not None or self.options.tensor_parallel != 1:
+                raise S.TensorParallelError("tokenselect's extrapolate=True runs its own dense runner on one device; "
+                                            "it does not run tensor-parallel (tensor_parallel / mesh)")
             if replay_hit_rate is not None:
                 raise TokenSelectOptionError("replay_hit_rate applies to the layer pipeline, not to extrapolate=True")
             self.extrapolation = extrapolation_options(token_budget, token_ratio, num_sink, num_recent, kv, page_size,
