@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-repeats", type=int, default=5)
     ap.add_argument("--profile", default="auto",
                     help="auto: profile each (shape, N) on the mesh first and run with it; none: the built-in "
-                         "default cost model; or a profile JSON for every N")
+                         "default cost model; a folder: reuse its profile_<shape>_tp<N>.json where one was measured on "
+                         "this kind of GPU (else profile as auto); or a profile JSON for every N")
     ap.add_argument("--hybrid-gpu-budget-gb", type=float, default=24.0,
                     help="hybrid: the GPU memory per device its plan may use (GPU-resident blocks included); 0: "
                          "the free memory")
@@ -119,9 +120,18 @@ def main(argv=None) -> int:
         """The profile JSON kvpr and offload run with at N GPUs (None: the default cost model)."""
         if args.profile == "none":
             return None
-        if args.profile != "auto":
+        name = f"profile_{wl['shape']}_tp{n}.json"
+        if os.path.isdir(args.profile):  # an earlier run's profiles: reused where measured on this GPU model
+            old = os.path.join(args.profile, name)
+            if os.path.exists(old):
+                with open(old) as f:
+                    measured_on = json.load(f).get("device")
+                if measured_on == jax.devices()[0].device_kind:
+                    print(f"[bench_tp] tp={n}: reusing {old} ({measured_on})", flush=True)
+                    return old
+        elif args.profile != "auto":
             return args.profile
-        p = os.path.join(out_dir, f"profile_{wl['shape']}_tp{n}.json")
+        p = os.path.join(out_dir, name)
         if p not in res["profiles"]:
             prof = run_profile(model_shape(wl["shape"]), wl["batch"] // wl["gpu_batches"], str(dtype), quick=True,
                                progress=lambda m: print(f"[bench_tp] profile tp={n}: {m}", flush=True),

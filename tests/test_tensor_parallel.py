@@ -273,3 +273,58 @@ def test_hybrid_block_rates_price_one_device_of_the_mesh():
     assert S.local_size(two_local) == 2
     assert S.device_budgets(8e9, 4e9, two_local, "gpu") == (4e9, 4e9)
     assert S.device_budgets(8e9, 4e9, two_local, "cpu") == (4e9, 2e9)
+
+
+# clo and tokenselect (approximate: compared with themselves on one device, tests/tp_cases.py): small budgets so
+# the selection matters, reuse rules that hit and miss; persistent heads on one device of the mesh only
+# ((1, last KV head): per-device counts unequal, the buffers whole-capacity either way); HATA with replayed
+# (per-head Bernoulli) reuse; clo's speculative prefetch; tokenselect on the device pool and kv=split store=act
+# (activation rows gathered along H and recomputed)
+SEL = dict(num_sink=1, num_recent=2)
+SELECTION_CASES = [dict(arch=a, policy=p, tp=n, opts=o) for a, kv in (("opt", 4), ("llama", 4)) for n in (2, 4)
+                   for p, o in (
+    ("clo", dict(topk=8, fixed_threshold=0.0, persistent_heads=[(1, kv - 1)], **SEL)),
+    ("clo", dict(retrieval="hata", hata_bits=32, topk=8, replay_hit_rate=0.5, persistent_heads=[(1, 0)], **SEL)),
+    ("tokenselect", dict(token_budget=8, cache_threshold=0.0, **SEL)),
+)] + [dict(arch="llama", policy="clo", tp=2, opts=dict(topk=8, fixed_threshold=0.0, speculative_prefetch=True, **SEL)),
+      dict(arch="llama", policy="tokenselect", tp=2, opts=dict(token_budget=8, kv="split", store="act",
+                                                               cache_threshold=0.0, **SEL))]
+
+
+def check_selection(res):
+    """A clo / tokenselect case: tokens and logits equal the policy on one device; its pool, tails and slots
+    split by head (clo: the per-head rule too); its cache both hit and missed; the step compiled once."""
+    case, opts = res["case"], res["case"]["opts"]
+    assert "error" not in res, res
+    assert res["tokens_equal"], case
+    assert res["max_abs"] < 1e-4, (case, res["max_abs"])
+    keys_dev = case["policy"] == "tokenselect" or opts.get("retrieval", "exact") == "exact"
+    values_dev = case["policy"] == "tokenselect" and opts.get("kv", "gpu") == "gpu"
+    assert res["pool_k"] == [f"{HEADS}@{'device' if keys_dev else 'pinned_host'}"], res
+    if opts.get("store") == "act":
+        assert res["pool_v"] == [] and res["pool_x"] == [f"{ALONG_H}@pinned_host"], res
+    else:
+        assert res["pool_v"] == [f"{HEADS}@{'device' if values_dev else 'pinned_host'}"], res
+    assert res["tail_k"] == [f"{HEADS}@device"] and res["logits"] == ["P()@device"], res
+    assert f"{HEADS}@device" in res["slots"] and set(res["slots"]) <= {f"{HEADS}@device", "P()@device",
+                                                                       "P('model',)@device"}, res
+    if case["policy"] == "clo":
+        assert "P('model',)@device" in res["slots"], res  # tau, weights, persistent by head
+    assert 0 < res["hit_rate"] < 1, res
+    assert not {"jit(layer_step)", "jit(_choose_tokens)", "jit(_embed)", "jit(speculate_layer)"} & set(res["later_compiles"]), res
+
+
+def test_selection_kernels_run_per_device():
+    """The kernels in clo's and tokenselect's layer programs (row gathers from pinned-host K/V and activation
+    extents, sparse attention, exact scores with per-head lengths) under 2- and 4-way meshes, each device on
+    its heads (interpret mode), equal their references and come back split by head (X rows along H)."""
+    for res in run_cases([dict(kernels=True, tp=4), dict(kernels=True, tp=2)]):
+        assert all(v < 1e-6 for v in res["max_abs"].values()), res
+        assert res["shardings"] == {"gather_kv": HEADS, "gather_x": ALONG_H, "sparse_attention": HEADS,
+                                    "scores": HEADS}, res
+
+
+@pytest.mark.slow  # ~5 min: 14 cases, each generated on one device and on the mesh
+def test_clo_and_tokenselect_on_2_and_4_way_meshes():
+    for res in run_cases(SELECTION_CASES, timeout=3000):
+        check_selection(res)

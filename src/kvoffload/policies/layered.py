@@ -13,7 +13,7 @@ class LayeredPolicy(Policy):
     host_pool = True  # the pool in pinned host memory (False: device memory)
     extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
     host_dtypes: tuple = ("native",)  # the host_dtype values its hooks support (int4: offload, kvpr, hybrid)
-    supports_tensor_parallel: bool = False  # whether its hooks run on a tensor-parallel mesh (full, offload, kvpr, clo, tokenselect)
+    supports_tensor_parallel: bool = False  # whether its hooks run on a tensor-parallel mesh (every layered policy today)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
