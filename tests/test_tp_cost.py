@@ -158,3 +158,30 @@ def test_bench_tp_reports_the_split_and_its_prediction(tmp_path):
         assert set(r["sweep"]) == {str(k) for k in range(r["used_extents"] + 1)} and "measured_best_split" in r
     assert res["profiles"][auto[1]["profile"]]["all_gather_devices"] == 2
     assert "chose" in out.stdout and "all-gather" in out.stdout
+
+
+def test_plot_tp_speedups_join_files_and_cap(tmp_path):
+    """scripts/plot_tp.py: speed-ups against the 1-GPU row of the same (workload, policy) found in any file,
+    forced-split sweep rows left out, and the bandwidth cap N * (GB/s per GPU with N busy) / (1 GPU's)."""
+    import json
+
+    from script_loader import script_module
+
+    one = {"device": "X", "bandwidth": [{"gpus": 1, "per_gpu_gb_s": 50.0}, {"gpus": 4, "per_gpu_gb_s": 40.0}],
+           "runs": [{"workload": "w", "policy": "offload", "tp": 1, "tokens_per_s": 100.0},
+                    {"workload": "w", "policy": "kvpr", "tp": 1, "tokens_per_s": 150.0},
+                    {"workload": "w", "policy": "kvpr", "tp": 1, "split_point": 0, "tokens_per_s": 90.0}]}
+    two = {"device": "X", "bandwidth": [],
+           "runs": [{"workload": "w", "policy": "offload", "tp": 4, "tokens_per_s": 310.0},
+                    {"workload": "w", "policy": "kvpr", "tp": 4, "tokens_per_s": 240.0},
+                    {"workload": "v", "policy": "offload", "tp": 4, "tokens_per_s": 1.0}]}  # no 1-GPU row: left out
+    paths = []
+    for i, res in enumerate((one, two)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(res))
+    with script_module("plot_tp") as plot:
+        curves = plot.speedups([one, two])
+        assert curves == {("w", "offload"): [(1, 1.0), (4, 3.1)], ("w", "kvpr"): [(1, 1.0), (4, 1.6)]}
+        assert plot.bandwidth_cap([two, one]) == [(1, 1.0), (4, 3.2)]
+        out = tmp_path / "tp.png"
+        assert plot.main([str(p) for p in paths] + ["--out", str(out)]) == 0 and out.stat().st_size > 10_000
