@@ -79,6 +79,7 @@ SLOW_CASES = [dict(arch=a, policy=p, tp=n, opts=o) for a in ("opt", "llama") for
     ("kvpr", dict(split_point=10**6, schedule="column", gpu_batches=3, offload_weights=True)),
     ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True)),
     ("kvpr", dict(split_point=16, host_dtype="int4", int4_group_size=8)),
+    ("kvpr", dict(split_point=16, host_dtype="int4", int4_k_quant="channel")),  # K's scales [E, n_kv, 1, d] by head
 )]
 
 
