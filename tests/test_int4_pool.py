@@ -548,7 +548,7 @@ BLK2 = dict(block_tokens=2, extent_mb=3 * 2 * 64 * 4 / 2**20)  # 2-token blocks,
 
 
 @pytest.mark.parametrize("policy,opts", [("offload", {}),
-                                         pytest.param("kvpr", dict(split_point=16), marks=pytest.mark.slow)],  # 50 s
+                                         pytest.param("kvpr", dict(split_point=16), marks=pytest.mark.slow)],  # 30-50 s
                          ids=["offload", "kvpr-split16"])
 def test_channel_int4_logits_stay_near_native(model, native, policy, opts):
     """K per channel, V (and kvpr's X) per token, across two flushes, teacher-forced as above.
