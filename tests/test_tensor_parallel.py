@@ -79,7 +79,13 @@ SLOW_CASES = [dict(arch=a, policy=p, tp=n, opts=o) for a in ("opt", "llama") for
     ("kvpr", dict(split_point=10**6, schedule="column", gpu_batches=3, offload_weights=True)),
     ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True)),
     ("kvpr", dict(split_point=16, host_dtype="int4", int4_group_size=8)),
-)]
+)] + [
+    # K scaled per channel ([E, n_kv, 1, d] scales split by head): OPT only. Tiny Llama's channel run
+    # (tp 2 and 4) has every K code equal to one device's, but one V value (token mode) rounds to the
+    # neighbouring code at the second flush (the mesh's V differs in its last bits at a rounding tie):
+    # logits then differ by 3e-3, past check_equal's 1e-4
+    dict(arch="opt", policy="kvpr", tp=n, opts=dict(split_point=16, host_dtype="int4", int4_group_size=8,
+                                                    int4_k_quant="channel")) for n in (2, 4)]
 
 
 @pytest.mark.slow

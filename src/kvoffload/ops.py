@@ -27,8 +27,8 @@ Conventions
 * Row gather: ``gather_block_rows(x, block, offset)`` takes rows x[block, head, offset] of one extent
   x [E, n_kv, blk, d] (device or host memory) into [B, n_kv, K, d] device memory; 0 where block is
   outside [0, E). A headless extent x [E, blk, H] (activations) takes block, offset [B, K] -> [B, K, H].
-* int4: group-wise asymmetric (FlexGen) along the last dim, group 64 by default;
-  packed split-half: byte j = code[j] | code[j + D//2] << 4. See ``quantize_int4``.
+* int4: group-wise asymmetric (FlexGen) along the last dim, group 64 by default, or per channel over
+  axis -2 (``scales="channel"``: a K block's tokens, KIVI); packed split-half: byte j = code[j] | code[j + D//2] << 4. See ``quantize_int4``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
 from kvoffload.pallas import topk as _tk
 from kvoffload.pallas.decode_attention import merge_attention  # noqa: F401  (public)
+from kvoffload.pallas.quant import SCALES as INT4_SCALES  # noqa: F401  (public)
 from kvoffload.pallas.quant import (  # noqa: F401  (public)
     QuantizedInt4,
     dequantize_int4,
@@ -69,7 +70,7 @@ __all__ = [
     "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk",
     "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
-    "QuantizedInt4", "decode_attention_int4", "kernel_default", "gather_block_rows",
+    "QuantizedInt4", "INT4_SCALES", "decode_attention_int4", "kernel_default", "gather_block_rows",
     "gather_block_rows_path", "zero_copy_gather_supported",
 ]
 
@@ -439,11 +440,17 @@ def _int4_ref_jit(q, kq, vq, lengths, scale):
 def decode_attention_int4(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *, scale=None,
                           impl="auto", interpret=False):
     """Decode attention reading int4 K/V (``quantize_int4`` of [B, n_kv, S, d] caches)
-    without dequantising the cache in memory. Same returns as ``decode_attention``."""
+    without dequantising the cache in memory. Same returns as ``decode_attention``. The kernel reads
+    per-token group scales only: K or V quantized per channel (``scales="channel"``) is dequantized and
+    attended by the reference (impl="kernel" refuses it)."""
     lengths = jnp.asarray(lengths, jnp.int32)
     scale = None if scale is None else float(scale)
     d = q.shape[-1]
-    ok = _q.int4_kernel_supported(d, kq.group_size)
+    per_channel = "channel" in (kq.scales, vq.scales)
+    if per_channel and impl == "kernel":
+        raise ValueError("decode_attention_int4's kernel reads per-token int4 scales only; K/V quantized with "
+                         "scales='channel' runs with impl='reference' or 'auto' (dequantize, then attend)")
+    ok = _q.int4_kernel_supported(d, kq.group_size) and not per_channel
     if _use_kernel(impl, ok) and (ok or impl == "kernel"):
         return _int4_kernel_jit(q, kq, vq, lengths, scale, interpret)
     return _int4_ref_jit(q, kq, vq, lengths, scale)
@@ -523,7 +530,8 @@ def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k
 
     x [E, n_kv, blk, d] (device or host memory; any dtype), a headless extent x [E, blk, d] (an
     activation extent: block, offset [B, K], rows [B, K, d]), or a ``QuantizedInt4`` extent (its codes and group scales gathered alike: a QuantizedInt4 of rows
-    comes back, ``dequantize_int4`` it on the device); block, offset [B, n_kv, K] int32. Returns
+    comes back, ``dequantize_int4`` it on the device; per-channel scales [E, n_kv, 1, d]: each row gets
+    its block's, [B, n_kv, K, d]); block, offset [B, n_kv, K] int32. Returns
     [B, n_kv, K, d] in device memory; rows whose block is outside [0, E) or offset outside
     [0, blk) are 0. A pinned_host extent on the GPU is read in place by the kernel (only the K rows
     cross PCIe; ``zero_copy_gather_supported``); elsewhere XLA gathers where the extent lives and moves
@@ -532,9 +540,11 @@ def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k
     block = jnp.asarray(block, jnp.int32)
     offset = jnp.asarray(offset, jnp.int32)
     if isinstance(x, QuantizedInt4):
-        parts = [gather_block_rows(a, block, offset, impl=impl, interpret=interpret, block_k=block_k)
-                 for a in (x.codes, x.step, x.mn)]
-        return QuantizedInt4(*parts, group_size=x.group_size)
+        rows = lambda a, off: gather_block_rows(a, block, off, impl=impl, interpret=interpret, block_k=block_k)  # noqa: E731
+        # per-channel scales [E, n_kv, 1, d]: each row takes its block's (row 0), a row outside reads 0
+        blk = x.codes.shape[-2]
+        s_off = offset if x.scales == "token" else jnp.where((offset >= 0) & (offset < blk), 0, -1)
+        return QuantizedInt4(rows(x.codes, offset), rows(x.step, s_off), rows(x.mn, s_off), x.group_size, x.scales)
     path = _gather_path(x, _use_kernel(impl), interpret)
     _LAST_GATHER_PATH["path"] = path
     call = _gather_block_rows if isinstance(x, jax.core.Tracer) else _gather_jit

@@ -484,6 +484,10 @@ class PipelineOptions:
     # it is, dequantized on the GPU. GPU-resident blocks and the GPU tails stay in the model's dtype.
     host_dtype: str = "native"
     int4_group_size: int = 64
+    # how int4 K is scaled: "token" (groups of int4_group_size along each token's head_dim, like V and X)
+    # or "channel" (KIVI: a step and min per channel over each block's block_tokens tokens; keys have outlier
+    # channels that per-token groups stretch over the other channels' range; same bytes as token's g64 at blk 64)
+    int4_k_quant: str = "token"
     # tensor parallelism over heads (offload/sharding.py): N devices (the first N of jax.devices()), or a
     # jax.sharding.Mesh with a 'model' axis; weights, K/V and the host pool split by head over it
     tensor_parallel: int = 1
@@ -497,6 +501,8 @@ class PipelineOptions:
         if self.host_dtype not in HOST_DTYPES:
             raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {self.host_dtype!r}")
         self.int4_group_size = int(self.int4_group_size)
+        if self.int4_k_quant not in ops.INT4_SCALES:
+            raise ValueError(f"int4_k_quant must be one of {ops.INT4_SCALES}, got {self.int4_k_quant!r}")
         if self.int4_group_size < 1:
             raise ValueError(f"int4_group_size must be >= 1, got {self.int4_group_size}")
         self.gpu_batches = int(self.gpu_batches)
@@ -675,7 +681,7 @@ class LayerPipeline:
                           tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
                           prefill_workspace_gb=o.prefill_workspace_gb, prefill_chunk_tokens=o.prefill_chunk_tokens,
-                          host_dtype=o.host_dtype, int4_group_size=o.int4_group_size,
+                          host_dtype=o.host_dtype, int4_group_size=o.int4_group_size, int4_k_quant=o.int4_k_quant,
                           k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp,
                           fetch=self.hooks.fetches_extents(self),
                           layer_parts=[self.hooks.layer_parts(self, i) for i in range(cfg.num_layers)],
@@ -790,9 +796,10 @@ class LayerPipeline:
             src, valid = srcs[e]
             E = layout.size(e)
             # a host extent as the pool stores it: quantized here, on its way to the host, for int4
-            stored = ((lambda a: quantize_blocks(a, self.opts.int4_group_size))
-                      if self.int4 and not layout.on_device(e) else (lambda a: a))
-            stored_k = (lambda a: a) if k_dev_kept else stored  # K kept on the GPU: native
+            stored = ((lambda a, scales="token": quantize_blocks(a, self.opts.int4_group_size, scales))
+                      if self.int4 and not layout.on_device(e) else (lambda a, scales="token": a))
+            stored_k = ((lambda a: a) if k_dev_kept  # K kept on the GPU: native
+                        else (lambda a: stored(a, self.opts.int4_k_quant)))
             if layout.has("kv", e):
                 if e < used:
                     k_dev.append(gather_kv_extent(k, src, valid, blk))
@@ -977,8 +984,10 @@ class LayerPipeline:
             if tx[i] is not None:
                 bx, tx[i] = _pop_block(tx[i], blk, 0)
             # int4 host extents: the blocks quantized once per layer, on the GPU, before they move
-            quant = (lambda a: quantize_blocks(a, self.opts.int4_group_size)) if self.int4 else (lambda a: a)
-            qk, qv = (bk if keys_dev else quant(bk)), quant(bv)  # K kept on the GPU stays native
+            quant = ((lambda a, scales="token": quantize_blocks(a, self.opts.int4_group_size, scales))
+                     if self.int4 else (lambda a, scales="token": a))
+            # K kept on the GPU stays native; a flushed block is whole (blk tokens of every request)
+            qk, qv = (bk if keys_dev else quant(bk, self.opts.int4_k_quant)), quant(bv)
             qx = quant(bx) if bx is not None else None
             for e in touched:
                 share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
@@ -1060,7 +1069,8 @@ class LayerPipeline:
             # one device's shape: its heads, 1/N of each X (split along H), the all-gather of X it receives
             self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
                                             wb.kv_per_layer, host_dtype="int4" if self.int4 else "native",
-                                            int4_group_size=self.opts.int4_group_size, tensor_parallel=self.tp)
+                                            int4_group_size=self.opts.int4_group_size, tensor_parallel=self.tp,
+                                            int4_k_quant=self.opts.int4_k_quant, block_tokens=self.opts.block_tokens)
         return self._shape_val
 
     def write_trace(self, path, records):

@@ -11,7 +11,8 @@ Physical level. Per layer and kind, blocks are grouped into extents of ``extent_
 extent is one array -- K and V ``[E, n_kv, blk, d]``, activations X ``[E, blk, H]`` -- in pinned host
 memory (offloading policies) or device memory (`full`). Block id b lives in extent b // E at slot
 b % E. A host pool may store its extents in int4 (``host_dtype="int4"``): each K, V and X extent is
-then a ``QuantizedInt4`` of three arrays (codes, step, min; groups along the last axis, d or H) with
+then a ``QuantizedInt4`` of three arrays (codes, step, min; groups along the last axis, d or H; K with
+``int4_k_quant="channel"``: a step and min per channel of each block, [E, n_kv, 1, d]) with
 the same leading axes, written and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole
 array overlaps the jitted compute dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
 fetches must move few, large arrays; an extent of tens of MiB moves at the PCIe floor. Every extent
@@ -342,11 +343,14 @@ def gather_act_extent(x, src, valid, blk):
     return jnp.where(valid[:, None, None], blocks[src], jnp.zeros((), x.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("group_size",))
-def quantize_blocks(a, group_size: int) -> QuantizedInt4:
+@functools.partial(jax.jit, static_argnames=("group_size", "scales"))
+def quantize_blocks(a, group_size: int, scales: str = "token") -> QuantizedInt4:
     """K, V or X blocks / an extent [..., n] (n = d or H) as an int4 host pool stores them
-    (ops.quantize_int4: packed uint8 codes [..., n/2], float32 step and min [..., n/group_size])."""
-    return quantize_int4(a, group_size)
+    (ops.quantize_int4: packed uint8 codes [..., n/2], float32 step and min [..., n/group_size]).
+    scales="channel" (K blocks [..., blk, d] only): a step and min per channel over each block's blk
+    tokens, [..., 1, d]. Every block quantized is whole (prompt blocks, and the tail's oldest blk tokens
+    at a flush; an unused slot is all zeros), so a block's min / max cover only its own tokens."""
+    return quantize_int4(a, group_size, scales)
 
 
 def write_stored_blocks(ext, blocks, slots):
@@ -356,9 +360,12 @@ def write_stored_blocks(ext, blocks, slots):
     if not isinstance(ext, QuantizedInt4):
         return write_blocks(ext, blocks, slots)
     if not isinstance(blocks, QuantizedInt4):
-        blocks = quantize_blocks(blocks, ext.group_size)
+        blocks = quantize_blocks(blocks, ext.group_size, ext.scales)
+    if (blocks.group_size, blocks.scales) != (ext.group_size, ext.scales):
+        raise ValueError(f"int4 blocks quantized with group_size={blocks.group_size}, scales={blocks.scales!r} "
+                         f"cannot be written to an extent of group_size={ext.group_size}, scales={ext.scales!r}")
     return QuantizedInt4(write_blocks(ext.codes, blocks.codes, slots), write_blocks(ext.step, blocks.step, slots),
-                         write_blocks(ext.mn, blocks.mn, slots), ext.group_size)
+                         write_blocks(ext.mn, blocks.mn, slots), ext.group_size, ext.scales)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -623,6 +623,7 @@ def gather_cases(full=False):
              for i, (d, K, dt) in enumerate(shapes)]
     cases += [(check_gather, dict(d=64, K=37, dtype="uint8")),  # int4 codes [..., d / 2]
               (check_gather, dict(d=2, K=37, dtype="float32")),  # int4 group scales [..., d / group]
+              (check_gather, dict(blk=1, d=64, K=37, dtype="float32")),  # int4 K per-channel scales [E, n_kv, 1, d]
               (check_gather, dict(B=1, n_kv=3, d=128, K=300, block_k=16))]
     return cases
 
@@ -806,6 +807,7 @@ def gpu_cases():
     for d in HEAD_DIMS:  # the extent in pinned_host memory: the kernel reads it in place
         add(check_gather, dict(d=d, K=300, dtype="bfloat16", E=13, blk=16, host=True))
     add(check_gather, dict(B=2, n_kv=8, E=40, blk=64, d=128, K=2000, dtype="bfloat16", host=True))
+    add(check_gather, dict(n_kv=8, E=40, blk=1, d=128, K=2000, dtype="float32", host=True))  # per-channel K scales
     return cases
 
 

@@ -5,7 +5,11 @@ Quantization of x [..., D] along the last dim with groups of ``group_size``
     mn = min over group, mx = max over group, step = (mx - mn) / 15
     code = clip(round((x - mn) / step), 0, 15)       (step == 0 -> code 0)
     x_hat = code * step + mn
-``step`` and ``mn`` are stored as float32 [..., D // group_size].
+``step`` and ``mn`` are stored as float32 [..., D // group_size] (``scales="token"``: one row's values share
+a group, e.g. a token's head_dim). ``scales="channel"`` (KIVI, arXiv 2402.02750: keys have outlier channels,
+so a key is quantized per channel) groups along axis -2 instead: x [..., T, D] gets one step and min per
+column over its T rows, float32 [..., 1, D]; the codes stay row-major packed [..., T, D // 2], so a row
+gather still takes whole rows (and the row's block's scales). ``group_size`` is unused there.
 
 Packing (split-half, chosen so a kernel unpacks into two contiguous halves):
 packed [..., D // 2] uint8, byte j = code[j] | (code[j + D // 2] << 4).
@@ -40,14 +44,18 @@ from kvoffload.pallas.common import (
 from kvoffload.pallas.decode_attention import _attend_masked, merge_splits
 
 
+SCALES = ("token", "channel")  # what one step / min covers: a group of a row (token) or a column (channel)
+
+
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["codes", "step", "mn"], meta_fields=["group_size"])
+                   data_fields=["codes", "step", "mn"], meta_fields=["group_size", "scales"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedInt4:
     codes: jax.Array  # uint8 [..., D // 2] packed (split-half)
-    step: jax.Array  # float32 [..., D // group_size]
-    mn: jax.Array  # float32 [..., D // group_size]
+    step: jax.Array  # float32 [..., D // group_size] ("token"); [..., 1 or T, D] ("channel")
+    mn: jax.Array  # float32, shaped like step
     group_size: int = 64
+    scales: str = "token"
 
     @property
     def shape(self):
@@ -68,23 +76,36 @@ def unpack_int4(packed):
     return jnp.concatenate([lo, hi], axis=-1)
 
 
-def quantize_int4(x, group_size=64):
-    """x [..., D] -> QuantizedInt4 (see module docstring)."""
+def _codes_of(xf, mn, mx):
+    step = (mx - mn) / 15.0
+    inv = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
+    return jnp.clip(jnp.round((xf - mn) * inv), 0, 15).astype(jnp.uint8), step
+
+
+def quantize_int4(x, group_size=64, scales="token"):
+    """x [..., D] ("channel": [..., T, D]) -> QuantizedInt4 (see module docstring)."""
     D = x.shape[-1]
+    if scales not in SCALES:
+        raise ValueError(f"scales must be one of {SCALES}, got {scales!r}")
+    if scales == "channel":
+        if D % 2 or x.ndim < 2:
+            raise ValueError(f"per-channel int4 needs x [..., T, D] with D even, got shape {x.shape}")
+        xf = x.astype(jnp.float32)
+        mn = jnp.min(xf, axis=-2, keepdims=True)
+        codes, step = _codes_of(xf, mn, jnp.max(xf, axis=-2, keepdims=True))
+        return QuantizedInt4(pack_int4(codes), step, mn, group_size, scales)
     if D % group_size or D % 2:
         raise ValueError(f"group_size {group_size} must divide D={D} (D even)")
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], D // group_size, group_size)
     mn = jnp.min(xf, axis=-1)
-    mx = jnp.max(xf, axis=-1)
-    step = (mx - mn) / 15.0
-    inv = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
-    codes = jnp.clip(jnp.round((xf - mn[..., None]) * inv[..., None]), 0, 15)
-    codes = codes.astype(jnp.uint8).reshape(x.shape)
-    return QuantizedInt4(pack_int4(codes), step, mn, group_size)
+    codes, step = _codes_of(xf, mn[..., None], jnp.max(xf, axis=-1)[..., None])
+    return QuantizedInt4(pack_int4(codes.reshape(x.shape)), step[..., 0], mn, group_size)
 
 
 def dequantize_int4(qx: QuantizedInt4, dtype=jnp.float32):
     codes = unpack_int4(qx.codes).astype(jnp.float32)
+    if qx.scales == "channel":  # step / mn [..., 1, D] (an extent's blocks) or [..., T, D] (gathered rows)
+        return (codes * qx.step + qx.mn).astype(dtype)
     D = codes.shape[-1]
     gs = qx.group_size
     c = codes.reshape(*codes.shape[:-1], D // gs, gs)

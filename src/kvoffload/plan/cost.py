@@ -151,22 +151,28 @@ def recompute_flops_per_token(cfg: ModelConfig) -> float:
 HOST_DTYPES = ("native", "int4")
 
 
-def stored_bytes(values: int, dtype_bytes: int, host_dtype: str = "native", group_size: int = 64) -> float:
-    """Bytes of `values` numbers (whole groups of group_size along the last axis) as a pool stores them:
-    the model's dtype ("native"), or int4 group quantization (pallas/quant.py): half a byte of packed
-    code per value plus a float32 step and min per group of group_size."""
+def stored_bytes(values: int, dtype_bytes: int, host_dtype: str = "native", group_size: int = 64,
+                 scales: str = "token", block_tokens: int = 64) -> float:
+    """Bytes of `values` numbers of one token as a pool stores them: the model's dtype ("native"), or int4
+    quantization (pallas/quant.py): half a byte of packed code per value plus a float32 step and min per
+    group of group_size along the last axis (scales="token"), or per value's channel and block of
+    block_tokens tokens (scales="channel": 8 / block_tokens bytes of scales per value and token)."""
     if host_dtype == "native":
         return float(values * dtype_bytes)
+    if host_dtype == "int4" and scales == "channel":
+        return float(values // 2 + 2 * 4 * values / block_tokens)
     if host_dtype == "int4":
         return float(values // 2 + 2 * 4 * (values // group_size))
     raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {host_dtype!r}")
 
 
 def stored_kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, host_dtype: str = "native",
-                              group_size: int = 64) -> float:
+                              group_size: int = 64, k_quant: str = "token", block_tokens: int = 64) -> float:
     """Bytes of one token's K and V of one layer as a pool stores them (`stored_bytes`; int4 groups run
-    along each head's d)."""
-    return stored_bytes(2 * cfg.num_kv_heads * cfg.head_dim, dtype_bytes, host_dtype, group_size)
+    along each head's d, or for K with k_quant="channel" along each block's tokens)."""
+    values = cfg.num_kv_heads * cfg.head_dim
+    return (stored_bytes(values, dtype_bytes, host_dtype, group_size, k_quant, block_tokens)
+            + stored_bytes(values, dtype_bytes, host_dtype, group_size))
 
 
 def stored_x_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, host_dtype: str = "native",
@@ -208,7 +214,8 @@ class LayerShape:
 
     @classmethod
     def of(cls, cfg: ModelConfig, dtype_bytes: int, w_layer: float = 0.0, w_kv: float = 0.0,
-           host_dtype: str = "native", int4_group_size: int = 64, tensor_parallel: int = 1) -> "LayerShape":
+           host_dtype: str = "native", int4_group_size: int = 64, tensor_parallel: int = 1,
+           int4_k_quant: str = "token", block_tokens: int = 64) -> "LayerShape":
         """cfg: the whole model's config; w_layer, w_kv: one device's weight bytes. With tensor_parallel=N
         the shape is one device's (offload/sharding.py): its n_kv / N heads' K/V (stored, fetched over its
         own link, attended, recomputed: 1/N of the flops), 1/N of each activation X (split along H) and
@@ -220,7 +227,8 @@ class LayerShape:
         return cls(x_tok=cfg.hidden_size * dtype_bytes / n, kv_tok=dev.kv_bytes_per_token * dtype_bytes,
                    recompute_flops_tok=recompute_flops_per_token(dev), dense_flops_tok=dense_flops_per_token(dev),
                    w_layer=w_layer, w_kv=w_kv,
-                   kv_host_tok=stored_kv_bytes_per_token(dev, dtype_bytes, host_dtype, int4_group_size),
+                   kv_host_tok=stored_kv_bytes_per_token(dev, dtype_bytes, host_dtype, int4_group_size,
+                                                         int4_k_quant, block_tokens),
                    x_host_tok=stored_x_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size) / n,
                    x_gather_tok=cfg.hidden_size * dtype_bytes * (n - 1) / n,
                    allreduce_row=2 * cfg.hidden_size * dtype_bytes * (n - 1) / n, tensor_parallel=n)

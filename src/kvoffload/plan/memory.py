@@ -142,13 +142,14 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
 def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, host_pool: bool, offload_weights: bool,
                 weights: WeightBytes | None = None, inflight: int = 3, tail_slots: int | None = None,
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
-                int4_group_size: int = 64, k_on_device: bool = False, prefill_chunk_tokens: int | None = None,
+                int4_group_size: int = 64, int4_k_quant: str = "token", k_on_device: bool = False, prefill_chunk_tokens: int | None = None,
                 activation_split: int = 1, fetch: bool = True, slots: dict | None = None,
                 layer_parts=None) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
-    dequantized on the GPU one extent at a time; GPU-resident blocks stay in the model's dtype).
+    dequantized on the GPU one extent at a time; GPU-resident blocks stay in the model's dtype);
+    int4_k_quant: K's int4 scales per token group or per channel of a block (`cost.stored_bytes`).
     k_on_device: a host pool's K extents live on the GPU and its V extents on the host, read in place by
     the layer program (tokenselect kv=split, clo exact); K stays in the model's dtype there (it never
     crosses PCIe). fetch False: decode moves no whole extent (clo, tokenselect kv=split gather selected rows
@@ -163,7 +164,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     heads and MLP width), weights its shard, and activation_split = N: stored activations (pool and tails)
     are split along H over N devices (a recompute workspace holds a whole gathered X extent)."""
     from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
-    from kvoffload.plan.cost import stored_kv_bytes_per_token, stored_x_bytes_per_token
+    from kvoffload.plan.cost import stored_bytes, stored_x_bytes_per_token
 
     p = jnp.dtype(dtype).itemsize
     tail_slots = 2 * layouts[0].block_tokens if tail_slots is None else int(tail_slots)
@@ -172,8 +173,12 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     wb = weights or weight_bytes(cfg, dtype)
     L = cfg.num_layers
     kv_blk = lambda lay: lay.block_tokens * cfg.kv_bytes_per_token * p  # noqa: E731  (K and V)
-    kv_host_tok = stored_kv_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size)
-    kv_host_blk = lambda lay: int(lay.block_tokens * kv_host_tok)  # noqa: E731  (as the host pool stores them)
+    stored_as = host_dtype if host_pool else "native"
+    kv_values = cfg.num_kv_heads * cfg.head_dim
+    # one block's K and V of one layer as the host pool stores them (K's int4 scales may be per channel)
+    k_host_blk = lambda lay: int(lay.block_tokens * stored_bytes(  # noqa: E731
+        kv_values, p, stored_as, int4_group_size, int4_k_quant, lay.block_tokens))
+    v_host_blk = lambda lay: int(lay.block_tokens * stored_bytes(kv_values, p, stored_as, int4_group_size))  # noqa: E731
     x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p // activation_split  # noqa: E731
     x_host_tok = stored_x_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size) / activation_split
     x_host_blk = lambda lay: int(lay.block_tokens * x_host_tok)  # noqa: E731
@@ -188,17 +193,19 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         moved = 0
         for e in range(lay.num_extents):
             side = pool_h if host_pool and not lay.on_device(e) else pool_d
-            kv_e = lay.size(e) * (kv_host_blk(lay) if side is pool_h else kv_blk(lay)) if lay.has("kv", e) else 0
-            if side is pool_h and kv_e and kv_host_tok != cfg.kv_bytes_per_token * p:
+            k_e, v_e = ((lay.size(e) * k_host_blk(lay), lay.size(e) * v_host_blk(lay)) if side is pool_h
+                        else (lay.size(e) * kv_blk(lay) // 2, lay.size(e) * kv_blk(lay) // 2)) if lay.has("kv", e) else (0, 0)
+            kv_e = k_e + v_e
+            if side is pool_h and kv_e and stored_as != "native":
                 deq_ws = max(deq_ws, lay.size(e) * kv_blk(lay))  # one fetched extent's K/V, dequantized
             x_e = lay.size(e) * (x_host_blk(lay) if side is pool_h else x_blk(lay)) if lay.has("act", e) else 0
             if side is pool_h and x_e and x_host_tok != cfg.hidden_size * p:
                 deq_ws = max(deq_ws, lay.size(e) * x_blk(lay))  # one fetched X extent, dequantized
             if side is pool_h and k_on_device and kv_e:  # K on the GPU (native), V on the host (as stored)
                 pool_d["K/V blocks"] += n_k * (lay.size(e) * kv_blk(lay) // 2)
-                pool_h["K/V blocks"] += n_v * (kv_e - kv_e // 2)
-                kv_e = 0
-            side["K/V blocks"] += n_k * (kv_e // 2) + n_v * (kv_e - kv_e // 2)
+                pool_h["K/V blocks"] += n_v * v_e
+                kv_e = k_e = v_e = 0
+            side["K/V blocks"] += n_k * k_e + n_v * v_e
             side["activation blocks"] += n_x * x_e
             if side is pool_h:
                 moved += max(kv_e, x_e)
