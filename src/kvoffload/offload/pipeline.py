@@ -796,10 +796,9 @@ class LayerPipeline:
             src, valid = srcs[e]
             E = layout.size(e)
             # a host extent as the pool stores it: quantized here, on its way to the host, for int4
-            stored = ((lambda a, scales="token": quantize_blocks(a, self.opts.int4_group_size, scales))
-                      if self.int4 and not layout.on_device(e) else (lambda a, scales="token": a))
-            stored_k = ((lambda a: a) if k_dev_kept  # K kept on the GPU: native
-                        else (lambda a: stored(a, self.opts.int4_k_quant)))
+            to_host = not layout.on_device(e)
+            stored = lambda a, h=to_host: self.host_form(a) if h else a  # noqa: E731
+            stored_k = lambda a, h=to_host and not k_dev_kept: self.host_form(a, key=True) if h else a  # noqa: E731
             if layout.has("kv", e):
                 if e < used:
                     k_dev.append(gather_kv_extent(k, src, valid, blk))
@@ -983,12 +982,10 @@ class LayerPipeline:
             bx = None
             if tx[i] is not None:
                 bx, tx[i] = _pop_block(tx[i], blk, 0)
-            # int4 host extents: the blocks quantized once per layer, on the GPU, before they move
-            quant = ((lambda a, scales="token": quantize_blocks(a, self.opts.int4_group_size, scales))
-                     if self.int4 else (lambda a, scales="token": a))
-            # K kept on the GPU stays native; a flushed block is whole (blk tokens of every request)
-            qk, qv = (bk if keys_dev else quant(bk, self.opts.int4_k_quant)), quant(bv)
-            qx = quant(bx) if bx is not None else None
+            # int4 host extents: the blocks quantized once per layer, on the GPU, before they move; K kept on
+            # the GPU stays native; a flushed block is whole (blk tokens of every request)
+            qk, qv = (bk if keys_dev else self.host_form(bk, key=True)), self.host_form(bv)
+            qx = self.host_form(bx) if bx is not None else None
             for e in touched:
                 share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
                 if layout.has("kv", e):
@@ -1072,6 +1069,13 @@ class LayerPipeline:
                                             int4_group_size=self.opts.int4_group_size, tensor_parallel=self.tp,
                                             int4_k_quant=self.opts.int4_k_quant, block_tokens=self.opts.block_tokens)
         return self._shape_val
+
+    def host_form(self, a, key=False):
+        """A K (key=True), V or X block / extent as a host pool stores it: int4 (K scaled as int4_k_quant says,
+        V and X per token) or as it is."""
+        if not self.int4:
+            return a
+        return quantize_blocks(a, self.opts.int4_group_size, self.opts.int4_k_quant if key else "token")
 
     def write_trace(self, path, records):
         import json

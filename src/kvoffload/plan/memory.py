@@ -180,7 +180,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         kv_values, p, stored_as, int4_group_size, int4_k_quant, lay.block_tokens))
     v_host_blk = lambda lay: int(lay.block_tokens * stored_bytes(kv_values, p, stored_as, int4_group_size))  # noqa: E731
     x_blk = lambda lay: lay.block_tokens * cfg.hidden_size * p // activation_split  # noqa: E731
-    x_host_tok = stored_x_bytes_per_token(cfg, p, host_dtype if host_pool else "native", int4_group_size) / activation_split
+    x_host_tok = stored_x_bytes_per_token(cfg, p, stored_as, int4_group_size) / activation_split
     x_host_blk = lambda lay: int(lay.block_tokens * x_host_tok)  # noqa: E731
     # every extent of every layer, on the host (a host pool) or on the GPU (a device pool, or a
     # device-resident block class)

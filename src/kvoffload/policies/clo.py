@@ -742,7 +742,6 @@ class CloHooks(TokenSelectHooks):
 
 @register_policy("clo")
 class CloPolicy(LayeredPolicy):
-    supports_tensor_parallel = True  # slots split by KV head (`clo_slot_specs`), persistent heads per device
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
     host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
     extra_options = ("retrieval", "quest_page_tokens", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",

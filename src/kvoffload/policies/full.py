@@ -11,7 +11,6 @@ from kvoffload.policies.layered import LayeredPolicy
 
 @register_policy("full")
 class FullPolicy(LayeredPolicy):
-    supports_tensor_parallel = True
     host_pool = False
 
     def __init__(self, **options):

@@ -249,7 +249,6 @@ def class_columns(classes, per_req):
 
 @register_policy("hybrid")
 class HybridPolicy(LayeredPolicy):
-    supports_tensor_parallel = True
     host_pool = True
     extra_options = ("act_share", "gpu_blocks", "mini_batch_gb", "host_budget_gb", "allocation")
     # HybridServe offloads the weights too and switches mini-batches at layer granularity

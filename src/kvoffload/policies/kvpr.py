@@ -105,7 +105,6 @@ class KVPRHooks(LayerHooks):
 
 @register_policy("kvpr")
 class KVPRPolicy(LayeredPolicy):
-    supports_tensor_parallel = True
     host_pool = True
     host_dtypes = ("native", "int4")
     extra_options = ("split_point", "kvpr_store")

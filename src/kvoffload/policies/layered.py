@@ -13,7 +13,6 @@ class LayeredPolicy(Policy):
     host_pool = True  # the pool in pinned host memory (False: device memory)
     extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
     host_dtypes: tuple = ("native",)  # the host_dtype values its hooks support (int4: offload, kvpr, hybrid)
-    supports_tensor_parallel: bool = False  # whether its hooks run on a tensor-parallel mesh (every layered policy today)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -34,14 +33,6 @@ class LayeredPolicy(Policy):
                 "(use 'offload', 'kvpr' or 'hybrid')" if not self.host_pool else
                 f"policy {self.name!r} does not support host_dtype={self.options.host_dtype!r} yet (it supports "
                 f"{list(self.host_dtypes)}; int4 host storage runs in 'offload', 'kvpr' and 'hybrid')")
-        if not self.supports_tensor_parallel and (self.options.mesh is not None or self.options.tensor_parallel != 1):
-            from kvoffload.offload.sharding import TensorParallelError
-
-            from kvoffload.policies.base import _REGISTRY
-
-            able = sorted(n for n, c in _REGISTRY.items() if getattr(c, "supports_tensor_parallel", False))
-            raise TensorParallelError(f"policy {self.name!r} does not run tensor-parallel yet (tensor_parallel / mesh); "
-                                      f"policies {', '.join(map(repr, able))} do")
         self.pipeline = LayerPipeline(self.make_hooks(**hook_opts), self.options, host_pool=self.host_pool)
 
     def make_hooks(self, **hook_options) -> LayerHooks:

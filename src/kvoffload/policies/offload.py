@@ -10,7 +10,6 @@ from kvoffload.policies.layered import LayeredPolicy
 
 @register_policy("offload")
 class OffloadPolicy(LayeredPolicy):
-    supports_tensor_parallel = True
     host_pool = True
     host_dtypes = ("native", "int4")
     extra_options = ("split_point",)

@@ -846,7 +846,6 @@ def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None
 
 @register_policy("tokenselect")
 class TokenSelectPolicy(LayeredPolicy):
-    supports_tensor_parallel = True  # the selection state split by KV head (`selection_specs`); not extrapolate=True
     host_pool = False
     extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size",
                      "extrapolate", "prefill_chunk", "store", "replay_hit_rate")
