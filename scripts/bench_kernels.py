@@ -452,6 +452,38 @@ def bench_scores(ceil, quick):
     record("select_topk", f"B{B} S{S} k=10%", t_s, None, sc.nbytes, 0, ceil)
 
 
+def bench_topk(ceil, quick):
+    """The top-10% selection per KV head (Llama-3-8B: 8 rows) at 128K and 1M scores: ``top_count_ascending``'s
+    radix select with its order-keeping compaction (4- and 2-bit digits) against its "sort" method
+    (``jax.lax.top_k`` plus the ascending sort), in the same run (the "XLA" column). The roofline counts one
+    read of the scores: the 32 / digit_bits count rounds reread them (from L2 at 128K)."""
+    sizes = [1024] if TINY else ([131072] if quick else [131072, 1048576])
+    for S in sizes:
+        rows, k = 8, S // 10
+        sc = jax.random.normal(jax.random.PRNGKey(21), (rows, S), jnp.float32)
+        sc = sc.at[:, :4].set(jnp.inf).at[:, -64:].set(jnp.inf)  # forced sinks / recent, as selection has them
+        counts = jnp.full((rows,), k, jnp.int32)
+
+        sort = jax.jit(lambda s, c: _tk.top_count_ascending(s, c, k, method="sort"))
+        t_sort = timeit(sort, sc, counts)
+        want = np.asarray(sort(sc, counts)[0])
+        for bits in (4, 2):
+            f = jax.jit(lambda s, c, bits=bits: _tk.top_count_ascending(s, c, k, method="radix", digit_bits=bits))
+            t = timeit(f, sc, counts)
+            same = bool(np.array_equal(np.asarray(f(sc, counts)[0]), want))
+            record("top_count_ascending", f"rows{rows} S{S} k=10% radix digits{bits}", t, t_sort, sc.nbytes, 0,
+                   ceil, extra=dict(equals_sort=same))
+        keys = _tk.orderable_keys(sc)
+        for bits in (4, 2):
+            f = jax.jit(lambda x, c, bits=bits: _tk.kth_largest_key(x, c, digit_bits=bits))
+            record("kth_largest_key", f"rows{rows} S{S} digits{bits}", timeit(f, keys, counts), t_sort, sc.nbytes,
+                   0, ceil)
+        mask = sc > 0.5
+        t_cum = timeit(jax.jit(lambda m: jnp.cumsum(m.astype(jnp.int32), axis=-1)), mask)
+        record("prefix_count", f"rows{rows} S{S}", timeit(jax.jit(_tk.prefix_count), mask), t_cum,
+               mask.nbytes + 4 * mask.size, 0, ceil)
+
+
 def _sweep(name, make, args, grid, t_default):
     """Time make(**params)(*args) for each params dict in grid (unless --no-sweep);
     returns (best time, best params) with the default launch as the starting point."""
@@ -555,7 +587,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--only", default=None, help="comma list of: decode,paged,int4,sparse,"
-                    "gather,recompute,scores,quest,hata,tokenselect")
+                    "gather,recompute,scores,quest,hata,tokenselect,topk")
     ap.add_argument("--no-sweep", action="store_true", help="skip launch-parameter sweeps")
     args = ap.parse_args()
     global NO_SWEEP
@@ -573,7 +605,7 @@ def main():
     ceil = ceilings()
     benches = dict(decode=bench_decode, paged=bench_paged, sparse=bench_sparse, gather=bench_gather,
                    recompute=bench_recompute, int4=bench_int4, scores=bench_scores,
-                   quest=bench_quest, hata=bench_hata, tokenselect=bench_tokenselect)
+                   quest=bench_quest, hata=bench_hata, tokenselect=bench_tokenselect, topk=bench_topk)
     only = args.only.split(",") if args.only else list(benches)
     for name in only:
         try:

@@ -10,7 +10,7 @@ program repeated back to back (GPU time, no host sync inside):
                   over the request's tokens, group sums), laid out per request: [B, n_kv, T]
 * ``exact``       clo's scores (max over the group of q.k), per request
 * ``top_k``       ``jax.lax.top_k`` of the per-request scores [B, n_kv, T] (XLA sorts whole rows for a large k)
-* ``choose``      ``choose_tokens``: forced sinks / recent, top-k, sorted ascending, mapped to pool tokens
+* ``choose``      ``choose_tokens``: forced sinks / recent, top-k (radix select, ascending), mapped to pool tokens
 * ``*_pool``      (batch > 1) the same over the batch's whole pool, N = B x T tokens per request row: the
                   space scoring and top-k ran over before the per-request space (issues 11, 12)
 * ``gather``      the selected K and V rows from the device extents (``gather_rows``)
@@ -212,7 +212,7 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
 
     def choose(scores, sp):
         return choose_tokens(scores, sp.positions(tables), pool_tokens, pool_tokens + 1, n_select, K, 4, 64, 1,
-                             token_ids=sp.token_ids(), ascending=False)
+                             token_ids=sp.token_ids())
 
     retrieve = {
         "exact": jax.jit(lambda q, keys, miss: choose(

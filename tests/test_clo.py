@@ -554,8 +554,7 @@ def test_quest_hata_options():
 
 def test_speculative_prefetch_changes_nothing_attended_and_reports_its_hit_rate():
     """A small top-k with reuse: the speculative run attends the plain run's rows (the true selection's,
-    wherever they came from; the plain run keeps them best first, the speculative one ascending, so the logits
-    agree to fp32 summation order), fetches fewer V rows in all (rows already held are never gathered again),
+    wherever they came from, ascending in both), fetches fewer V rows in all (rows already held are never gathered again),
     and every step record carries the guess's hit rate (device values)."""
     model = tiny_random_model("llama", seed=1)
     opts = dict(topk=12, num_recent=4, eta=0.5)
@@ -567,7 +566,7 @@ def test_speculative_prefetch_changes_nothing_attended_and_reports_its_hit_rate(
         np.testing.assert_array_equal(nv, np.asarray(s0.selection.num_valid))
         a, a0 = np.asarray(s.selection.indices), np.asarray(s0.selection.indices)
         for b, h in np.ndindex(nv.shape):
-            np.testing.assert_array_equal(a[b, h, :nv[b, h]], np.sort(a0[b, h, :nv[b, h]]))
+            np.testing.assert_array_equal(a[b, h, :nv[b, h]], a0[b, h, :nv[b, h]])
     c, c0 = pol.describe(state)["clo"], plain_pol.describe(plain_state)["clo"]
     s = c["speculative_prefetch"]
     assert "speculative_prefetch" not in c0 and "guess_hit_rate" not in plain_state.records[-1]
@@ -884,3 +883,39 @@ def test_gpu_store_act_matches_store_kv():
             assert ops.gather_block_rows_path() == "kernel_zero_copy", (retrieval, x.shape)
             dev = jax.device_put(x, jax.memory.Space.Device)
             np.testing.assert_array_equal(np.asarray(rows), np.asarray(dev)[np.asarray(block), np.asarray(offset)])
+
+
+# ------------------------------------------------------------------------------------------------
+# conditionals (the GPU's default: no lax.cond, every layer scores and gathers with per-head counts)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy,opts", [
+    ("clo", dict(topk=12, num_recent=4, eta=0.5)),
+    ("clo", dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5, host_dtype="int4",
+                 int4_group_size=16)),
+    ("tokenselect", dict(token_budget=12, num_recent=4, cache_threshold=0.5, kv="split")),
+])
+def test_without_conditionals_and_by_radix_the_same_logits_and_reuse(policy, opts):
+    """A small top-k with some reuse: with conditionals=False (no lax.cond: the selection and the gathers
+    always run, a reusing head's count 0) and the radix top-k, the logits and the hit counts equal the
+    branching, sorting run's: the kernels skip exactly what the conditionals skipped, and the radix select
+    picks the sort's indices."""
+    model = tiny_random_model("llama", seed=1)
+    pol0, want, state0 = _decode(model, policy, NEW, conditionals=True, **opts)
+    pol, got, state = _decode(model, policy, NEW, conditionals=False, topk_method="radix", **opts)
+    np.testing.assert_array_equal(got, want)
+    section = "clo" if policy == "clo" else "selection"
+    d, d0 = pol.describe(state)[section], pol0.describe(state0)[section]
+    assert d["conditionals"] is False and d0["conditionals"] is True
+    assert d["topk_method"] == "radix" and d0["topk_method"] == "sort"
+    assert 0 < d["hit_rate"] < 1 and d["hit_rate"] == d0["hit_rate"]
+    if policy == "clo":
+        assert d["v_bytes_fetched"] == d0["v_bytes_fetched"]
+
+
+def test_conditionals_and_topk_method_options_are_checked():
+    with pytest.raises(CloOptionError, match="conditionals must be"):
+        make_policy("clo", conditionals="sometimes")
+    with pytest.raises(CloOptionError, match="topk_method must be one of"):
+        make_policy("clo", topk_method="heap")

@@ -3,6 +3,7 @@ of the pool, Algorithm 1 and the balanced split against brute force, and the min
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,7 +66,8 @@ def test_matches_full(arch, opts, gpu_batches):
     below, SmolLM2: LLaMA family, GQA). For LLaMA at these tiny shapes XLA CPU's dot rounds differently
     with the row count (an extent's recompute vs the prompt's prefill), so wherever an ACT extent holds
     blocks the logits agree to fp32 rounding only; KV extents alone (fetched as the prefill stored them)
-    are exact there too."""
+    are exact there too. On the GPU cuBLAS picks its fp32 algorithm per matrix shape, so there every
+    recomputed extent agrees to rounding only."""
     model, want, want_logits = _ref(arch, gpu_batches)
     pol = make_policy("hybrid", **{**BASE, **opts})
     got, logits = generate(model, PROMPTS, NEW, policy=pol, return_logits=True)
@@ -73,7 +75,7 @@ def test_matches_full(arch, opts, gpu_batches):
     plan = pol.pipeline.hooks.plan
     assert len(plan.rows) == gpu_batches
     recomputed = any(lay.has("act", e) for lay in plan.layouts for e in range(lay.num_extents))
-    if arch == "opt" or not recomputed:
+    if (arch == "opt" and jax.default_backend() == "cpu") or not recomputed:
         np.testing.assert_array_equal(logits, want_logits)
     else:
         np.testing.assert_allclose(logits, want_logits, atol=3e-5, rtol=0)

@@ -26,7 +26,9 @@ BLOCK = 4
 BASE = dict(block_tokens=BLOCK, extent_mb=3 * BLOCK * 64 * 4 / 2**20)  # 3 blocks of K per extent
 # int4 extents hold the blocks of native ones (plan_pool: extent_mb counts K in the model's dtype), so
 # BASE's 3 blocks per extent for every group size
-INT4 = dict(host_dtype="int4")
+# K in per-token groups (what these tests work out by hand); offload / kvpr / hybrid default to per-channel K
+# (the tests after CHANNEL below, and `test_int4_k_quant_defaults_by_policy`)
+INT4 = dict(host_dtype="int4", int4_k_quant="token")
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,9 @@ def test_int4_logits_stay_near_native(model, native, policy, opts):
     """Teacher-forced with the native run's greedy tokens (so every step sees the same context).
 
     Exactness of the plumbing: with groups of 2 values, each group's min and max are stored exactly
-    (codes 0 and 15), so the int4 run must equal the native one to float rounding (1e-4): quantized at
-    prefill and at both flushes, fetched, stand-ins and dequantization all take part.
+    (codes 0 and 15), so the int4 run with per-token K groups must equal the native one to float rounding
+    (1e-4): quantized at prefill and at both flushes, fetched, stand-ins and dequantization all take part.
+
 
     The bound at group 64: int4 stores each value within step/2 = (group max - group min) / 30 of it, so
     K and V carry a relative error of up to 1/30 of each group's range (about 2% RMS for these random
@@ -204,7 +207,7 @@ def test_int4_extents_are_codes_in_host_memory(model):
     assert lay.act_extents[1] > 0 and len(lay.extents_of("kv")) > 0
     for e in lay.extents_of("kv"):
         for ext in (gr.pool_k[0][e], gr.pool_v[0][e]):
-            assert isinstance(ext, ops.QuantizedInt4) and ext.group_size == 16
+            assert isinstance(ext, ops.QuantizedInt4) and ext.group_size == 16 and ext.scales == "token"
             E = lay.size(e)
             assert ext.codes.dtype == jnp.uint8 and ext.codes.shape == (E, n_kv, BLOCK, d // 2)
             assert ext.step.dtype == ext.mn.dtype == jnp.float32 and ext.step.shape == (E, n_kv, BLOCK, d // 16)
@@ -230,7 +233,7 @@ def test_int4_moves_a_quarter_plus_scales_and_plans_it():
     cfg = bf16.config
     ratio = stored_kv_bytes_per_token(cfg, 2, "int4", 64) / stored_kv_bytes_per_token(cfg, 2)
     assert ratio == (64 // 2 + 8) / 128
-    runs = {h: _run(bf16, "kvpr", steps=BLOCK + 1, split_point=16, host_dtype=h,
+    runs = {h: _run(bf16, "kvpr", steps=BLOCK + 1, split_point=16, host_dtype=h, int4_k_quant="token",
                     extent_mb=6 * BLOCK * 64 * 2 / 2**20)  # 6 blocks per extent (of bf16 K) for both
             for h in ("native", "int4")}
     assert runs["int4"][3].groups[0].layout == runs["native"][3].groups[0].layout
@@ -274,7 +277,7 @@ def test_cost_model_decides_on_the_stored_bytes(model):
     assert gcfg.hidden_size == 2 * gcfg.num_kv_heads * gcfg.head_dim  # GQA: X as large as its K/V
     reason = no_recompute_reason(LayerShape.of(gcfg, 4, host_dtype="int4", int4_group_size=16))
     assert reason and "int4" in reason and "GQA" in reason
-    _, _, _, gstate = _run(gqa, "kvpr", steps=BLOCK + 1, host_dtype="int4", int4_group_size=16)
+    _, _, _, gstate = _run(gqa, "kvpr", steps=BLOCK + 1, **INT4, int4_group_size=16)
     assert all(r["recompute_extents"] == 0 and r["bytes_x"] == 0 for r in gstate.records)
     assert "int4" in gstate.records[-1]["split_reason"]
 
@@ -631,3 +634,26 @@ def test_channel_int4_clo_quest_stays_near_native(model):
     assert 0 < rms <= 0.25, rms
     assert float(np.mean(got_greedy == greedy)) >= 0.75
     assert all(a.scales == "channel" for layer in state.groups[0].pool_k for a in layer)
+
+
+def test_int4_k_quant_defaults_by_policy():
+    """Whole-block movers scale int4 K per channel unless told; row gatherers per token (a channel-scaled row
+    brings its block's scales); an explicit int4_k_quant wins."""
+    for name, want in (("offload", "channel"), ("kvpr", "channel"), ("hybrid", "channel"), ("clo", "token"),
+                       ("tokenselect", "token")):
+        extra = dict(kv="split") if name == "tokenselect" else {}
+        assert make_policy(name, host_dtype="int4", **extra).options.int4_k_quant == want, name
+        assert make_policy(name, host_dtype="int4", int4_k_quant="token", **extra).options.int4_k_quant == "token"
+
+
+def test_hybrid_channel_int4_runs_near_native(model):
+    """hybrid at its default (per-channel K blocks) across two flushes: within the token-mode bound."""
+    opts = dict(act_share=0.5, gpu_blocks=2, host_budget_gb=1e-3)
+    want, greedy, _, _ = _run(model, "hybrid", **opts)
+    got, _, pol, state = _run(model, "hybrid", feed=greedy, host_dtype="int4", **opts)
+    assert pol.options.int4_k_quant == "channel"
+    rms = np.sqrt(np.mean((got - want) ** 2)) / want.std()
+    assert 0 < rms <= 0.2, rms
+    host_k = [gr.pool_k[0][e] for gr in state.groups for e in range(gr.layout.num_extents)
+              if gr.layout.has("kv", e) and not gr.layout.on_device(e)]
+    assert host_k and all(k.scales == "channel" and k.step.shape[-2] == 1 for k in host_k)

@@ -299,3 +299,42 @@ def test_recompute_kernel_gradient_is_reference_gradient(rope, bias):
 
     for got, want in zip(loss("kernel"), loss("reference")):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "infinities", "signed_zeros"])
+def test_top_count_ascending_methods_against_numpy(kind):
+    """Both methods of the selection's top-k (sort; radix select + compaction, 4- and 2-bit digits) against a
+    stable NumPy argsort: per-row counts, ties to the lower index, -inf never chosen, +inf first, -0.0 == 0.0."""
+    from kvoffload.pallas import topk as tk
+
+    rng = np.random.default_rng(["normal", "ties", "infinities", "signed_zeros"].index(kind))
+    for _ in range(4):
+        R, N = int(rng.integers(1, 5)), int(rng.integers(1, 400))
+        k = int(rng.integers(1, N + 1))
+        pri = rng.standard_normal((R, N)).astype(np.float32)
+        if kind == "ties":
+            pri = rng.integers(0, 5, (R, N)).astype(np.float32)
+        elif kind == "infinities":
+            pri[rng.random((R, N)) < 0.3] = -np.inf
+            pri[rng.random((R, N)) < 0.05] = np.inf
+        elif kind == "signed_zeros":
+            pri = (pri * 1e-30).astype(np.float32)
+            pri[:, ::3], pri[:, 1::7] = -0.0, 0.0
+        counts = rng.integers(0, k + 3, R).astype(np.int32)
+        want_idx, want_nv = np.zeros((R, k), np.int32), np.zeros(R, np.int32)
+        for r in range(R):
+            n = min(counts[r], int(np.sum(pri[r] > -np.inf)), k)
+            want_idx[r, :n] = np.sort(np.argsort(-pri[r], kind="stable")[:n])
+            want_nv[r] = n
+        for method, bits in (("sort", 4), ("radix", 4), ("radix", 2)):
+            idx, nv = tk.top_count_ascending(jnp.asarray(pri), jnp.asarray(counts), k, method=method,
+                                             digit_bits=bits)
+            np.testing.assert_array_equal(np.asarray(nv), want_nv)
+            np.testing.assert_array_equal(np.asarray(idx), want_idx, err_msg=f"{method} {bits}")
+
+
+def test_prefix_count_against_cumsum():
+    from kvoffload.pallas import topk as tk
+
+    m = np.random.default_rng(0).random((3, 1000)) < 0.4
+    np.testing.assert_array_equal(np.asarray(tk.prefix_count(jnp.asarray(m))), np.cumsum(m, axis=1))

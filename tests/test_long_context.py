@@ -49,7 +49,10 @@ def _generate(model, chunk, steps=10):
     tokens, lengths = pad_prompts([list(range(3, 47)), list(range(5, 35)), [7, 8, 9, 10, 11]])
     logits, state = pol.prefill(model, tokens, lengths, 96)
     first, greedy = np.asarray(logits), []
-    pools = jax.tree.map(np.asarray, (state.groups[0].pool_k, state.groups[0].pool_v, state.groups[0].pool_x))
+    # copied through the device: a NumPy view of a pinned-host extent would be an external reference to a
+    # buffer the next flush donates (refused on the GPU)
+    pools = jax.tree.map(lambda a: np.asarray(jax.device_put(a, a.sharding.with_memory_kind("device"))),
+                         (state.groups[0].pool_k, state.groups[0].pool_v, state.groups[0].pool_x))
     for _ in range(steps):
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         greedy.append(np.asarray(tok))

@@ -62,13 +62,14 @@ def test_matches_full(ref, policy, opts):
 def test_prefill_in_row_chunks_equals_one_program(ref, policy, opts):
     """A prefill workspace of one row: each layer's prefill runs one prompt row at a time and its outputs are
     written into the group's buffers in place (never all chunks beside their concatenation): the same logits,
-    bit for bit, as one program over the whole batch; the planner counts one chunk's outputs on top."""
+    bit for bit on the CPU, as one program over the whole batch (on the GPU cuBLAS picks its fp32 algorithm
+    by the row count: rounding only); the planner counts one chunk's outputs on top."""
     arch, model, want, want_logits = ref
     tiny = dict(BASE, prefill_workspace_gb=1e-9, **opts)  # chunk = 1 row
     got, logits = generate(model, PROMPTS, NEW, policy=policy, policy_options=tiny, return_logits=True)
     assert got == want
     np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
-    if policy == "full":
+    if policy == "full" and jax.default_backend() == "cpu":
         np.testing.assert_array_equal(logits, want_logits)
     cfg = model.config
     t_pad, b = 48, len(PROMPTS)

@@ -58,6 +58,7 @@ from kvoffload.pallas.quant import (  # noqa: F401  (public)
     unpack_int4,
 )
 from kvoffload.pallas.topk import (  # noqa: F401  (public)
+    TOPK_METHODS,
     hamming_distance,
     hata_encode,
     quest_page_minmax,
@@ -68,7 +69,7 @@ __all__ = [
     "decode_attention", "merge_attention", "paged_decode_attention", "merge_attention_into",
     "empty_attention", "sparse_attention", "sparse_attention_path",
     "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
-    "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk",
+    "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk", "TOPK_METHODS",
     "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
     "QuantizedInt4", "INT4_SCALES", "decode_attention_int4", "kernel_default", "gather_block_rows",
     "gather_block_rows_path", "zero_copy_gather_supported",

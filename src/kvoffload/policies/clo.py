@@ -18,7 +18,9 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    (`tokenselect.ReplayDraw`; persistent heads keep theirs); tau is still evaluated and counted.
 3. Persistent heads select every pool token of the request (their "selection" is the whole context,
    re-made only when the pool grows); layer 0 always (``layer0_full``). ``persistent_heads="plan"``
-   uses ``plan_persistent_heads`` with the shipped profile of the embedded model.
+   uses ``plan_persistent_heads`` with the shipped profile of the embedded model; "auto" (the default)
+   does so where that profile is the model's and keeps none elsewhere (RULER on SmolLM2, exact: -1.3 / -2.6
+   points without persistent heads, -0.5 / -0.0 with them).
 4. The cache buffer: the selected V rows per (request, KV head) are kept on the GPU in the slots
    (``v_rows``); when every head of a layer hits, nothing is gathered from host memory (the gather
    runs under a ``lax.cond``). When some head misses, the gather runs for every head of the layer (the
@@ -120,6 +122,9 @@ from kvoffload.policies.tokenselect import (
     request_token_bound,
     check_store,
     reuse_or_select,
+    unless_all,
+    conditionals_default,
+    check_topk_method,
     selection_budget,
     selection_specs,
     place_slots,
@@ -368,6 +373,8 @@ class CloAttend:
     page_size: int = 1  # tokens selected together: 1, quest's page (static_budget of the shared hooks reads it)
     retrieval: str = "exact"
     speculative: bool = False  # the slots track the rows their buffers hold (CloSlots.held); see `speculate_layer`
+    conditionals: bool = True  # skip a layer's selection and gathers under a lax.cond when all hit (`unless_all`)
+    topk_method: str = "sort"  # `ops.select_topk`'s method
 
     def selection_rule(self, q, src, tables, slots: CloSlots):
         """(reuse [B, n_kv], select, replay): which (request, KV head) keep their cached selection for query
@@ -402,10 +409,9 @@ class CloAttend:
             else:
                 scores = exact_scores(q, keys, tables, space, skip=reuse)  # a reusing head's keys are not read
             scores = jnp.where(slots.persistent[None, :, None] & (scores > NEG_INF), jnp.inf, scores)  # all
-            # ascending only where the rows held are looked up by token (speculation: `locate_rows`)
             return choose_tokens(scores, space.positions(tables), pool_tokens, context, n_select, K,
                                  self.num_sink, self.num_recent, ps, token_ids=space.token_ids(),
-                                 ascending=self.speculative)
+                                 method=self.topk_method)
 
         return reuse, select, replay
 
@@ -417,7 +423,7 @@ class CloAttend:
         K = sel.indices.shape[-1]
         pool_tokens = sum(tables.count) * blk
         reuse, select, replay = self.selection_rule(q, src, tables, slots)
-        indices, num_valid = reuse_or_select(reuse, sel, select)
+        indices, num_valid = reuse_or_select(reuse, sel, select, self.conditionals)
         hit = reuse[..., None, None]
         # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
         rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl)
@@ -436,15 +442,16 @@ class CloAttend:
                         last_guess=jnp.stack([jnp.sum(covered), jnp.sum(needed)]))
         elif slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
             k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
-            (fetched_v,), x_rows = jax.lax.cond(jnp.all(reuse), lambda: ((slots.v_rows,), no_x),
-                                                lambda: rows(indices, miss_nv, (slots.v_rows.dtype,), blk))
+            (fetched_v,), x_rows = unless_all(reuse, ((slots.v_rows,), no_x),
+                                              lambda: rows(indices, miss_nv, (slots.v_rows.dtype,), blk),
+                                              self.conditionals)
             k_rows = None
             v_sel = jnp.where(hit, slots.v_rows, fetched_v)
         else:  # K buffered too (on the host, or exact's device extents): both gathered on a miss, for the missed
             # heads only; both buffers reused on hits
-            (fetched_k, fetched_v), x_rows = jax.lax.cond(
-                jnp.all(reuse), lambda: ((slots.k_rows, slots.v_rows), no_x),
-                lambda: rows(indices, miss_nv, (slots.k_rows.dtype, slots.v_rows.dtype), blk))
+            (fetched_k, fetched_v), x_rows = unless_all(
+                reuse, ((slots.k_rows, slots.v_rows), no_x),
+                lambda: rows(indices, miss_nv, (slots.k_rows.dtype, slots.v_rows.dtype), blk), self.conditionals)
             k_rows = jnp.where(hit, slots.k_rows, fetched_k)
             k_sel = k_rows
             v_sel = jnp.where(hit, slots.v_rows, fetched_v)
@@ -492,7 +499,7 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
     q = fam.qkv(cfg, lp, fam.attn_input(cfg, lp, h), positions)[0][:, :, 0]
     blk = pool_block_tokens(src.pool)
     reuse, select, _ = attend.selection_rule(q, src, tables, slots)  # replay: the same draw as the true query's
-    g_idx, g_nv = jax.lax.cond(jnp.all(reuse), lambda: (slots.held, slots.held_valid), select)
+    g_idx, g_nv = unless_all(reuse, (slots.held, slots.held_valid), select, attend.conditionals)
     g_idx = jnp.where(reuse[..., None], slots.held, g_idx)  # predicted hits keep what they hold
     g_nv = jnp.where(reuse, slots.held_valid, g_nv)
     rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"))
@@ -641,27 +648,31 @@ class CloHooks(TokenSelectHooks):
         return self.persistent_mask(pipe, model, scores, layout, batch, K)[0]
 
     def persistent_mask(self, pipe, model, scores, layout, batch, K):
+        """([L, n_kv] bool, the plan's report or None): "auto" plans where a CLO profile of the model exists
+        (the shipped SmolLM2 one) and keeps none elsewhere; "plan" requires the profile."""
         cfg = model.config
         L, n_kv = cfg.num_layers, cfg.num_kv_heads
         spec, report = self.persistent_heads, None
-        if isinstance(spec, str) and spec == "none":
-            mask = np.zeros((L, n_kv), bool)
-        elif isinstance(spec, str) and spec == "plan":
-            prof = load_clo_profile(SHIPPED_PROFILE) if os.path.exists(SHIPPED_PROFILE) else None
-            if prof is None or shipped_scores_for(cfg) is None or prof.s_hat.shape != (L, n_kv):
+        mask = np.zeros((L, n_kv), bool)
+        if isinstance(spec, str):
+            prof = None
+            if spec in ("plan", "auto") and os.path.exists(SHIPPED_PROFILE) and shipped_scores_for(cfg) is not None:
+                prof = load_clo_profile(SHIPPED_PROFILE)
+                prof = prof if prof.s_hat.shape == (L, n_kv) else None
+            if spec == "plan" and prof is None:
                 raise CloOptionError(
                     f"persistent_heads='plan' needs a CLO profile of this model; the only shipped one "
                     f"({os.path.basename(SHIPPED_PROFILE)}) is for the embedded SmolLM2-135M-Instruct, and this model "
                     f"({cfg.model_type}, {L} layers, {cfg.num_heads}/{n_kv} heads) differs: pass persistent_heads="
                     "'none' or an explicit list of (layer, kv_head)")
-            itemsize = jnp.dtype(model.params.layers[0].wk.dtype).itemsize
-            mask, report = plan_persistent_heads(
-                cfg, pipe.cost, pipe.shape(model), prof.s_hat, scores, batch=batch,
-                context=request_token_bound(layout, batch), k_tokens=K, sink=self.attend.num_sink,
-                recent=self.attend.num_recent, dtype_bytes=itemsize, eta=self.eta, p=self.p,
-                devices=pipe.tp)  # tensor parallel: each device's heads against its own link and compute
+            if prof is not None:
+                itemsize = jnp.dtype(model.params.layers[0].wk.dtype).itemsize
+                mask, report = plan_persistent_heads(
+                    cfg, pipe.cost, pipe.shape(model), prof.s_hat, scores, batch=batch,
+                    context=request_token_bound(layout, batch), k_tokens=K, sink=self.attend.num_sink,
+                    recent=self.attend.num_recent, dtype_bytes=itemsize, eta=self.eta, p=self.p,
+                    devices=pipe.tp)  # tensor parallel: each device's heads against its own link and compute
         else:
-            mask = np.zeros((L, n_kv), bool)
             for item in spec:
                 try:
                     layer, head = (int(x) for x in item)
@@ -744,9 +755,10 @@ class CloHooks(TokenSelectHooks):
 class CloPolicy(LayeredPolicy):
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
     host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
+    int4_k_quant_default = "token"  # rows are gathered one by one (`LayeredPolicy.int4_k_quant_default`)
     extra_options = ("retrieval", "quest_page_tokens", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
                      "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch",
-                     "store", "replay_hit_rate")
+                     "store", "replay_hit_rate", "conditionals", "topk_method")
 
     def __init__(self, **options):
         if options.get("offload_weights"):
@@ -754,8 +766,9 @@ class CloPolicy(LayeredPolicy):
         super().__init__(**options)
 
     def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=None, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
-                   eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="none",
-                   layer0_full=True, speculative_prefetch=False, store="kv", replay_hit_rate=None):
+                   eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="auto",
+                   layer0_full=True, speculative_prefetch=False, store="kv", replay_hit_rate=None, conditionals=None,
+                   topk_method="sort"):
         if retrieval not in RETRIEVALS:
             raise CloOptionError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
         blk = self.options.block_tokens
@@ -775,16 +788,22 @@ class CloPolicy(LayeredPolicy):
             raise CloOptionError(f"eta must be a cosine in [-1, 1] and p > 0, got eta={eta}, p={p}")
         if fixed_threshold is not None and not math.isfinite(float(fixed_threshold)):
             raise CloOptionError(f"fixed_threshold must be a finite number, got {fixed_threshold}")
-        if isinstance(persistent_heads, str) and persistent_heads not in ("none", "plan"):
-            raise CloOptionError(f"persistent_heads must be 'none', 'plan' or a list of (layer, kv_head), "
+        if isinstance(persistent_heads, str) and persistent_heads not in ("none", "plan", "auto"):
+            raise CloOptionError(f"persistent_heads must be 'auto', 'none', 'plan' or a list of (layer, kv_head), "
                                  f"got {persistent_heads!r}")
         check_store(store, CloOptionError)
         replay_rates(replay_hit_rate, error=CloOptionError)  # the values; their number once the model is known
         if speculative_prefetch not in (True, False):
             raise CloOptionError(f"speculative_prefetch must be true or false, got {speculative_prefetch!r}")
+        try:
+            conditionals = conditionals_default(conditionals)
+        except ValueError as e:
+            raise CloOptionError(str(e)) from None
+        check_topk_method(topk_method, CloOptionError)
         attend = CloAttend(token_budget=topk, token_ratio=topk_ratio,
                            num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation,
-                           page_size=page, retrieval=retrieval, speculative=bool(speculative_prefetch))
+                           page_size=page, retrieval=retrieval, speculative=bool(speculative_prefetch),
+                           conditionals=conditionals, topk_method=topk_method)
         return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),
                         fixed_threshold=None if fixed_threshold is None else float(fixed_threshold),
                         persistent_heads=persistent_heads, layer0_full=bool(layer0_full),
@@ -796,7 +815,8 @@ class CloPolicy(LayeredPolicy):
         a = h.attend
         c = {"retrieval": a.retrieval, "topk": a.token_budget, "topk_ratio": a.token_ratio, "num_sink": a.num_sink,
              "num_recent": a.num_recent, "eta": h.eta, "p": h.p, "fixed_threshold": h.fixed_threshold,
-             "gqa_aggregation": a.gqa_aggregation, "scoring": SCORING[a.retrieval],
+             "gqa_aggregation": a.gqa_aggregation, "scoring": SCORING[a.retrieval], "conditionals": a.conditionals,
+             "topk_method": a.topk_method,
              "kv": "split: K on the GPU, V on the host" if a.retrieval == "exact" else
                    "host: K and V on the host, retrieval metadata on the GPU", **h.replay_description()}
         if a.retrieval == "quest":

@@ -348,9 +348,8 @@ def token_positions(tables, blk):
 
 
 def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink, num_recent, page_size,
-                  token_ids=None, ascending=True):
-    """The selection from a vote: (indices [B, n_kv, K] ascending (else best first: no sort, for callers that
-    need no order; XLA's sort is a chain of bitonic kernels), num_valid [B, n_kv]).
+                  token_ids=None, method="sort"):
+    """The selection from a vote: (indices [B, n_kv, K] ascending, num_valid [B, n_kv]).
 
     scores [B, n_kv, T] (-inf: not the request's) over a token space: the pool's (T = N), or each request's
     own (`TokenSpace`: then token_ids [B, T] gives each slot's pool token, ascending in the request's valid
@@ -358,28 +357,23 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
     [B] (the context counts the tail and the new token); n_select [B] or per head [B, n_kv]: tokens to select
     (<= K, a multiple of page_size). Forced in: positions < num_sink, and positions >= context - num_recent
     (pool tokens only where the tail is shorter than num_recent). With page_size > 1 the vote is summed
-    over pages (page_size tokens inside one block) and whole pages are selected."""
+    over pages (page_size tokens inside one block) and whole pages are selected. The top n_select of each
+    (request, head) by `ops.select_topk` with its own count (method "sort" or "radix": the same indices)."""
     B, n_kv, N = scores.shape
     positions = positions if positions.ndim == 2 else positions[None]
     forced = (positions < num_sink) | (positions >= (context - num_recent)[:, None])  # [B, N]
     pri = jnp.where(forced[:, None] & (scores > NEG_INF), jnp.inf, scores)
     if page_size > 1:
         pri = jnp.sum(pri.reshape(B, n_kv, N // page_size, page_size), axis=-1)  # a forced token forces its page
-    idx, nv = ops.select_topk(pri, K // page_size, sort=False)  # best first, valid first
     n_select = n_select if n_select.ndim == 2 else n_select[:, None]
-    nv = jnp.minimum(nv, n_select // page_size)
-    # the kept entries in ascending order (locality of the gather); the rest 0, ignored via num_valid
-    big = jnp.int32(2 ** 30)
-    keep = jnp.arange(idx.shape[-1])[None, None] < nv[..., None]
-    key = jnp.where(keep, idx, big)
-    key = jnp.sort(key, axis=-1) if ascending else key
-    idx = jnp.where(key < big, key, 0)
+    counts = jnp.broadcast_to(n_select // page_size, (B, n_kv))
+    idx, nv = ops.select_topk(pri, K // page_size, counts=counts, method=method)  # ascending, valid first
     if page_size > 1:
         idx, _ = expand_indices(idx, nv, page_size, N)
         nv = nv * page_size
     if token_ids is not None:  # slots of the requests' own spaces -> pool tokens (monotone: order kept)
         kept = jnp.arange(idx.shape[-1])[None, None] < nv[..., None]
-        idx = jnp.where(kept, jnp.take_along_axis(token_ids[:, None], idx, axis=-1), 0)  # any order
+        idx = jnp.where(kept, jnp.take_along_axis(token_ids[:, None], idx, axis=-1), 0)
     return idx, nv
 
 
@@ -552,11 +546,35 @@ def selection_size(token_budget, token_ratio, num_sink, num_recent, page_size, K
     return jnp.minimum(-(-want // page_size) * page_size, K)
 
 
-def reuse_or_select(reuse, slots, select):
-    """(indices, num_valid): the cached selection where reuse [B, n_kv], else select()'s; select (the
-    scoring and top-k) runs under a ``lax.cond`` only when some (request, head) misses."""
-    fresh_idx, fresh_nv = jax.lax.cond(jnp.all(reuse), lambda _: (slots.indices, slots.num_valid),
-                                       lambda _: select(), None)
+def conditionals_default(conditionals) -> bool:
+    """Whether a layer skips its selection work under a ``lax.cond`` when every head reuses: None = only off
+    the GPU. On the GPU a conditional reads its predicate on the host mid-program (a device sync per
+    conditional per layer, measured ~0.5 ms), so there the work always runs and its kernels skip a reusing
+    head's share themselves (scores: a per-head length of 0; gathers: a count of 0; the radix top-k costs
+    the same either way)."""
+    if conditionals is None:
+        return jax.default_backend() == "cpu"
+    if conditionals not in (True, False):
+        raise ValueError(f"conditionals must be true, false or unset, got {conditionals!r}")
+    return bool(conditionals)
+
+
+def check_topk_method(method, error):
+    if method not in ops.TOPK_METHODS:
+        raise error(f"topk_method must be one of {ops.TOPK_METHODS}, got {method!r}")
+
+
+def unless_all(reuse, kept, compute, conditionals: bool):
+    """compute() (a pytree like kept); with conditionals, kept without running compute when every (request,
+    head) of reuse [B, n_kv] reuses. Callers take a reusing head's values from kept either way."""
+    if conditionals:
+        return jax.lax.cond(jnp.all(reuse), lambda: kept, compute)
+    return compute()
+
+
+def reuse_or_select(reuse, slots, select, conditionals=True):
+    """(indices, num_valid): the cached selection where reuse [B, n_kv], else select()'s (`unless_all`)."""
+    fresh_idx, fresh_nv = unless_all(reuse, (slots.indices, slots.num_valid), select, conditionals)
     return jnp.where(reuse[..., None], slots.indices, fresh_idx), jnp.where(reuse, slots.num_valid, fresh_nv)
 
 
@@ -571,6 +589,8 @@ class TokenSelectAttend:
     num_recent: int
     cache_threshold: float
     page_size: int
+    conditionals: bool = True  # `conditionals_default`
+    topk_method: str = "sort"  # `ops.select_topk`'s method
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: SelectionCache, recompute_impl, attention_impl):
         pool = src.pool
@@ -590,9 +610,9 @@ class TokenSelectAttend:
             space = token_space(tables, blk, src.request_blocks)
             return choose_tokens(soft_vote(q, keys, tables, space=space), space.positions(tables), pool_tokens,
                                  context, n_select, K, self.num_sink, self.num_recent, ps,
-                                 token_ids=space.token_ids())
+                                 token_ids=space.token_ids(), method=self.topk_method)
 
-        indices, num_valid = reuse_or_select(reuse, slots, select)
+        indices, num_valid = reuse_or_select(reuse, slots, select, self.conditionals)
 
         k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
         # int4 host V: the rows dequantized; store=act: V recomputed from the selected tokens' X rows
@@ -847,8 +867,9 @@ def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None
 @register_policy("tokenselect")
 class TokenSelectPolicy(LayeredPolicy):
     host_pool = False
+    int4_k_quant_default = "token"  # rows are gathered one by one (`LayeredPolicy.int4_k_quant_default`)
     extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size",
-                     "extrapolate", "prefill_chunk", "store", "replay_hit_rate")
+                     "extrapolate", "prefill_chunk", "store", "replay_hit_rate", "conditionals", "topk_method")
     extrapolation = None  # an Extrapolation with extrapolate=True: prompts past the trained positions
 
     def __init__(self, **options):
@@ -862,7 +883,8 @@ class TokenSelectPolicy(LayeredPolicy):
         super().__init__(**options)
 
     def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
-                   kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512, store="kv", replay_hit_rate=None):
+                   kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512, store="kv", replay_hit_rate=None,
+                   conditionals=None, topk_method="sort"):
         if extrapolate not in (True, False):
             raise TokenSelectOptionError(f"extrapolate must be true or false, got {extrapolate!r}")
         if kv not in PLACEMENTS:
@@ -886,8 +908,14 @@ class TokenSelectPolicy(LayeredPolicy):
                 raise TokenSelectOptionError("replay_hit_rate applies to the layer pipeline, not to extrapolate=True")
             self.extrapolation = extrapolation_options(token_budget, token_ratio, num_sink, num_recent, kv, page_size,
                                                        prefill_chunk)
+        try:
+            conditionals = conditionals_default(conditionals)
+        except ValueError as e:
+            raise TokenSelectOptionError(str(e)) from None
+        check_topk_method(topk_method, TokenSelectOptionError)
         attend = TokenSelectAttend(token_budget=token_budget, token_ratio=token_ratio, num_sink=num_sink,
-                                   num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size)
+                                   num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size,
+                                   conditionals=conditionals, topk_method=topk_method)
         return TokenSelectHooks(attend, split=kv == "split", store=store, replay_hit_rate=replay_hit_rate)
 
     @property
@@ -921,7 +949,8 @@ class TokenSelectPolicy(LayeredPolicy):
         a = self.pipeline.hooks.attend
         d["selection"] = {"token_budget": a.token_budget, "token_ratio": a.token_ratio, "num_sink": a.num_sink,
                           "num_recent": a.num_recent, "cache_threshold": a.cache_threshold, "page_size": a.page_size,
-                          "kv": "split" if self.pipeline.hooks.split else "gpu"}
+                          "kv": "split" if self.pipeline.hooks.split else "gpu", "conditionals": a.conditionals,
+                          "topk_method": a.topk_method}
         if self.pipeline.hooks.split:
             d["selection"].update(self.pipeline.hooks.store_report(state))
         d["selection"].update(self.pipeline.hooks.replay_description())
