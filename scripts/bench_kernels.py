@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from kvoffload.pallas import decode_attention as _da
 from kvoffload.pallas import gather as _ga
 from kvoffload.pallas import paged_attention as _pa
+from kvoffload.pallas import prefill_attention as _pf
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
@@ -452,6 +453,37 @@ def bench_scores(ceil, quick):
     record("select_topk", f"B{B} S{S} k=10%", t_s, None, sc.nbytes, 0, ceil)
 
 
+def bench_prefill(ceil, quick):
+    """A chunked prefill's attention (issue 13's 1M-token prefill): one 8192-query chunk of a Llama-3-8B layer
+    (32 query / 8 KV heads, d 128, bf16) at the end of a 128K (and 1M) prompt, so it attends the whole prefix:
+    the Pallas flash kernel (with a launch sweep) against `models.common.prefill_attention_chunk` (XLA, 1024-key
+    blocks whose fp32 scores go through memory). FLOPs: q.K and p.V over the causal keys."""
+    from kvoffload.models.common import prefill_attention_chunk
+
+    n_heads, n_kv, d, tc = 32, 8, 128, (64 if TINY else 8192)
+    Ts = [1024] if TINY else ([131072] if quick else [131072, 1048576])
+    for T in Ts:
+        ks = jax.random.split(jax.random.PRNGKey(31), 3)
+        q = rand(ks[0], (1, n_heads, tc, d), jnp.bfloat16)
+        k = rand(ks[1], (1, n_kv, T, d), jnp.bfloat16)
+        v = rand(ks[2], (1, n_kv, T, d), jnp.bfloat16)
+        start, L = jnp.int32(T - tc), jnp.full((1,), T, jnp.int32)
+        ref = jax.jit(prefill_attention_chunk)
+        make = lambda **kw: jax.jit(lambda *a: _pf.prefill_attention_chunk_kernel(*a, interpret=TINY, **kw))
+        ker = make()
+        t_k = timeit(ker, q, k, v, start, L)
+        t_r = timeit(ref, q, k, v, start, L)
+        grid = [dict(block_q=bq, block_k=bk, num_warps=w) for bq in (64, 128) for bk in (32, 64, 128)
+                for w in (4, 8)]
+        t_best, best = _sweep("prefill", make, (q, k, v, start, L), [] if TINY else grid, t_k)
+        flops = 4 * n_heads * tc * (T - tc / 2) * d
+        bytes_ = q.nbytes * 2 + (k.nbytes + v.nbytes) * n_heads // n_kv  # each query head reads its KV head
+        record("prefill_attention", f"Tc{tc} over T{T} h32/kv8 d128 bf16 {best or 'default'}", t_best, t_r,
+               bytes_, flops, ceil, extra=dict(rel_err_vs_xla=relerr(make(**best)(q, k, v, start, L),
+                                                                       ref(q, k, v, start, L)),
+                                                  default_us=t_k * 1e6))
+
+
 def bench_topk(ceil, quick):
     """The top-10% selection per KV head (Llama-3-8B: 8 rows) at 128K and 1M scores: ``top_count_ascending``'s
     radix select with its order-keeping compaction (4- and 2-bit digits) against its "sort" method
@@ -467,12 +499,17 @@ def bench_topk(ceil, quick):
         sort = jax.jit(lambda s, c: _tk.top_count_ascending(s, c, k, method="sort"))
         t_sort = timeit(sort, sc, counts)
         want = np.asarray(sort(sc, counts)[0])
-        for bits in (4, 2):
-            f = jax.jit(lambda s, c, bits=bits: _tk.top_count_ascending(s, c, k, method="radix", digit_bits=bits))
-            t = timeit(f, sc, counts)
+        for method, bits in (("radix", 4), ("radix", 2), ("kernel", 4)):
+            f = jax.jit(lambda s, c, m=method, bits=bits: _tk.top_count_ascending(s, c, k, method=m, digit_bits=bits))
+            try:
+                t = timeit(f, sc, counts)
+            except Exception as e:  # noqa: BLE001  (the kernel's first GPU run: say why, go on)
+                print(f"  top_count_ascending {method} failed: {str(e)[:300]}", flush=True)
+                continue
             same = bool(np.array_equal(np.asarray(f(sc, counts)[0]), want))
-            record("top_count_ascending", f"rows{rows} S{S} k=10% radix digits{bits}", t, t_sort, sc.nbytes, 0,
-                   ceil, extra=dict(equals_sort=same))
+            record("top_count_ascending", f"rows{rows} S{S} k=10% {method}" + (f" digits{bits}" if method == "radix"
+                                                                             else ""),
+                   t, t_sort, sc.nbytes, 0, ceil, extra=dict(equals_sort=same))
         keys = _tk.orderable_keys(sc)
         for bits in (4, 2):
             f = jax.jit(lambda x, c, bits=bits: _tk.kth_largest_key(x, c, digit_bits=bits))
@@ -587,7 +624,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--only", default=None, help="comma list of: decode,paged,int4,sparse,"
-                    "gather,recompute,scores,quest,hata,tokenselect,topk")
+                    "gather,recompute,scores,quest,hata,tokenselect,topk,prefill")
     ap.add_argument("--no-sweep", action="store_true", help="skip launch-parameter sweeps")
     args = ap.parse_args()
     global NO_SWEEP
@@ -605,7 +642,8 @@ def main():
     ceil = ceilings()
     benches = dict(decode=bench_decode, paged=bench_paged, sparse=bench_sparse, gather=bench_gather,
                    recompute=bench_recompute, int4=bench_int4, scores=bench_scores,
-                   quest=bench_quest, hata=bench_hata, tokenselect=bench_tokenselect, topk=bench_topk)
+                   quest=bench_quest, hata=bench_hata, tokenselect=bench_tokenselect, topk=bench_topk,
+                   prefill=bench_prefill)
     only = args.only.split(",") if args.only else list(benches)
     for name in only:
         try:

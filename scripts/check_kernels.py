@@ -145,6 +145,7 @@ def lower_only_checks():
     from kvoffload.pallas import decode_attention as _da, quant as _q, recompute as _rc
     from kvoffload.pallas import paged_attention as _pa
     from kvoffload.pallas import gather as _ga, sparse_attention as _sa, topk as _tk
+    from kvoffload.pallas import prefill_attention as _pf
 
     def cuda_rule(ctx, *a, **p):
         mc = dataclasses.replace(ctx.module_context, platforms=("cuda",))
@@ -201,6 +202,16 @@ def lower_only_checks():
             kq = _q.quantize_int4(k.astype(jnp.float32), 64)
             cases.append((f"int4 {tag}", lambda q, a, L: _q.decode_attention_int4_kernel(
                 q, a, a, L), (q, kq, L)))
+        Tc, start = 70, S // 3
+        qp = jnp.asarray(rng.standard_normal((B, n_kv * G, Tc, d)), dt)
+        cases.append((f"prefill Tc{Tc} {tag}", lambda q, k, L: _pf.prefill_attention_chunk_kernel(
+            q, k, k, jnp.int32(start), L), (qp, k, L)))
+    from kvoffload.pallas import select as _sel
+    for R, N, kk in ((8, 131072, 13107), (3, 333, 40), (2, 100, 100)):
+        keys = _tk.orderable_keys(jnp.asarray(rng.standard_normal((R, N)), jnp.float32))
+        want = jnp.full((R,), kk // 2, jnp.int32)
+        cases.append((f"select_rows R{R} N{N} k{kk}", lambda x, n, kk=kk: _sel.select_rows_kernel(x, n, kk),
+                      (keys, want)))
     x = jnp.asarray(rng.standard_normal((1, 40, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((128, 128)), jnp.bfloat16)
     cases.append(("recompute", lambda x, w: _rc.recompute_kv_kernel(x, w, None, w, None, None,

@@ -890,25 +890,25 @@ def test_gpu_store_act_matches_store_kv():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy,opts", [
-    ("clo", dict(topk=12, num_recent=4, eta=0.5)),
-    ("clo", dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5, host_dtype="int4",
-                 int4_group_size=16)),
-    ("tokenselect", dict(token_budget=12, num_recent=4, cache_threshold=0.5, kv="split")),
+@pytest.mark.parametrize("policy,method,opts", [
+    ("clo", "radix", dict(topk=12, num_recent=4, eta=0.5)),
+    ("clo", "kernel", dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5,
+                           host_dtype="int4", int4_group_size=16)),
+    ("tokenselect", "kernel", dict(token_budget=12, num_recent=4, cache_threshold=0.5, kv="split")),
 ])
-def test_without_conditionals_and_by_radix_the_same_logits_and_reuse(policy, opts):
+def test_without_conditionals_and_by_radix_the_same_logits_and_reuse(policy, method, opts):
     """A small top-k with some reuse: with conditionals=False (no lax.cond: the selection and the gathers
-    always run, a reusing head's count 0) and the radix top-k, the logits and the hit counts equal the
-    branching, sorting run's: the kernels skip exactly what the conditionals skipped, and the radix select
-    picks the sort's indices."""
+    always run, a reusing head's count 0) and the radix top-k (in XLA, or the Pallas kernel in interpret
+    mode), the logits and the hit counts equal the branching, sorting run's: the kernels skip exactly what
+    the conditionals skipped, and the radix select picks the sort's indices."""
     model = tiny_random_model("llama", seed=1)
     pol0, want, state0 = _decode(model, policy, NEW, conditionals=True, **opts)
-    pol, got, state = _decode(model, policy, NEW, conditionals=False, topk_method="radix", **opts)
+    pol, got, state = _decode(model, policy, NEW, conditionals=False, topk_method=method, **opts)
     np.testing.assert_array_equal(got, want)
     section = "clo" if policy == "clo" else "selection"
     d, d0 = pol.describe(state)[section], pol0.describe(state0)[section]
     assert d["conditionals"] is False and d0["conditionals"] is True
-    assert d["topk_method"] == "radix" and d0["topk_method"] == "sort"
+    assert d["topk_method"] == method and d0["topk_method"] == "sort"
     assert 0 < d["hit_rate"] < 1 and d["hit_rate"] == d0["hit_rate"]
     if policy == "clo":
         assert d["v_bytes_fetched"] == d0["v_bytes_fetched"]

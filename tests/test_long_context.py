@@ -24,9 +24,11 @@ def model(request):
     return tiny_random_model(request.param, seed=2)
 
 
-def test_layer_prefill_chunked_equals_whole(model):
+@pytest.mark.parametrize("attention_impl", ["reference", "kernel"])
+def test_layer_prefill_chunked_equals_whole(model, attention_impl):
     """One layer, ragged lengths (44, 30, 5): chunks of 16 (2 full + a remainder of 12) with key
-    blocks of 8 (several blocks; the last one, [40, 44), read as [36, 44) with [36, 40) masked)."""
+    blocks of 8 (several blocks; the last one, [40, 44), read as [36, 44) with [36, 40) masked); and
+    the same chunks through the Pallas flash-attention kernel (interpret mode here)."""
     cfg = model.config
     b, t = 3, 44
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size - 1, (b, t)), jnp.int32)
@@ -36,16 +38,18 @@ def test_layer_prefill_chunked_equals_whole(model):
     lp = model.params.layers[0]
     want = layer_prefill(cfg, lp, h, pos, lengths)
     valid = (jnp.arange(t)[None] < lengths[:, None])[..., None]  # rows past a prompt's length are padding
-    run = jax.jit(layer_prefill_chunked, static_argnames=("cfg", "chunk_tokens", "keep_x", "key_block"))
-    got = run(cfg, lp, h, pos, lengths, chunk_tokens=16, key_block=8)
+    run = jax.jit(layer_prefill_chunked, static_argnames=("cfg", "chunk_tokens", "keep_x", "key_block",
+                                                          "attention_impl"))
+    got = run(cfg, lp, h, pos, lengths, chunk_tokens=16, key_block=8, attention_impl=attention_impl)
     np.testing.assert_allclose(np.where(valid, got[0], 0), np.where(valid, want[0], 0), **TOL)
     for a, w in zip(got[1:], want[1:], strict=True):
         np.testing.assert_allclose(a, w, **TOL)
     assert run(cfg, lp, h, pos, lengths, chunk_tokens=16, keep_x=False)[3] is None
 
 
-def _generate(model, chunk, steps=10):
-    pol = make_policy("kvpr", block_tokens=8, extent_mb=2 * 8 * 2 * 16 * 4 / 2**20, prefill_chunk_tokens=chunk)
+def _generate(model, chunk, steps=10, **opts):
+    pol = make_policy("kvpr", block_tokens=8, extent_mb=2 * 8 * 2 * 16 * 4 / 2**20, prefill_chunk_tokens=chunk,
+                      **opts)
     tokens, lengths = pad_prompts([list(range(3, 47)), list(range(5, 35)), [7, 8, 9, 10, 11]])
     logits, state = pol.prefill(model, tokens, lengths, 96)
     first, greedy = np.asarray(logits), []
@@ -102,3 +106,17 @@ def test_planner_bounds_a_million_token_prefill():
 def test_prefill_chunk_tokens_is_validated():
     with pytest.raises(ValueError, match="prefill_chunk_tokens must be >= 1"):
         make_policy("offload", prefill_chunk_tokens=0)
+
+
+def test_chunked_prefill_through_the_kernel_gives_the_same_pool_and_tokens():
+    """prefill_attention_impl="kernel" (the Pallas flash attention, interpret mode on the CPU) in the whole
+    pipeline: the pool and the greedy tokens of the XLA chunked prefill; an unknown impl is refused."""
+    model = tiny_random_model("opt", seed=2)
+    w_logits, w_pools, w_greedy, _ = _generate(model, 16, steps=4)
+    logits, pools, greedy, _ = _generate(model, 16, steps=4, prefill_attention_impl="kernel")
+    np.testing.assert_allclose(logits, w_logits, **TOL)
+    for a, w in zip(jax.tree.leaves(pools), jax.tree.leaves(w_pools), strict=True):
+        np.testing.assert_allclose(a, w, **TOL)
+    np.testing.assert_array_equal(greedy, w_greedy)
+    with pytest.raises(ValueError, match="prefill_attention_impl must be"):
+        make_policy("kvpr", prefill_attention_impl="flash")

@@ -44,6 +44,7 @@ from kvoffload.pallas import common as _c
 from kvoffload.pallas import decode_attention as _da
 from kvoffload.pallas import gather as _ga
 from kvoffload.pallas import paged_attention as _pa
+from kvoffload.pallas import prefill_attention as _pf
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
@@ -67,7 +68,7 @@ from kvoffload.pallas.topk import (  # noqa: F401  (public)
 
 __all__ = [
     "decode_attention", "merge_attention", "paged_decode_attention", "merge_attention_into",
-    "empty_attention", "sparse_attention", "sparse_attention_path",
+    "empty_attention", "sparse_attention", "sparse_attention_path", "prefill_attention_chunk_kernel",
     "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk", "TOPK_METHODS",
     "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
@@ -124,6 +125,22 @@ def decode_attention(q, k, v, lengths, *, scale=None, impl="auto", interpret=Fal
         return _sh.per_shard(lambda q_, k_, v_, n_: _decode_kernel_jit(q_, k_, v_, n_, scale, interpret),
                              (heads, heads, heads, rep), (heads, heads))(q, k, v, lengths)
     return _decode_ref_jit(q, k, v, lengths, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _prefill_kernel_jit(q, k, v, q_start, lengths, scale, interpret):
+    return _pf.prefill_attention_chunk_kernel(q, k, v, q_start, lengths, scale=scale, interpret=interpret)
+
+
+def prefill_attention_chunk_kernel(q, k, v, q_start, lengths, *, scale=None):
+    """The Pallas flash attention of a prefill chunk (`models.common.prefill_attention_chunk`'s kernel):
+    per device on its heads under a tensor-parallel mesh; interpret mode off the GPU."""
+    scale = None if scale is None else float(scale)
+    interpret = not _c.on_gpu()
+    heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+    return _sh.per_shard(lambda q_, k_, v_, s_, n_: _prefill_kernel_jit(q_, k_, v_, s_, n_, scale, interpret),
+                         (heads, heads, heads, rep, rep), heads)(q, k, v, jnp.asarray(q_start, jnp.int32),
+                                                                 jnp.asarray(lengths, jnp.int32))
 
 
 # ----------------------------------------------------------------------------

@@ -131,7 +131,8 @@ def prefill_attention(q, k, v, lengths, *, scale=None):
 PREFILL_KEY_BLOCK = 1024
 
 
-def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block: int = PREFILL_KEY_BLOCK):
+def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block: int = PREFILL_KEY_BLOCK,
+                            impl: str = "reference"):
     """Causal attention of one chunk of a prompt's queries over the keys before and in it: q [B, nh,
     Tc, d] at positions q_start + [0, Tc) (q_start may be traced), k, v [B, nkv, T, d] the layer's whole
     K/V buffer (only positions < q_start + Tc are read, so later ones may be unwritten), keys at positions
@@ -140,7 +141,14 @@ def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block:
     1M-token context, where prefill_attention's [B, nh, 512, T] score chunk alone would be 68 GB
     (Llama-3-8B). The loop runs over the key blocks up to the chunk's last query (causal: ~half of a
     square's work). Returns [B, nh, Tc, d] in q.dtype; the same as prefill_attention's rows up to the
-    order of fp32 sums."""
+    order of fp32 sums. impl="kernel" (or "auto" on a GPU): the Pallas flash-attention kernel of the same
+    semantics (`pallas/prefill_attention.py`), which keeps the scores in registers."""
+    if impl not in ("reference", "kernel", "auto"):
+        raise ValueError(f"impl must be reference, kernel or auto, got {impl!r}")
+    if impl == "kernel" or (impl == "auto" and jax.default_backend() == "gpu"):
+        from kvoffload import ops  # (ops imports the pallas kernels; models need not at import)
+
+        return ops.prefill_attention_chunk_kernel(q, k, v, q_start, lengths, scale=scale)
     b, nh, tc, d = q.shape
     nkv, t = k.shape[1], k.shape[2]
     g = nh // nkv

@@ -41,14 +41,14 @@ def layer_prefill(cfg: ModelConfig, lp, h, positions, lengths):
 
 
 def layer_prefill_chunked(cfg: ModelConfig, lp, h, positions, lengths, chunk_tokens: int, keep_x: bool = True,
-                          key_block: int = PREFILL_KEY_BLOCK):
+                          key_block: int = PREFILL_KEY_BLOCK, attention_impl: str = "reference"):
     """layer_prefill in token chunks of chunk_tokens (the last one may be shorter): each chunk's
     q/k/v, its K/V written into the layer's [B, n_kv, T, d] buffers, its attention over the keys so far
     (prefill_attention_chunk) and its MLP, before the next chunk. The workspace is a chunk's (MLP
     intermediate [B, Tc, I], scores [B, nh, Tc, key_block]) instead of the whole prompt's: a 1M-token
     Llama-3-8B prompt's MLP intermediate alone is 28 GB. What stays whole: h (in and out), K/V and X
     (keep_x) of this one layer. Returns (h_out, k, v, x or None) as layer_prefill (equal up to the order
-    of fp32 sums in attention)."""
+    of fp32 sums in attention). attention_impl: prefill_attention_chunk's impl."""
     fam = family(cfg)
     b, t, hdim = h.shape
     tc = min(int(chunk_tokens), t)
@@ -63,7 +63,7 @@ def layer_prefill_chunked(cfg: ModelConfig, lp, h, positions, lengths, chunk_tok
         v_all = jax.lax.dynamic_update_slice_in_dim(v_all, v_c.astype(v_all.dtype), s, axis=2)
         if x_all is not None:
             x_all = jax.lax.dynamic_update_slice_in_dim(x_all, x_c.astype(x_all.dtype), s, axis=1)
-        o = prefill_attention_chunk(q, k_all, v_all, s, lengths, key_block=key_block)
+        o = prefill_attention_chunk(q, k_all, v_all, s, lengths, key_block=key_block, impl=attention_impl)
         h_c = fam.post_attention(cfg, lp, h_c, fam.attn_out(cfg, lp, o))
         return jax.lax.dynamic_update_slice_in_dim(h_all, h_c, s, axis=1), k_all, v_all, x_all
 

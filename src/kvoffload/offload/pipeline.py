@@ -168,10 +168,11 @@ def _logits(cfg, params, h):
     return family(cfg).logits(cfg, params, h)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens"))
-def _layer_prefill(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens", "attention_impl"))
+def _layer_prefill(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl="reference"):
     if chunk_tokens:  # token chunks: a chunk's workspace, not the whole prompt's
-        return layer_prefill_chunked(cfg, lp, h, positions, lengths, chunk_tokens, keep_x)
+        return layer_prefill_chunked(cfg, lp, h, positions, lengths, chunk_tokens, keep_x,
+                                     attention_impl=attention_impl)
     h, k, v, x = layer_prefill(cfg, lp, h, positions, lengths)
     return h, k, v, (x if keep_x else None)
 
@@ -470,6 +471,11 @@ class PipelineOptions:
     # the prefill waits for each layer's extents to reach the host before the next layer, so one layer's
     # K/V is on the GPU at a time
     prefill_chunk_tokens: int | None = None
+    # the chunked prefill's attention: "reference" (XLA, an online softmax over 1024-key blocks whose fp32
+    # scores go through memory: 93 s per Llama-3-8B layer at 1M tokens on an H200) or "kernel" (the Pallas
+    # flash-attention kernel, scores in registers; checked in interpret mode on the CPU, not yet run on a GPU,
+    # hence not the default) or "auto" (the kernel on a GPU)
+    prefill_attention_impl: str = "reference"
     # XLA's matmuls (cuBLAS) recompute 64-token blocks at 583 TFLOP/s on an H200, the fused Pallas
     # kernel at 412 (profile of 2026-11-26): "reference" is the faster path here
     recompute_impl: str = "reference"
@@ -518,6 +524,8 @@ class PipelineOptions:
             raise ValueError(f"block_tokens must be a power of two, got {self.block_tokens}")
         if self.extent_mb <= 0:
             raise ValueError(f"extent_mb must be > 0, got {self.extent_mb}")
+        if self.prefill_attention_impl not in ("reference", "kernel", "auto"):
+            raise ValueError(f"prefill_attention_impl must be reference, kernel or auto, got {self.prefill_attention_impl!r}")
         if self.prefill_chunk_tokens is not None:
             self.prefill_chunk_tokens = int(self.prefill_chunk_tokens)
             if self.prefill_chunk_tokens < 1:
@@ -737,7 +745,8 @@ class LayerPipeline:
                 for c in range(a, z, chunk):  # row chunks bound the attention / MLP workspace
                     e = min(z, c + chunk)
                     out = _layer_prefill(cfg, lp, gr["h"][c - a:e - a] if (a, z) != (c, e) else gr["h"],
-                                         positions[c:e], lengths[c:e], keep_x, o.prefill_chunk_tokens)
+                                         positions[c:e], lengths[c:e], keep_x, o.prefill_chunk_tokens,
+                                         o.prefill_attention_impl)
                     if (a, z) == (c, e):
                         bufs = out
                         break

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from kvoffload.pallas import decode_attention as _da
 from kvoffload.pallas import gather as _ga
 from kvoffload.pallas import paged_attention as _pa
+from kvoffload.pallas import prefill_attention as _pf
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
@@ -525,6 +526,32 @@ def check_select(B=3, n_kv=2, N=300, k=40, num_sink=4, num_recent=16, page_size=
                    f"page{page_size}", "reference", {}, 1.0, ) | {"ok": bool(ok)}
 
 
+def check_select_rows(R=8, N=131072, ratio=0.1, kind="normal", mode="reference", seed=0, **kw):
+    """The selection's top-k in one kernel (`pallas/select.py`, mode kernel / interpret) or by the XLA radix
+    select (mode reference) against `jax.lax.top_k` + sort (`top_count_ascending(method="sort")`), with
+    per-row counts, forced +inf entries and (kind "ties") integer scores: the same indices, exactly."""
+    rng = np.random.default_rng(seed)
+    k = max(1, int(N * ratio))
+    pri = rng.standard_normal((R, N)).astype(np.float32)
+    if kind == "ties":
+        pri = rng.integers(0, 64, (R, N)).astype(np.float32)
+    pri[:, :4] = np.inf
+    pri[rng.random((R, N)) < 0.05] = -np.inf
+    counts = rng.integers(k // 2, k + 1, R).astype(np.int32)
+    p, c = jnp.asarray(pri), jnp.asarray(counts)
+    want, nv = jax.jit(lambda p, c: _tk.top_count_ascending(p, c, k, method="sort"))(p, c)
+    if mode == "reference":
+        got, gnv = jax.jit(lambda p, c: _tk.top_count_ascending(p, c, k, method="radix"))(p, c)
+    else:
+        from kvoffload.pallas.select import select_rows_kernel
+
+        got = jax.jit(lambda p, n: select_rows_kernel(_tk.orderable_keys(p), n, k, interpret=(mode == "interpret"),
+                                                      **kw))(p, nv)
+        gnv = nv
+    bad = float(np.mean(np.asarray(got) != np.asarray(want))) + float(np.any(np.asarray(gnv) != np.asarray(nv)))
+    return _result(f"select_rows R{R} N{N} k{k} {kind}", mode, dict(err_mismatch=bad), 1e-12)
+
+
 def check_quantize(shape=(2, 3, 50, 128), group_size=64, seed=0):
     rng = np.random.default_rng(seed)
     x, x64 = _rand(rng, shape, "float32", scale=2.0)
@@ -610,6 +637,49 @@ def check_gather(B=2, n_kv=2, E=5, blk=24, d=80, K=37, dtype="float32", mode="re
     r = _result(f"gather E{E} blk{blk} B{B} kv{n_kv} K{K} d{d} {dtype}{' host' if host else ''}", mode,
                 dict(err_mismatch=bad), 1e-12)
     r["ok"] = r["ok"] and out.dtype == x.dtype and str(getattr(out.sharding, "memory_kind", "device")) == "device"
+    return r
+
+
+def check_prefill(B=2, n_kv=2, G=4, T=300, Tc=70, q_start=150, d=128, dtype="float32", lengths=None,
+                  mode="reference", seed=0, **kw):
+    """A prefill chunk's causal attention (q at positions q_start + [0, Tc) over keys < its position and
+    < lengths[b]) against float64 NumPy; the rows inside each prompt are compared (padding rows attend the
+    same keys in both, but a prompt of length <= q_start gives them none)."""
+    from kvoffload.models.common import prefill_attention_chunk
+
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, Tc, d), dtype)
+    k, k64 = _rand(rng, (B, n_kv, T, d), dtype)
+    v, v64 = _rand(rng, (B, n_kv, T, d), dtype)
+    if lengths is None:
+        lengths = [min(T, q_start + Tc)] + list(rng.integers(q_start + 1, T + 1, B - 1))
+    lengths = np.asarray(lengths[:B], np.int32)
+    scale = d ** -0.5
+    want = np.zeros((B, H, Tc, d))
+    for b in range(B):
+        for h in range(H):
+            kh, vh = k64[b, h // G], v64[b, h // G]
+            for t in range(Tc):
+                n = min(q_start + t + 1, int(lengths[b]))
+                if n <= 0:
+                    continue
+                s = kh[:n] @ q64[b, h, t] * scale
+                p = np.exp(s - s.max())
+                want[b, h, t] = p @ vh[:n] / p.sum()
+    args = (q, k, v, jnp.int32(q_start), jnp.asarray(lengths))
+    if mode == "reference":
+        out = jax.jit(prefill_attention_chunk)(*args)
+    else:
+        out = jax.jit(lambda *a: _pf.prefill_attention_chunk_kernel(*a, interpret=(mode == "interpret"),
+                                                                    **kw))(*args)
+    rows = (q_start + np.arange(Tc))[None, :] < lengths[:, None]  # [B, Tc]
+    got = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    err = rel_err(got[rows[:, None, :, None].repeat(H, 1).repeat(d, 3)].reshape(-1),
+                  want[rows[:, None, :, None].repeat(H, 1).repeat(d, 3)].reshape(-1))
+    r = _result(f"prefill B{B} kv{n_kv} G{G} T{T} Tc{Tc} start{q_start} d{d} {dtype}", mode,
+                dict(err_out=err), TOL[dtype])
+    r["ok"] = r["ok"] and out.dtype == q.dtype and out.shape == q.shape
     return r
 
 
@@ -702,6 +772,14 @@ def kernel_cases(full=False):
                           for g in (1, 4, 7)]):
         cases.append((check_int4_decode, dict(d=d, group_size=gs, dtype=dt, G=g)))
     cases += gather_cases(full)
+    pf = ([(g, d, dt) for g in (1, 4, 7) for d in HEAD_DIMS for dt in DTYPES] if full else
+          [(4, 128, "bfloat16"), (3, 80, "float32"), (1, 64, "float32")])
+    for i, (g, d, dt) in enumerate(pf):
+        cases.append((check_prefill, dict(G=g, d=d, dtype=dt, T=(300, 129)[i % 2], Tc=(70, 33)[i % 2],
+                                          q_start=(150, 96)[i % 2])))
+    cases.append((check_prefill, dict(G=2, d=64, T=200, Tc=64, q_start=0, block_q=32, block_k=16)))
+    cases += [(check_select_rows, dict(R=3, N=300, kind="normal")), (check_select_rows, dict(R=2, N=77, kind="ties")),
+              (check_select_rows, dict(R=2, N=200, ratio=0.3, chunk=32, out_chunk=16))]
     return cases
 
 
@@ -808,6 +886,10 @@ def gpu_cases():
         add(check_gather, dict(d=d, K=300, dtype="bfloat16", E=13, blk=16, host=True))
     add(check_gather, dict(B=2, n_kv=8, E=40, blk=64, d=128, K=2000, dtype="bfloat16", host=True))
     add(check_gather, dict(n_kv=8, E=40, blk=1, d=128, K=2000, dtype="float32", host=True))  # per-channel K scales
+    add(check_prefill, dict(B=1, n_kv=8, G=4, d=128, dtype="bfloat16", T=6000, Tc=1024, q_start=4500))
+    add(check_select_rows, dict(R=8, N=131072))
+    add(check_select_rows, dict(R=8, N=131072, kind="ties"))
+    add(check_select_rows, dict(R=16, N=20000, ratio=0.5))
     return cases
 
 

@@ -628,7 +628,7 @@ def prefix_count(mask, chunk=128):
     return (within + before[:, :, None]).reshape(R, n_chunks * chunk)[:, :N]
 
 
-TOPK_METHODS = ("sort", "radix")
+TOPK_METHODS = ("sort", "radix", "kernel")
 
 
 def top_count_ascending(pri, counts, k, *, method="sort", digit_bits=4):
@@ -641,13 +641,20 @@ def top_count_ascending(pri, counts, k, *, method="sort", digit_bits=4):
       (`prefix_count` and a scatter of unique slots): no sort, half the GPU time at 8 x 128K scores on an
       H100 (140 vs 291 us), but ~30 more kernels in a layer program, and a `clo` decode step at b1 128K is
       bound by the host's per-kernel work: 32.2 vs 29.6 ms per step there (BENCHMARKS). Hence "sort" by
-      default."""
+      default.
+    * "kernel": the radix select and the compaction in one Pallas launch per row (`pallas/select.py`; interpret
+      mode off the GPU). Checked on the CPU only so far."""
     R, N = pri.shape
     if method not in TOPK_METHODS:
         raise ValueError(f"top-k method must be one of {TOPK_METHODS}, got {method!r}")
     k = int(min(k, N))
     n_ok = jnp.sum(pri > NEG_INF, axis=1, dtype=jnp.int32)
     want = jnp.clip(jnp.minimum(counts.astype(jnp.int32), n_ok), 0, k)
+    if method == "kernel":
+        from kvoffload.pallas.common import on_gpu
+        from kvoffload.pallas.select import select_rows_kernel
+
+        return select_rows_kernel(orderable_keys(pri), want, k, interpret=not on_gpu()), want
     if method == "sort":
         _, idx = jax.lax.top_k(pri, k)
         big = jnp.int32(2 ** 30)
@@ -699,5 +706,13 @@ def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=
     pri = jnp.where(force, jnp.inf, scores)
     pri = jnp.where(valid | force, pri, NEG_INF)
     counts = jnp.full((B, n_kv), k, jnp.int32) if counts is None else jnp.minimum(counts, k)
-    idx, nv = top_count_ascending(pri.reshape(B * n_kv, N), counts.reshape(B * n_kv), k, method=method)
-    return idx.reshape(B, n_kv, k), nv.reshape(B, n_kv)
+    def rows(pri, counts):
+        b, h = counts.shape
+        idx, nv = top_count_ascending(pri.reshape(b * h, N), counts.reshape(b * h), k, method=method)
+        return idx.reshape(b, h, k), nv.reshape(b, h)
+
+    if method != "kernel":
+        return rows(pri, counts)
+    from kvoffload.offload import sharding as sh  # a kernel runs per device on its heads under a mesh
+
+    return sh.per_shard(rows, (sh.KV_SPEC, sh.KV_SPEC), (sh.KV_SPEC, sh.KV_SPEC))(pri, counts)

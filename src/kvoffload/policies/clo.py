@@ -127,7 +127,6 @@ from kvoffload.policies.tokenselect import (
     check_topk_method,
     selection_budget,
     selection_specs,
-    place_slots,
     replay_rates,
     selection_size,
     sorted_positions,
