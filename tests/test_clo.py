@@ -892,8 +892,8 @@ def test_gpu_store_act_matches_store_kv():
 
 @pytest.mark.parametrize("policy,method,opts", [
     ("clo", "radix", dict(topk=12, num_recent=4, eta=0.5)),
-    ("clo", "kernel", dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5,
-                           host_dtype="int4", int4_group_size=16)),
+    pytest.param("clo", "kernel", dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5,
+                                       host_dtype="int4", int4_group_size=16), marks=pytest.mark.slow),  # 12 s
     ("tokenselect", "kernel", dict(token_budget=12, num_recent=4, cache_threshold=0.5, kv="split")),
 ])
 def test_without_conditionals_and_by_radix_the_same_logits_and_reuse(policy, method, opts):

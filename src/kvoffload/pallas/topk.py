@@ -648,6 +648,7 @@ def top_count_ascending(pri, counts, k, *, method="sort", digit_bits=4):
     if method not in TOPK_METHODS:
         raise ValueError(f"top-k method must be one of {TOPK_METHODS}, got {method!r}")
     k = int(min(k, N))
+    pri = jnp.where(pri == 0, jnp.float32(0), pri.astype(jnp.float32))  # -0.0 ties 0.0 (lax.top_k orders them)
     n_ok = jnp.sum(pri > NEG_INF, axis=1, dtype=jnp.int32)
     want = jnp.clip(jnp.minimum(counts.astype(jnp.int32), n_ok), 0, k)
     if method == "kernel":
@@ -706,6 +707,7 @@ def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=
     pri = jnp.where(force, jnp.inf, scores)
     pri = jnp.where(valid | force, pri, NEG_INF)
     counts = jnp.full((B, n_kv), k, jnp.int32) if counts is None else jnp.minimum(counts, k)
+
     def rows(pri, counts):
         b, h = counts.shape
         idx, nv = top_count_ascending(pri.reshape(b * h, N), counts.reshape(b * h), k, method=method)

@@ -22,10 +22,10 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    does so where that profile is the model's and keeps none elsewhere (RULER on SmolLM2, exact: -1.3 / -2.6
    points without persistent heads, -0.5 / -0.0 with them).
 4. The cache buffer: the selected V rows per (request, KV head) are kept on the GPU in the slots
-   (``v_rows``); when every head of a layer hits, nothing is gathered from host memory (the gather
-   runs under a ``lax.cond``). When some head misses, the gather runs for every head of the layer (the
-   hit heads' rows are then taken from the buffer); ``v_rows_fetched`` counts only the missed heads'
-   rows (what a per-head fetch moves). Every per-(request, head) buffer holds one request's tokens at most
+   (``v_rows``); when every head of a layer hits, nothing is gathered from host memory (on the CPU the
+   gather runs under a ``lax.cond``; on the GPU, where a conditional syncs the host, it runs with every
+   head's count 0: ``conditionals``). When some head misses, only the missed heads' rows are read (the
+   hit heads' rows are taken from the buffer); ``v_rows_fetched`` counts them. Every per-(request, head) buffer holds one request's tokens at most
    (`request_token_bound`: the longest prompt's full blocks plus one block per flush), not the batch's pool.
 
 5. Retrieval (``retrieval``): ``exact`` scores the exact keys (above). ``quest`` and ``hata`` score GPU-side
