@@ -63,7 +63,6 @@ from kvoffload.pallas.topk import (  # noqa: F401  (public)
     hamming_distance,
     hata_encode,
     quest_page_minmax,
-    select_topk,
 )
 
 __all__ = [
@@ -73,10 +72,10 @@ __all__ = [
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk", "TOPK_METHODS",
     "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
     "QuantizedInt4", "INT4_SCALES", "decode_attention_int4", "kernel_default", "gather_block_rows",
-    "gather_block_rows_path", "zero_copy_gather_supported",
+    "gather_block_rows_path", "zero_copy_gather_supported", "IMPLS", "use_kernel",
 ]
 
-_IMPLS = ("auto", "kernel", "reference")
+IMPLS = ("auto", "kernel", "reference")
 RECOMPUTE_KERNEL_MIN_TOKENS = 64  # tokens per sequence below which "auto" recompute uses XLA
 
 
@@ -85,9 +84,10 @@ def kernel_default() -> bool:
     return _c.on_gpu()
 
 
-def _use_kernel(impl: str, supported: bool = True) -> bool:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+def use_kernel(impl: str, supported: bool = True) -> bool:
+    """Whether impl ("auto", "kernel", "reference") runs the Pallas kernel here: "auto" where supported on a GPU."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
         return False
     if impl == "kernel":
@@ -120,7 +120,7 @@ def decode_attention(q, k, v, lengths, *, scale=None, impl="auto", interpret=Fal
     """
     lengths = jnp.asarray(lengths, jnp.int32)
     scale = None if scale is None else float(scale)
-    if _use_kernel(impl):  # per device on its heads under a tensor-parallel mesh (XLA cannot split a kernel)
+    if use_kernel(impl):  # per device on its heads under a tensor-parallel mesh (XLA cannot split a kernel)
         heads, rep = _sh.KV_SPEC, _sh.REPLICATED
         return _sh.per_shard(lambda q_, k_, v_, n_: _decode_kernel_jit(q_, k_, v_, n_, scale, interpret),
                              (heads, heads, heads, rep), (heads, heads))(q, k, v, lengths)
@@ -173,7 +173,7 @@ def paged_decode_attention(q, k_blocks, v_blocks, block_table, num_blocks, *, sc
     block_table = jnp.asarray(block_table, jnp.int32)
     num_blocks = jnp.asarray(num_blocks, jnp.int32)
     scale = None if scale is None else float(scale)
-    if _use_kernel(impl):  # per device on its heads under a tensor-parallel mesh
+    if use_kernel(impl):  # per device on its heads under a tensor-parallel mesh
         heads, rep = _sh.KV_SPEC, _sh.REPLICATED
         return _sh.per_shard(lambda q_, k_, v_, t_, n_: _paged_kernel_jit(q_, k_, v_, t_, n_, scale, interpret),
                              (heads, heads, heads, rep, rep), (heads, heads))(q, k_blocks, v_blocks, block_table,
@@ -242,10 +242,10 @@ def sparse_attention(q, k, v, indices, *, num_valid=None, page_size=1, scale=Non
         lengths = jnp.asarray(lengths, jnp.int32)
     traced = isinstance(k, jax.core.Tracer)
     host = (not traced) and _c.memory_kind(k) not in (None, "device")
-    use_kernel = _use_kernel(impl)
+    kernel = use_kernel(impl)
     if traced:
         _LAST_SPARSE_PATH["path"] = "traced"
-        if use_kernel:  # per device on its heads under a tensor-parallel mesh (clo, tokenselect)
+        if kernel:  # per device on its heads under a tensor-parallel mesh (clo, tokenselect)
             heads, rep = _sh.KV_SPEC, _sh.REPLICATED
             return _sh.per_shard(
                 lambda q_, k_, v_, i_, n_, l_: _sa.sparse_attention_kernel(q_, k_, v_, i_, num_valid=n_,
@@ -255,7 +255,7 @@ def sparse_attention(q, k, v, indices, *, num_valid=None, page_size=1, scale=Non
         return _sa.sparse_attention_reference(q, k, v, indices, num_valid=num_valid,
                                               page_size=page_size, scale=scale,
                                               lengths=lengths)
-    if use_kernel and host and not interpret and _ZERO_COPY_OK["ok"] is not False:
+    if kernel and host and not interpret and _ZERO_COPY_OK["ok"] is not False:
         try:
             res = _sparse_kernel_jit(q, k, v, indices, num_valid, lengths, page_size,
                                      scale, False)
@@ -267,7 +267,7 @@ def sparse_attention(q, k, v, indices, *, num_valid=None, page_size=1, scale=Non
     if host:
         k = _c.to_device_memory(k)
         v = _c.to_device_memory(v)
-    if use_kernel:
+    if kernel:
         _LAST_SPARSE_PATH["path"] = "kernel_device_copy" if host else "kernel"
         return _sparse_kernel_jit(q, k, v, indices, num_valid, lengths, page_size, scale,
                                   interpret)
@@ -328,7 +328,7 @@ def recompute_kv(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, impl="auto"
     # tokens per sequence (a decode step's new token) it re-reads W_K/W_V per sequence; measured on
     # an H200 at OPT-6.7B b64 T=1 that cost ~13 ms of a 22 ms step, where XLA's matmul reads W once.
     profitable = x.shape[1] >= RECOMPUTE_KERNEL_MIN_TOKENS
-    if _use_kernel(impl, ok and profitable) and (ok or impl == "kernel"):
+    if use_kernel(impl, ok and profitable) and (ok or impl == "kernel"):
         # under a tensor-parallel mesh each device recomputes its heads from the whole x (W_K, W_V split
         # by column, i.e. by head)
         n = _sh.context_size()
@@ -360,7 +360,7 @@ def topk_scores_exact(q, k, lengths=None, *, scale=None, group_reduce="sum", imp
     lengths [B], [B, n_kv] (per KV head; 0: the head is not scored, its keys not read) or None.
     Returns [B, n_kv, S] float32, -inf past lengths."""
     scale = None if scale is None else float(scale)
-    if _use_kernel(impl):
+    if use_kernel(impl):
         if lengths is not None:
             lengths = jnp.asarray(lengths, jnp.int32)
         # per device on its heads under a tensor-parallel mesh; per-head lengths [B, n_kv] split with them
@@ -385,7 +385,7 @@ def quest_page_scores(q, kmin, kmax, num_pages=None, *, group_reduce="sum", impl
     over the GQA group. q [B, n_heads, d]; kmin, kmax [B, n_kv, P, d]; num_pages [B]
     (valid pages) or None. Returns [B, n_kv, P] float32, -inf for empty pages
     (kmin > kmax) and pages >= num_pages."""
-    if _use_kernel(impl):
+    if use_kernel(impl):
         if num_pages is not None:
             num_pages = jnp.asarray(num_pages, jnp.int32)
         return _quest_kernel_jit(q, kmin, kmax, num_pages, group_reduce, interpret)
@@ -404,7 +404,7 @@ def hata_scores(q_codes, k_codes, lengths=None, *, k_norm=None, group_reduce="su
     aggregated over the group. q_codes [B, n_heads, r//32] uint32, k_codes [B, n_kv, S,
     r//32] uint32 (packing convention in the module docstring); k_norm [B, n_kv, S] or
     None; lengths [B] or None. Returns [B, n_kv, S] float32, -inf past lengths."""
-    if _use_kernel(impl):
+    if use_kernel(impl):
         if lengths is not None:
             lengths = jnp.asarray(lengths, jnp.int32)
         return _hata_kernel_jit(q_codes, k_codes, lengths, k_norm, group_reduce, interpret)
@@ -427,11 +427,24 @@ def tokenselect_scores(q, k, lengths=None, *, scale=None, shared=False, impl="au
     exact (two passes: logits + per-head softmax statistics, then normalised sums)."""
     scale = None if scale is None else float(scale)
     shared = bool(shared)
-    if _use_kernel(impl):
+    if use_kernel(impl):
         if lengths is not None:
             lengths = jnp.asarray(lengths, jnp.int32)
         return _tokenselect_kernel_jit(q, k, lengths, scale, shared, interpret)
     return _tk.tokenselect_scores_reference(q, k, lengths, scale=scale, shared=shared)
+
+
+def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=1, counts=None, method="sort"):
+    """`pallas.topk.select_topk` (the top-k per KV head, ascending, per-row counts); method="kernel" runs its
+    Pallas kernel per device on its heads under a tensor-parallel mesh."""
+    def run(s, n, c):
+        return _tk.select_topk(s, k, lengths=n, num_sink=num_sink, num_recent=num_recent, page_size=page_size,
+                               counts=c, method=method)
+
+    if method != "kernel":
+        return run(scores, lengths, counts)
+    heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+    return _sh.per_shard(run, (heads, rep, heads), (heads, heads))(scores, lengths, counts)
 
 
 def topk_indices(scores, k, *, lengths=None, num_sink=4, num_recent=64, page_size=1):
@@ -469,7 +482,7 @@ def decode_attention_int4(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *, s
         raise ValueError("decode_attention_int4's kernel reads per-token int4 scales only; K/V quantized with "
                          "scales='channel' runs with impl='reference' or 'auto' (dequantize, then attend)")
     ok = _q.int4_kernel_supported(d, kq.group_size) and not per_channel
-    if _use_kernel(impl, ok) and (ok or impl == "kernel"):
+    if use_kernel(impl, ok) and (ok or impl == "kernel"):
         return _int4_kernel_jit(q, kq, vq, lengths, scale, interpret)
     return _int4_ref_jit(q, kq, vq, lengths, scale)
 
@@ -518,16 +531,16 @@ def zero_copy_gather_supported() -> bool:
     return bool(answer and answer[0])
 
 
-def _gather_path(x, use_kernel, interpret) -> str:
+def _gather_path(x, kernel, interpret) -> str:
     kind = _c.memory_kind(x)  # None while tracing: the aval's memory space says
     if jax.typeof(x).memory_space != jax.memory.Space.Host and kind not in ("pinned_host", "unpinned_host"):
-        return "kernel" if use_kernel else "reference"
+        return "kernel" if kernel else "reference"
     # a traced host operand is taken as pinned (the pool's kind on a GPU); the GPU cannot read pageable memory
     pinned = kind in (None, "pinned_host")
-    if use_kernel and not interpret and pinned and zero_copy_gather_supported():
+    if kernel and not interpret and pinned and zero_copy_gather_supported():
         return "kernel_zero_copy"
     # interpret mode cannot index host memory: the whole extent moves to the device (tests only)
-    return "kernel_device_copy" if use_kernel and interpret else "reference_host_gather"
+    return "kernel_device_copy" if kernel and interpret else "reference_host_gather"
 
 
 def _gather_block_rows(x, block, offset, path, interpret, block_k):
@@ -563,7 +576,7 @@ def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k
         blk = x.codes.shape[-2]
         s_off = offset if x.scales == "token" else jnp.where((offset >= 0) & (offset < blk), 0, -1)
         return QuantizedInt4(rows(x.codes, offset), rows(x.step, s_off), rows(x.mn, s_off), x.group_size, x.scales)
-    path = _gather_path(x, _use_kernel(impl), interpret)
+    path = _gather_path(x, use_kernel(impl), interpret)
     _LAST_GATHER_PATH["path"] = path
     call = _gather_block_rows if isinstance(x, jax.core.Tracer) else _gather_jit
     if path.startswith("kernel"):  # per device on its shard under a tensor-parallel mesh: a K/V extent's heads

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvoffload import ops
 from kvoffload.config import ModelConfig
 
 
@@ -143,11 +144,7 @@ def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block:
     square's work). Returns [B, nh, Tc, d] in q.dtype; the same as prefill_attention's rows up to the
     order of fp32 sums. impl="kernel" (or "auto" on a GPU): the Pallas flash-attention kernel of the same
     semantics (`pallas/prefill_attention.py`), which keeps the scores in registers."""
-    if impl not in ("reference", "kernel", "auto"):
-        raise ValueError(f"impl must be reference, kernel or auto, got {impl!r}")
-    if impl == "kernel" or (impl == "auto" and jax.default_backend() == "gpu"):
-        from kvoffload import ops  # (ops imports the pallas kernels; models need not at import)
-
+    if ops.use_kernel(impl):
         return ops.prefill_attention_chunk_kernel(q, k, v, q_start, lengths, scale=scale)
     b, nh, tc, d = q.shape
     nkv, t = k.shape[1], k.shape[2]

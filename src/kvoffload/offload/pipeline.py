@@ -524,8 +524,8 @@ class PipelineOptions:
             raise ValueError(f"block_tokens must be a power of two, got {self.block_tokens}")
         if self.extent_mb <= 0:
             raise ValueError(f"extent_mb must be > 0, got {self.extent_mb}")
-        if self.prefill_attention_impl not in ("reference", "kernel", "auto"):
-            raise ValueError(f"prefill_attention_impl must be reference, kernel or auto, got {self.prefill_attention_impl!r}")
+        if self.prefill_attention_impl not in ops.IMPLS:
+            raise ValueError(f"prefill_attention_impl must be one of {ops.IMPLS}, got {self.prefill_attention_impl!r}")
         if self.prefill_chunk_tokens is not None:
             self.prefill_chunk_tokens = int(self.prefill_chunk_tokens)
             if self.prefill_chunk_tokens < 1:

@@ -22,6 +22,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def cdiv_traced(a, b: int):
+    """cdiv of a traced a by a static b."""
+    return (a + (b - 1)) // b
+
+
 def default_scale(d: int, scale):
     return float(d) ** -0.5 if scale is None else float(scale)
 
@@ -82,12 +87,14 @@ def online_softmax_init(rows: int):
 
 def online_softmax_step(m, l, s, row_ok):
     """One key block of the online softmax (flash attention's update). s [R, block] scores,
-    row_ok [block] valid keys. Returns (m_new, l_new, p, alpha): p are the block's unnormalised
-    probabilities (0 on invalid keys), alpha rescales what was accumulated so far."""
-    s = jnp.where(row_ok[None, :], s, MASK_VALUE)
+    row_ok [block] valid keys (or [R, block]: per row, e.g. a causal mask). Returns (m_new, l_new, p,
+    alpha): p are the block's unnormalised probabilities (0 on invalid keys), alpha rescales what was
+    accumulated so far."""
+    ok = row_ok if row_ok.ndim == 2 else row_ok[None, :]
+    s = jnp.where(ok, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
-    p = jnp.where(row_ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
     return m_new, l * alpha + jnp.sum(p, axis=1), p, alpha
 
 

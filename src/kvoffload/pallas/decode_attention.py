@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from kvoffload.pallas.common import (
     NEG_INF,
     cdiv,
+    cdiv_traced,
     choose_splits,
     decode_tiles,
     default_scale,
@@ -235,10 +236,6 @@ def merge_splits(o, lse, *, G, d, out_dtype, interpret=False, poison=False):
         interpret=interpret,
         name="kvo_merge_splits",
     )(o, lse)
-
-
-def cdiv_traced(a, b: int):
-    return (a + (b - 1)) // b
 
 
 def decode_attention_kernel(

@@ -22,12 +22,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.pallas.common import (
-    MASK_VALUE,
     cdiv,
+    cdiv_traced,
     default_scale,
     dot,
     load,
     next_pow2,
+    online_softmax_init,
+    online_softmax_step,
+    softmax_stats_to_out,
     triton_params,
 )
 
@@ -59,24 +62,15 @@ def _prefill_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, scale, bl
         kb = load(k_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
         vb = load(v_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
         s = dot(q, kb, trans_b=True) * scale  # [block_q, block_k] fp32
-        ok = row_ok[None, :] & (rows[None, :] <= qpos[:, None])
-        s = jnp.where(ok, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
-        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+        causal = row_ok[None, :] & (rows[None, :] <= qpos[:, None])
+        m_new, l_new, p, alpha = online_softmax_step(m, l, s, causal)
+        return acc * alpha[:, None] + dot(p.astype(vb.dtype), vb), m_new, l_new
 
-    init = (jnp.zeros((block_q, dp), jnp.float32), jnp.full((block_q,), MASK_VALUE, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(0, n_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (jnp.zeros((block_q, dp), jnp.float32),
+                                                      *online_softmax_init(block_q)))
+    out, _ = softmax_stats_to_out(acc, l, m)
     plgpu.store(o_ref.at[qrows[:, None], cols[None, :]], out.astype(o_ref.dtype),
                 mask=q_ok[:, None] & col_ok[None, :])
-
-
-def cdiv_traced(a, b: int):
-    return (a + (b - 1)) // b
 
 
 def prefill_attention_chunk_kernel(q, k, v, q_start, lengths, *, scale=None, block_q=64, block_k=64,

@@ -35,6 +35,7 @@ from kvoffload.pallas.common import (
     MASK_VALUE,
     NEG_INF,
     cdiv,
+    cdiv_traced,
     choose_splits,
     decode_tiles,
     default_scale,
@@ -46,7 +47,7 @@ from kvoffload.pallas.common import (
     pallas_call,
     triton_params,
 )
-from kvoffload.pallas.decode_attention import cdiv_traced, load_padded, store_padded
+from kvoffload.pallas.decode_attention import load_padded, store_padded
 
 # ----------------------------------------------------------------------------
 # helpers
@@ -707,14 +708,5 @@ def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=
     pri = jnp.where(force, jnp.inf, scores)
     pri = jnp.where(valid | force, pri, NEG_INF)
     counts = jnp.full((B, n_kv), k, jnp.int32) if counts is None else jnp.minimum(counts, k)
-
-    def rows(pri, counts):
-        b, h = counts.shape
-        idx, nv = top_count_ascending(pri.reshape(b * h, N), counts.reshape(b * h), k, method=method)
-        return idx.reshape(b, h, k), nv.reshape(b, h)
-
-    if method != "kernel":
-        return rows(pri, counts)
-    from kvoffload.offload import sharding as sh  # a kernel runs per device on its heads under a mesh
-
-    return sh.per_shard(rows, (sh.KV_SPEC, sh.KV_SPEC), (sh.KV_SPEC, sh.KV_SPEC))(pri, counts)
+    idx, nv = top_count_ascending(pri.reshape(B * n_kv, N), counts.reshape(B * n_kv), k, method=method)
+    return idx.reshape(B, n_kv, k), nv.reshape(B, n_kv)

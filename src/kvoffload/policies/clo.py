@@ -794,10 +794,7 @@ class CloPolicy(LayeredPolicy):
         replay_rates(replay_hit_rate, error=CloOptionError)  # the values; their number once the model is known
         if speculative_prefetch not in (True, False):
             raise CloOptionError(f"speculative_prefetch must be true or false, got {speculative_prefetch!r}")
-        try:
-            conditionals = conditionals_default(conditionals)
-        except ValueError as e:
-            raise CloOptionError(str(e)) from None
+        conditionals = conditionals_default(conditionals, CloOptionError)
         check_topk_method(topk_method, CloOptionError)
         attend = CloAttend(token_budget=topk, token_ratio=topk_ratio,
                            num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation,

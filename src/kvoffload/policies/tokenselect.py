@@ -358,7 +358,8 @@ def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink
     (<= K, a multiple of page_size). Forced in: positions < num_sink, and positions >= context - num_recent
     (pool tokens only where the tail is shorter than num_recent). With page_size > 1 the vote is summed
     over pages (page_size tokens inside one block) and whole pages are selected. The top n_select of each
-    (request, head) by `ops.select_topk` with its own count (method "sort" or "radix": the same indices)."""
+    (request, head) by `ops.select_topk` with its own count (method "sort", "radix" or "kernel": the same
+    indices)."""
     B, n_kv, N = scores.shape
     positions = positions if positions.ndim == 2 else positions[None]
     forced = (positions < num_sink) | (positions >= (context - num_recent)[:, None])  # [B, N]
@@ -546,7 +547,7 @@ def selection_size(token_budget, token_ratio, num_sink, num_recent, page_size, K
     return jnp.minimum(-(-want // page_size) * page_size, K)
 
 
-def conditionals_default(conditionals) -> bool:
+def conditionals_default(conditionals, error) -> bool:
     """Whether a layer skips its selection work under a ``lax.cond`` when every head reuses: None = only off
     the GPU. On the GPU a conditional reads its predicate on the host mid-program (a device sync per
     conditional per layer, measured ~0.5 ms), so there the work always runs and its kernels skip a reusing
@@ -555,7 +556,7 @@ def conditionals_default(conditionals) -> bool:
     if conditionals is None:
         return jax.default_backend() == "cpu"
     if conditionals not in (True, False):
-        raise ValueError(f"conditionals must be true, false or unset, got {conditionals!r}")
+        raise error(f"conditionals must be true, false or unset, got {conditionals!r}")
     return bool(conditionals)
 
 
@@ -908,10 +909,7 @@ class TokenSelectPolicy(LayeredPolicy):
                 raise TokenSelectOptionError("replay_hit_rate applies to the layer pipeline, not to extrapolate=True")
             self.extrapolation = extrapolation_options(token_budget, token_ratio, num_sink, num_recent, kv, page_size,
                                                        prefill_chunk)
-        try:
-            conditionals = conditionals_default(conditionals)
-        except ValueError as e:
-            raise TokenSelectOptionError(str(e)) from None
+        conditionals = conditionals_default(conditionals, TokenSelectOptionError)
         check_topk_method(topk_method, TokenSelectOptionError)
         attend = TokenSelectAttend(token_budget=token_budget, token_ratio=token_ratio, num_sink=num_sink,
                                    num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size,
