@@ -482,6 +482,11 @@ def bench_prefill(ceil, quick):
                bytes_, flops, ceil, extra=dict(rel_err_vs_xla=relerr(make(**best)(q, k, v, start, L),
                                                                        ref(q, k, v, start, L)),
                                                   default_us=t_k * 1e6))
+        if _pf.cudnn_supported(q.dtype, d):  # the "auto" path on a GPU: cuDNN's flash attention
+            cud = jax.jit(_pf.prefill_attention_chunk_cudnn)
+            record("prefill_attention", f"Tc{tc} over T{T} h32/kv8 d128 bf16 cudnn", timeit(cud, q, k, v, start, L),
+                   t_r, bytes_, flops, ceil, extra=dict(rel_err_vs_xla=relerr(cud(q, k, v, start, L),
+                                                                              ref(q, k, v, start, L))))
 
 
 def bench_topk(ceil, quick):

@@ -58,9 +58,14 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_long_context.json)")
     args = ap.parse_args(argv)
 
+    import logging
+
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    logging.basicConfig(format="%(asctime)s %(message)s", stream=sys.stdout)  # progress: a 1M prefill is minutes
+    logging.getLogger("kvoffload").setLevel(logging.INFO)
 
     from kvoffload.models import Model
     from kvoffload.offload import memory as M

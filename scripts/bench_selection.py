@@ -138,8 +138,8 @@ def parse_options(pairs):
 def _random_kv_layer():
     import jax
 
-    @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens"))
-    def layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
+    @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens", "attention_impl"))
+    def layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl=None):
         b, t, hidden = h.shape
         dtype = lp.wk.dtype
         kk, kv, kx = jax.random.split(jax.random.fold_in(jax.random.key(7), t), 3)
@@ -165,9 +165,10 @@ def random_kv_prefill(mesh=None):
     layer = _random_kv_layer()
     dev = M.default_device()
 
-    def committed(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
-        # committed to the device, as the real program's outputs are (it reads the committed weights): the
-        # tails made from them then enter the first decode step as later steps' do (one compilation)
+    def committed(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl=None):
+        # the pipeline's _layer_prefill signature; committed to the device, as the real program's outputs are
+        # (it reads the committed weights): the tails made from them then enter the first decode step as
+        # later steps' do (one compilation)
         out = layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens)
         if mesh is None:
             return jax.device_put(out, dev)

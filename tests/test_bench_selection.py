@@ -104,3 +104,20 @@ def test_clo_breakdown_plot_refuses_other_results(tmp_path):
     with script_module("plot_clo_breakdown") as plot, pytest.raises(SystemExit, match="clo-breakdown"):
         plot.main([str(other), "--out", str(tmp_path / "x.png")])
     assert not (tmp_path / "x.png").exists()
+
+
+def test_random_kv_prefill_takes_the_pipelines_layer_prefill_arguments():
+    """The benchmark swaps the pipeline's `_layer_prefill` for random K/V; the stand-in must take the same
+    arguments (a GPU run once failed when the pipeline grew `attention_impl`). Checked by calling it through
+    the pipeline's own call shape on a tiny layer."""
+    import inspect
+
+    from kvoffload.offload import pipeline
+
+    with script_module("bench_selection") as bs:
+        want = list(inspect.signature(pipeline._layer_prefill).parameters)
+        with bs.random_kv_prefill():
+            got = list(inspect.signature(pipeline._layer_prefill).parameters)
+            assert pipeline._layer_prefill.__name__ == "committed"  # swapped in
+        assert pipeline._layer_prefill.__name__ == "_layer_prefill"  # restored
+    assert got == want

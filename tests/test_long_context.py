@@ -112,7 +112,7 @@ def test_chunked_prefill_through_the_kernel_gives_the_same_pool_and_tokens():
     """prefill_attention_impl="kernel" (the Pallas flash attention, interpret mode on the CPU) in the whole
     pipeline: the pool and the greedy tokens of the XLA chunked prefill; an unknown impl is refused."""
     model = tiny_random_model("opt", seed=2)
-    w_logits, w_pools, w_greedy, _ = _generate(model, 16, steps=4)
+    w_logits, w_pools, w_greedy, _ = _generate(model, 16, steps=4, prefill_attention_impl="reference")
     logits, pools, greedy, _ = _generate(model, 16, steps=4, prefill_attention_impl="kernel")
     np.testing.assert_allclose(logits, w_logits, **TOL)
     for a, w in zip(jax.tree.leaves(pools), jax.tree.leaves(w_pools), strict=True):
@@ -120,3 +120,45 @@ def test_chunked_prefill_through_the_kernel_gives_the_same_pool_and_tokens():
     np.testing.assert_array_equal(greedy, w_greedy)
     with pytest.raises(ValueError, match="prefill_attention_impl must be"):
         make_policy("kvpr", prefill_attention_impl="flash")
+
+
+def test_cudnn_prefill_attention_is_refused_where_it_cannot_run_and_auto_falls_back():
+    """impl="cudnn" needs a GPU and 16-bit inputs: elsewhere one clear error, before any work; "auto"
+    takes the XLA path there (the same numbers as "reference")."""
+    from kvoffload.models.common import prefill_attention_chunk
+
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (1, 4, 8, 16), jnp.float32)
+    k = jax.random.normal(ks[1], (1, 2, 24, 16), jnp.float32)
+    v = jax.random.normal(ks[2], (1, 2, 24, 16), jnp.float32)
+    args = (q, k, v, jnp.int32(8), jnp.asarray([20], jnp.int32))
+    with pytest.raises(ValueError, match="prefill_attention_impl='cudnn' needs a GPU, bf16 or fp16"):
+        prefill_attention_chunk(*args, impl="cudnn")
+    np.testing.assert_array_equal(prefill_attention_chunk(*args, impl="auto"),
+                                  prefill_attention_chunk(*args, impl="reference"))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        prefill_attention_chunk(*args, impl="flash")
+    assert make_policy("kvpr", prefill_attention_impl="cudnn").pipeline.opts.prefill_attention_impl == "cudnn"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's flash attention runs on a GPU")
+@pytest.mark.parametrize("q_start, tc, lengths", [(0, 64, [64, 40]), (96, 64, [160, 100]), (128, 40, [168, 100])])
+def test_cudnn_prefill_attention_matches_the_xla_path_in_bf16(q_start, tc, lengths):
+    """GPU: the two cuDNN calls merged by log-sum-exp (prefix + the chunk's own causal keys) against the XLA
+    path, bf16, GQA 8/2, d 64: the first chunk (no prefix), a chunk whose rows pass one prompt's end, a
+    chunk past a prompt's end (no own keys: the prefix alone) and a ragged chunk length."""
+    from kvoffload.models.common import prefill_attention_chunk
+
+    ks = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(ks[0], (2, 8, tc, 64), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (2, 2, 256, 64), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (2, 2, 256, 64), jnp.bfloat16)
+    L = jnp.asarray(lengths, jnp.int32)
+    got = prefill_attention_chunk(q, k, v, jnp.int32(q_start), L, impl="cudnn")
+    assert got.dtype == q.dtype and got.shape == q.shape
+    with jax.default_matmul_precision("highest"):
+        want = prefill_attention_chunk(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                       jnp.int32(q_start), L, impl="reference")
+    rows = ((q_start + np.arange(tc))[None, :] < np.asarray(lengths)[:, None])[:, None, :, None]
+    err = np.abs(np.where(rows, np.asarray(got, np.float32) - np.asarray(want), 0)).max()
+    assert err < 2e-2, err

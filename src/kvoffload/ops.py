@@ -68,6 +68,7 @@ from kvoffload.pallas.topk import (  # noqa: F401  (public)
 __all__ = [
     "decode_attention", "merge_attention", "paged_decode_attention", "merge_attention_into",
     "empty_attention", "sparse_attention", "sparse_attention_path", "prefill_attention_chunk_kernel",
+    "prefill_attention_chunk_cudnn", "PREFILL_IMPLS",
     "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk", "TOPK_METHODS",
     "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
@@ -76,6 +77,8 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "kernel", "reference")
+# a prefill chunk's attention also has cuDNN's flash attention ("auto" on a GPU, for 16-bit inputs)
+PREFILL_IMPLS = ("auto", "cudnn", "kernel", "reference")
 RECOMPUTE_KERNEL_MIN_TOKENS = 64  # tokens per sequence below which "auto" recompute uses XLA
 
 
@@ -130,6 +133,21 @@ def decode_attention(q, k, v, lengths, *, scale=None, impl="auto", interpret=Fal
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def _prefill_kernel_jit(q, k, v, q_start, lengths, scale, interpret):
     return _pf.prefill_attention_chunk_kernel(q, k, v, q_start, lengths, scale=scale, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _prefill_cudnn_jit(q, k, v, q_start, lengths, scale):
+    return _pf.prefill_attention_chunk_cudnn(q, k, v, q_start, lengths, scale=scale)
+
+
+def prefill_attention_chunk_cudnn(q, k, v, q_start, lengths, *, scale=None):
+    """cuDNN flash attention of a prefill chunk (`pallas.prefill_attention.prefill_attention_chunk_cudnn`):
+    per device on its heads under a tensor-parallel mesh."""
+    scale = None if scale is None else float(scale)
+    heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+    return _sh.per_shard(lambda q_, k_, v_, s_, n_: _prefill_cudnn_jit(q_, k_, v_, s_, n_, scale),
+                         (heads, heads, heads, rep, rep), heads)(q, k, v, jnp.asarray(q_start, jnp.int32),
+                                                                 jnp.asarray(lengths, jnp.int32))
 
 
 def prefill_attention_chunk_kernel(q, k, v, q_start, lengths, *, scale=None):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import time
 from typing import Any
@@ -161,6 +162,9 @@ _register(DecodeState, ("batch", "step", "records", "step_started"))
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _embed(cfg, params, tokens, positions):
     return family(cfg).embed(cfg, params, tokens, positions)
+
+
+_log = logging.getLogger(__name__)  # a token-chunked (long) prefill reports each layer at INFO
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -471,11 +475,11 @@ class PipelineOptions:
     # the prefill waits for each layer's extents to reach the host before the next layer, so one layer's
     # K/V is on the GPU at a time
     prefill_chunk_tokens: int | None = None
-    # the chunked prefill's attention: "reference" (XLA, an online softmax over 1024-key blocks whose fp32
-    # scores go through memory: 93 s per Llama-3-8B layer at 1M tokens on an H200) or "kernel" (the Pallas
-    # flash-attention kernel, scores in registers; checked in interpret mode on the CPU, not yet run on a GPU,
-    # hence not the default) or "auto" (the kernel on a GPU)
-    prefill_attention_impl: str = "reference"
+    # the chunked prefill's attention (ops.PREFILL_IMPLS): "auto" is cuDNN's flash attention on a GPU for
+    # 16-bit models (580 TFLOP/s on an H100 at a 1M-token prompt), else "reference", XLA's online softmax
+    # over 1024-key blocks (its fp32 scores go through memory: 93 s per Llama-3-8B layer at 1M tokens on
+    # an H200, ~13x cuDNN); "kernel" is the Pallas flash kernel (273 TFLOP/s)
+    prefill_attention_impl: str = "auto"
     # XLA's matmuls (cuBLAS) recompute 64-token blocks at 583 TFLOP/s on an H200, the fused Pallas
     # kernel at 412 (profile of 2026-11-26): "reference" is the faster path here
     recompute_impl: str = "reference"
@@ -524,8 +528,9 @@ class PipelineOptions:
             raise ValueError(f"block_tokens must be a power of two, got {self.block_tokens}")
         if self.extent_mb <= 0:
             raise ValueError(f"extent_mb must be > 0, got {self.extent_mb}")
-        if self.prefill_attention_impl not in ops.IMPLS:
-            raise ValueError(f"prefill_attention_impl must be one of {ops.IMPLS}, got {self.prefill_attention_impl!r}")
+        if self.prefill_attention_impl not in ops.PREFILL_IMPLS:
+            raise ValueError(f"prefill_attention_impl must be one of {ops.PREFILL_IMPLS}, "
+                             f"got {self.prefill_attention_impl!r}")
         if self.prefill_chunk_tokens is not None:
             self.prefill_chunk_tokens = int(self.prefill_chunk_tokens)
             if self.prefill_chunk_tokens < 1:
@@ -736,7 +741,7 @@ class LayerPipeline:
         # token-chunked (long contexts): wait for each layer's extents to reach the host, so one layer's
         # K/V (and its extents) is on the GPU at a time, as the memory plan counts
         depth = 0 if o.prefill_chunk_tokens else o.sync_depth
-        pending = []
+        pending, t_prefill = [], time.perf_counter()
         for i in range(cfg.num_layers):
             lp = self.to_device(layers[i]) if o.offload_weights else layers[i]
             for gr in groups:
@@ -775,6 +780,9 @@ class LayerPipeline:
                 pending.append((gr["tk"][-1], pk, pv, px) if o.prefill_chunk_tokens else gr["tk"][-1])
                 if (o.sync_depth or o.prefill_chunk_tokens) and len(pending) > depth:  # bound the device copies alive
                     jax.block_until_ready(pending.pop(0))
+                if o.prefill_chunk_tokens:  # each layer waited for above: minutes per layer at 1M tokens
+                    _log.info("prefill: layer %d/%d of rows %d-%d on the host after %.1f s", i + 1, cfg.num_layers,
+                              a, z, time.perf_counter() - t_prefill)
         states, logits = [], []
         for gr in groups:
             a, z = gr["rows"]

@@ -647,6 +647,7 @@ def check_prefill(B=2, n_kv=2, G=4, T=300, Tc=70, q_start=150, d=128, dtype="flo
     same keys in both, but a prompt of length <= q_start gives them none)."""
     from kvoffload.models.common import prefill_attention_chunk
 
+    impl = kw.pop("impl", "kernel")  # mode kernel: the Pallas kernel, or cuDNN's flash attention
     rng = np.random.default_rng(seed)
     H = n_kv * G
     q, q64 = _rand(rng, (B, H, Tc, d), dtype)
@@ -668,8 +669,11 @@ def check_prefill(B=2, n_kv=2, G=4, T=300, Tc=70, q_start=150, d=128, dtype="flo
                 p = np.exp(s - s.max())
                 want[b, h, t] = p @ vh[:n] / p.sum()
     args = (q, k, v, jnp.int32(q_start), jnp.asarray(lengths))
-    if mode == "reference":
-        out = jax.jit(prefill_attention_chunk)(*args)
+    if mode == "reference":  # the semantics in full fp32 (a GPU's default fp32 matmul is TF32)
+        with jax.default_matmul_precision("highest"):
+            out = jax.jit(prefill_attention_chunk)(*args)
+    elif impl == "cudnn":  # GPU only (gpu_cases)
+        out = jax.jit(lambda *a: _pf.prefill_attention_chunk_cudnn(*a))(*args)
     else:
         out = jax.jit(lambda *a: _pf.prefill_attention_chunk_kernel(*a, interpret=(mode == "interpret"),
                                                                     **kw))(*args)
@@ -677,7 +681,8 @@ def check_prefill(B=2, n_kv=2, G=4, T=300, Tc=70, q_start=150, d=128, dtype="flo
     got = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
     err = rel_err(got[rows[:, None, :, None].repeat(H, 1).repeat(d, 3)].reshape(-1),
                   want[rows[:, None, :, None].repeat(H, 1).repeat(d, 3)].reshape(-1))
-    r = _result(f"prefill B{B} kv{n_kv} G{G} T{T} Tc{Tc} start{q_start} d{d} {dtype}", mode,
+    r = _result(f"prefill B{B} kv{n_kv} G{G} T{T} Tc{Tc} start{q_start} d{d} {dtype}"
+                + (" cudnn" if impl == "cudnn" else ""), mode,
                 dict(err_out=err), TOL[dtype])
     r["ok"] = r["ok"] and out.dtype == q.dtype and out.shape == q.shape
     return r
@@ -887,6 +892,8 @@ def gpu_cases():
     add(check_gather, dict(B=2, n_kv=8, E=40, blk=64, d=128, K=2000, dtype="bfloat16", host=True))
     add(check_gather, dict(n_kv=8, E=40, blk=1, d=128, K=2000, dtype="float32", host=True))  # per-channel K scales
     add(check_prefill, dict(B=1, n_kv=8, G=4, d=128, dtype="bfloat16", T=6000, Tc=1024, q_start=4500))
+    for d, T, Tc, start in ((128, 6000, 1024, 4500), (64, 300, 70, 150), (80, 129, 33, 96), (128, 200, 64, 0)):
+        add(check_prefill, dict(B=2, n_kv=2, G=4, d=d, dtype="bfloat16", T=T, Tc=Tc, q_start=start, impl="cudnn"))
     add(check_select_rows, dict(R=8, N=131072))
     add(check_select_rows, dict(R=8, N=131072, kind="ties"))
     add(check_select_rows, dict(R=16, N=20000, ratio=0.5))
@@ -894,7 +901,8 @@ def gpu_cases():
 
 
 KERNEL_FNS = (check_decode, check_paged, check_sparse, check_recompute, check_scores_exact,
-              check_int4_decode, check_quest, check_hata, check_tokenselect, check_gather)
+              check_int4_decode, check_quest, check_hata, check_tokenselect, check_gather, check_prefill,
+              check_select_rows)
 
 
 def run_case(fn, kw, mode):
