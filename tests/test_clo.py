@@ -908,7 +908,7 @@ def test_without_conditionals_and_by_radix_the_same_logits_and_reuse(policy, met
     section = "clo" if policy == "clo" else "selection"
     d, d0 = pol.describe(state)[section], pol0.describe(state0)[section]
     assert d["conditionals"] is False and d0["conditionals"] is True
-    assert d["topk_method"] == method and d0["topk_method"] == "sort"
+    assert d["topk_method"] == method and d0["topk_method"] == "auto"
     assert 0 < d["hit_rate"] < 1 and d["hit_rate"] == d0["hit_rate"]
     if policy == "clo":
         assert d["v_bytes_fetched"] == d0["v_bytes_fetched"]
@@ -919,3 +919,23 @@ def test_conditionals_and_topk_method_options_are_checked():
         make_policy("clo", conditionals="sometimes")
     with pytest.raises(CloOptionError, match="topk_method must be one of"):
         make_policy("clo", topk_method="heap")
+
+
+def test_topk_method_auto_takes_radix_from_half_a_million_candidates():
+    """"auto" resolves by the static row length: radix from RADIX_MIN_CANDIDATES (the 1M HATA step, where the
+    GPU's sort dominates), sort below (the 128K step, bound by per-kernel host work); both give the sort's
+    indices on rows straddling the switch."""
+    from kvoffload.pallas import topk as tk
+
+    n = tk.RADIX_MIN_CANDIDATES
+    assert tk.resolve_topk_method("auto", n - 1) == "sort" and tk.resolve_topk_method("auto", n) == "radix"
+    assert tk.resolve_topk_method("kernel", 8) == "kernel"
+    with pytest.raises(ValueError, match="top-k method must be one of"):
+        tk.resolve_topk_method("heap", 8)
+    pri = jax.random.normal(jax.random.key(5), (2, n), jnp.float32)
+    counts = jnp.asarray([5, 9], jnp.int32)
+    for row_len in (n - 1, n):
+        got = tk.top_count_ascending(pri[:, :row_len], counts, 16, method="auto")
+        want = tk.top_count_ascending(pri[:, :row_len], counts, 16, method="sort")
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])

@@ -452,7 +452,7 @@ def tokenselect_scores(q, k, lengths=None, *, scale=None, shared=False, impl="au
     return _tk.tokenselect_scores_reference(q, k, lengths, scale=scale, shared=shared)
 
 
-def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=1, counts=None, method="sort"):
+def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=1, counts=None, method="auto"):
     """`pallas.topk.select_topk` (the top-k per KV head, ascending, per-row counts); method="kernel" runs its
     Pallas kernel per device on its heads under a tensor-parallel mesh."""
     def run(s, n, c):

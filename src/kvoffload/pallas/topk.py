@@ -629,10 +629,23 @@ def prefix_count(mask, chunk=128):
     return (within + before[:, :, None]).reshape(R, n_chunks * chunk)[:, :N]
 
 
-TOPK_METHODS = ("sort", "radix", "kernel")
+TOPK_METHODS = ("auto", "sort", "radix", "kernel")
+# "auto" takes the radix select from this many candidates per row: a clo decode step on an H100 is bound by
+# the host's per-kernel work at 128K (sort 28.8 ms vs radix 38.5 ms per 32-layer step) and by the GPU's sort
+# at 1M (HATA, 2 layers: 18.0 vs 14.0 ms per layer); no point between was measured (BENCHMARKS, 2026-11-27)
+RADIX_MIN_CANDIDATES = 1 << 19
 
 
-def top_count_ascending(pri, counts, k, *, method="sort", digit_bits=4):
+def resolve_topk_method(method: str, n_candidates: int) -> str:
+    """The method `top_count_ascending` runs for `method` over rows of n_candidates (static) entries."""
+    if method not in TOPK_METHODS:
+        raise ValueError(f"top-k method must be one of {TOPK_METHODS}, got {method!r}")
+    if method == "auto":
+        return "radix" if n_candidates >= RADIX_MIN_CANDIDATES else "sort"
+    return method
+
+
+def top_count_ascending(pri, counts, k, *, method="auto", digit_bits=4):
     """The top counts[r] entries of each row of pri [R, N] float32 (-inf = never), as (indices [R, k] int32
     ascending, then 0; num_valid [R] = min(counts, entries > -inf, k)). Ties go to the lower index; +inf
     entries (forced) come first. Two exact methods, the same indices:
@@ -641,13 +654,14 @@ def top_count_ascending(pri, counts, k, *, method="sort", digit_bits=4):
     * "radix": the k-th largest value by a radix select (`kth_largest_key`), then an order-keeping compaction
       (`prefix_count` and a scatter of unique slots): no sort, half the GPU time at 8 x 128K scores on an
       H100 (140 vs 291 us), but ~30 more kernels in a layer program, and a `clo` decode step at b1 128K is
-      bound by the host's per-kernel work: 32.2 vs 29.6 ms per step there (BENCHMARKS). Hence "sort" by
-      default.
+      bound by the host's per-kernel work: 38.5 vs 28.8 ms per step there; at 1M candidates the sort's GPU
+      time dominates and radix wins (14.0 vs 18.0 ms per layer). "auto" (the default): radix from
+      RADIX_MIN_CANDIDATES per row, else sort.
     * "kernel": the radix select and the compaction in one Pallas launch per row (`pallas/select.py`; interpret
-      mode off the GPU). Checked on the CPU only so far."""
+      mode off the GPU). Exact on an H100, but one program per row leaves the GPU idle: 9.1 ms at 8 x 128K,
+      65x the XLA radix select."""
     R, N = pri.shape
-    if method not in TOPK_METHODS:
-        raise ValueError(f"top-k method must be one of {TOPK_METHODS}, got {method!r}")
+    method = resolve_topk_method(method, N)
     k = int(min(k, N))
     pri = jnp.where(pri == 0, jnp.float32(0), pri.astype(jnp.float32))  # -0.0 ties 0.0 (lax.top_k orders them)
     n_ok = jnp.sum(pri > NEG_INF, axis=1, dtype=jnp.int32)
@@ -676,7 +690,7 @@ def top_count_ascending(pri, counts, k, *, method="sort", digit_bits=4):
     return idx, want
 
 
-def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=1, counts=None, method="sort"):
+def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=1, counts=None, method="auto"):
     """Pick the top-k entries per KV head, forcing sink and recent windows in.
 
     scores [B, n_kv, N] float32 (-inf = invalid); N tokens (page_size=1) or pages.

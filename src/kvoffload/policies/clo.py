@@ -373,7 +373,7 @@ class CloAttend:
     retrieval: str = "exact"
     speculative: bool = False  # the slots track the rows their buffers hold (CloSlots.held); see `speculate_layer`
     conditionals: bool = True  # skip a layer's selection and gathers under a lax.cond when all hit (`unless_all`)
-    topk_method: str = "sort"  # `ops.select_topk`'s method
+    topk_method: str = "auto"  # `ops.select_topk`'s method
 
     def selection_rule(self, q, src, tables, slots: CloSlots):
         """(reuse [B, n_kv], select, replay): which (request, KV head) keep their cached selection for query
@@ -767,7 +767,7 @@ class CloPolicy(LayeredPolicy):
     def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=None, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="auto",
                    layer0_full=True, speculative_prefetch=False, store="kv", replay_hit_rate=None, conditionals=None,
-                   topk_method="sort"):
+                   topk_method="auto"):
         if retrieval not in RETRIEVALS:
             raise CloOptionError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
         blk = self.options.block_tokens

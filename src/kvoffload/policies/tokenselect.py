@@ -591,7 +591,7 @@ class TokenSelectAttend:
     cache_threshold: float
     page_size: int
     conditionals: bool = True  # `conditionals_default`
-    topk_method: str = "sort"  # `ops.select_topk`'s method
+    topk_method: str = "auto"  # `ops.select_topk`'s method
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: SelectionCache, recompute_impl, attention_impl):
         pool = src.pool
@@ -885,7 +885,7 @@ class TokenSelectPolicy(LayeredPolicy):
 
     def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
                    kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512, store="kv", replay_hit_rate=None,
-                   conditionals=None, topk_method="sort"):
+                   conditionals=None, topk_method="auto"):
         if extrapolate not in (True, False):
             raise TokenSelectOptionError(f"extrapolate must be true or false, got {extrapolate!r}")
         if kv not in PLACEMENTS:
