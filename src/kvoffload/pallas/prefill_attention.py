@@ -11,6 +11,9 @@ scores never reach memory.
 
 Grid (B, nh, cdiv(Tc, block_q)); each query head reads its KV head's keys (GQA: h // (nh / n_kv)). Tiles are
 powers of two; other head dims and ragged ends are handled with masked loads and stores.
+
+`prefill_attention_chunk_cudnn` computes the same with cuDNN's flash attention (bf16/fp16 on a GPU), 2.1x the
+kernel's rate on an H100 (580 vs 273 TFLOP/s at a 1M-token prompt): the "auto" path on a GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kvoffload.pallas.common import (
     dot,
     load,
     next_pow2,
+    on_gpu,
     online_softmax_init,
     online_softmax_step,
     softmax_stats_to_out,
@@ -115,8 +119,6 @@ CUDNN_DTYPES = ("bfloat16", "float16")
 def cudnn_supported(dtype, head_dim: int) -> bool:
     """Whether `prefill_attention_chunk_cudnn` runs here: a GPU, 16-bit inputs and a head dim that is a
     multiple of 8 up to 256 (cuDNN's flash attention)."""
-    from kvoffload.pallas.common import on_gpu
-
     return on_gpu() and jnp.dtype(dtype).name in CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= 256
 
 
