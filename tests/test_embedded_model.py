@@ -14,6 +14,33 @@ from kvoffload.models import embedded_gguf_path, load_model  # noqa: E402
 from kvoffload.models.transformer import prefill  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def parse_the_gguf_once():
+    """Every reader of the embedded GGUF here (our converter; transformers' config, weights and tokenizer
+    loads, which parse it once each) shares one gguf.GGUFReader: parsing its metadata (the 49K-token vocabulary,
+    field by field in Python) takes seconds a time. The reader is read-only (a read-only memory map); the
+    conversions from it stay each library's own. Likewise gguf's tensor-name table of an architecture, which
+    transformers builds anew for each of the model's ~400 submodules (it is only read once built)."""
+    import functools
+
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def shared(path, mode="r"):
+        if mode != "r":
+            return real(path, mode)
+        key = os.path.realpath(path)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", shared)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield readers
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     os.environ["KVOFFLOAD_CACHE"] = str(tmp_path_factory.mktemp("cache"))

@@ -255,7 +255,8 @@ def test_cli_options():
         hata_parser().parse_args(["--out", "x", "--data", "books"])
 
 
-@pytest.mark.parametrize("bits", [256, 512])
+# 512 behind the slow marker: the same kernel and packing as 256 (16 words of codes instead of 8)
+@pytest.mark.parametrize("bits", [256, pytest.param(512, marks=pytest.mark.slow)])
 def test_wide_codes_through_the_hamming_kernel(model, qk, bits):
     """256 / 512-bit codes: packed in bits/32 words, the Pallas Hamming kernel (interpret mode) equals the
     reference."""

@@ -36,12 +36,17 @@ def model():
     return tiny_random_model("opt", seed=1, num_attention_heads=1)  # d = 64
 
 
-def _run(model, policy, steps=NEW, feed=None, prompts=PROMPTS, **opts):
+# The pool's capacity: room for the longest prompt (40) and NEW tokens. Each decode program touches every
+# extent of the capacity, so 64 (11 extents) compiles in about 2/3 of the time of generate's 128 (27)
+CAPACITY = 64
+
+
+def _run(model, policy, steps=NEW, feed=None, prompts=PROMPTS, capacity=CAPACITY, **opts):
     """Prefill and `steps` decode steps; feeds `feed[s]` at step s (teacher forcing) or the greedy
     token. Returns (logits [steps + 1, B, V], greedy tokens [steps, B], policy, state)."""
     pol = make_policy(policy, **{**BASE, **opts})
     tokens, lengths = pad_prompts(prompts)
-    logits, state = pol.prefill(model, tokens, lengths, 128)
+    logits, state = pol.prefill(model, tokens, lengths, capacity)
     out, greedy = [np.asarray(logits)], []
     for s in range(steps):
         greedy.append(np.asarray(jnp.argmax(logits, -1)))
@@ -191,8 +196,8 @@ def test_int4_long_run_greedy_mostly_agrees(model):
     std, bound 20% as above). Free-running, a random tiny model's continuations part at the first differing token (its
     median top-1 / top-2 logit gap is 0.9 against an error of ~0.2), so agreement is measured forced."""
     opts = dict(block_tokens=8, extent_mb=6 * 8 * 64 * 4 / 2**20)
-    want, greedy, _, _ = _run(model, "offload", steps=48, **opts)
-    got, got_greedy, _, state = _run(model, "offload", steps=48, feed=greedy, **opts, host_dtype="int4")
+    want, greedy, _, _ = _run(model, "offload", steps=48, capacity=128, **opts)
+    got, got_greedy, _, state = _run(model, "offload", steps=48, capacity=128, feed=greedy, **opts, host_dtype="int4")
     assert sum(1 for r in state.records if r["bytes_d2h"]) == 6
     assert np.sqrt(np.mean((got - want) ** 2)) / want.std() <= 0.2
     agree = float(np.mean(got_greedy == greedy))
@@ -324,7 +329,7 @@ def test_int4_compiles_nothing_after_the_first_flush(model):
     steps and flushes reuse every program."""
     pol = make_policy("offload", **{**BASE, **INT4})
     tokens, lengths = pad_prompts(PROMPTS)
-    logits, state = pol.prefill(model, tokens, lengths, 128)
+    logits, state = pol.prefill(model, tokens, lengths, CAPACITY)
     for _ in range(BLOCK + 1):
         logits, state = pol.decode_step(model, state, jnp.argmax(logits, -1).astype(jnp.int32))
     with count_compilations() as compiled:

@@ -27,27 +27,42 @@ BLOCK = 4
 BASE = dict(block_tokens=BLOCK, extent_mb=3 * BLOCK * 2 * 16 * 4 / 2**20)
 
 
-@pytest.fixture(scope="module", params=["opt", "llama"])
+ARCHS = ["opt", "llama"]
+_REFS = {}
+
+
+@pytest.fixture
 def ref(request):
-    model = tiny_random_model(request.param, seed=1)
-    toks, logits = generate(model, PROMPTS, NEW, policy="full", policy_options=BASE, return_logits=True)
-    return request.param, model, toks, logits
+    """`full` on the family the test is parametrized with (indirectly: "opt" or "llama"), made once."""
+    if request.param not in _REFS:
+        model = tiny_random_model(request.param, seed=1)
+        toks, logits = generate(model, PROMPTS, NEW, policy="full", policy_options=BASE, return_logits=True)
+        _REFS[request.param] = request.param, model, toks, logits
+    return _REFS[request.param]
 
 
-# column cases cut the batch into 3 GPU batches of one sequence each (one set of shapes to compile)
+# column cases cut the batch into 3 GPU batches of one sequence each (one set of shapes to compile).
+# The third entry: the one family a case runs on by default (None: both; "slow": neither). Its run on the
+# other family is behind the slow marker: the family-specific parts (recompute with RoPE / with learned
+# positions and biases, the plain pipeline) run on both families in offload-0, kvpr-2 and kvpr-4; the
+# column schedule is the same code for both (OPT: kvpr-1, offload-6)
 CASES = [
-    ("offload", dict(schedule="row")),
-    ("kvpr", dict(split_point=0, schedule="column", gpu_batches=3, offload_weights=True, sync_depth=0)),
-    ("kvpr", dict(split_point=16, schedule="row", offload_weights=True)),  # mid prompt
-    ("kvpr", dict(split_point=10**6)),  # every pool block, generated ones too
-    ("kvpr", dict()),  # the scheduler's choice
-    pytest.param("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3,
-                              offload_weights=True), marks=pytest.mark.slow),  # (split store: test_int4_pool, test_hybrid)
-    ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True)),
+    ("offload", dict(schedule="row"), None),
+    ("kvpr", dict(split_point=0, schedule="column", gpu_batches=3, offload_weights=True, sync_depth=0), "opt"),
+    ("kvpr", dict(split_point=16, schedule="row", offload_weights=True), None),  # mid prompt
+    ("kvpr", dict(split_point=10**6), "llama"),  # every pool block, generated ones too (RoPE at generated positions)
+    ("kvpr", dict(), None),  # the scheduler's choice
+    # (split store: test_int4_pool, test_hybrid)
+    ("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3, offload_weights=True), "slow"),
+    # (OPT: the programs of test_resident_layers_stay_on_the_gpu_and_move_no_weights)
+    ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True), "opt"),
 ]
+MATCH_PARAMS = [pytest.param(arch, policy, opts, id=f"{arch}-{policy}-{i}",
+                             marks=[pytest.mark.slow] if only not in (None, arch) else [])
+                for arch in ARCHS for i, (policy, opts, only) in enumerate(CASES)]
 
 
-@pytest.mark.parametrize("policy,opts", CASES, ids=[f"{getattr(c, 'values', c)[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("ref,policy,opts", MATCH_PARAMS, indirect=["ref"])
 def test_matches_full(ref, policy, opts):
     arch, model, want, want_logits = ref
     got, logits = generate(model, PROMPTS, NEW, policy=policy, policy_options={**BASE, **opts}, return_logits=True)
@@ -58,6 +73,7 @@ def test_matches_full(ref, policy, opts):
         assert np.array_equal(logits, want_logits)
 
 
+@pytest.mark.parametrize("ref", ARCHS, indirect=True)
 @pytest.mark.parametrize("policy,opts", [("full", {}), pytest.param("kvpr", dict(split_point=16), marks=pytest.mark.slow)])
 def test_prefill_in_row_chunks_equals_one_program(ref, policy, opts):
     """A prefill workspace of one row: each layer's prefill runs one prompt row at a time and its outputs are
@@ -82,6 +98,7 @@ def test_prefill_in_row_chunks_equals_one_program(ref, policy, opts):
     assert whole - chunked == (b - 1) * prefill_workspace_per_row(cfg, jnp.float32, t_pad) - outputs
 
 
+@pytest.mark.parametrize("ref", ARCHS, indirect=True)
 def test_full_matches_the_dense_reference(ref):
     """The pool-based `full` against the dense one-jit decode of models/transformer.py (itself tested
     against HF transformers in test_models.py)."""
@@ -159,10 +176,11 @@ def test_pool_is_in_host_memory_and_full_on_device():
 
 
 def test_ragged_batch_stores_and_moves_no_padding():
-    """Prompts 4x apart: the pool holds exactly the prompts' full blocks (partial blocks stay in the
-    GPU tail), and a step moves at most one partly filled extent beyond them."""
+    """PROMPTS (19, 40 and 3 tokens: 13x apart, tails of 3, 0 and 3 tokens; the shapes of
+    test_matches_full's offload runs, whose programs this reuses): the pool holds exactly the prompts' full
+    blocks (partial blocks stay in the GPU tail), and a step moves at most one partly filled extent beyond them."""
     model = tiny_random_model("opt", seed=5)
-    prompts = [list(range(1, 1 + n)) for n in (16, 64, 33, 40)]
+    prompts = PROMPTS
     pol, state = _run(model, "offload", steps=1, prompts=prompts)
     gr = state.groups[0]
     full_blocks = sum(len(p) // BLOCK for p in prompts)

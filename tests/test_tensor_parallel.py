@@ -45,13 +45,23 @@ def check_equal(res):
     assert not {"jit(layer_step)", "jit(_choose_tokens)", "jit(_embed)"} & set(res["later_compiles"]), res
 
 
-def test_mesh_runs_equal_one_device_and_bad_splits_are_refused():
+@pytest.fixture(scope="module")
+def default_runs():
+    """The default suite's mesh cases in one subprocess (one start of Python and JAX, the tiny models' set-up
+    shared): the policy runs of test_mesh_runs_equal_one_device_and_bad_splits_are_refused, then the kernel
+    case of test_selection_kernels_run_per_device."""
+    res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
+                     dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY, dict(kernels=True, tp=4)])
+    assert len(res) == 4, res
+    return res[:3], res[3:]
+
+
+def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
     """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split along
     H, K/V above it fetched by head) equals `full` on one device; tensor_parallel=3 with 8 query heads is
     refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow tests below; a 2-way
     OPT offload run: the two-process test.)"""
-    res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
-                     dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY])
+    res, _ = default_runs
     check_equal(res[0])
     assert res[0]["pool_x"], "kvpr with split_point=16 stores activations"
     assert res[1]["error"] == "TensorParallelError"
@@ -320,14 +330,27 @@ def check_selection(res):
     assert not {"jit(layer_step)", "jit(_choose_tokens)", "jit(_embed)", "jit(speculate_layer)"} & set(res["later_compiles"]), res
 
 
-def test_selection_kernels_run_per_device():
+def check_kernels(res):
+    assert all(v < 1e-6 for v in res["max_abs"].values()), res
+    assert res["shardings"] == {"gather_kv": HEADS, "gather_x": ALONG_H, "sparse_attention": HEADS,
+                                "scores": HEADS}, res
+
+
+def test_selection_kernels_run_per_device(default_runs):
     """The kernels in clo's and tokenselect's layer programs (row gathers from pinned-host K/V and activation
-    extents, sparse attention, exact scores with per-head lengths) under 2- and 4-way meshes, each device on
-    its heads (interpret mode), equal their references and come back split by head (X rows along H)."""
-    for res in run_cases([dict(kernels=True, tp=4), dict(kernels=True, tp=2)]):
-        assert all(v < 1e-6 for v in res["max_abs"].values()), res
-        assert res["shardings"] == {"gather_kv": HEADS, "gather_x": ALONG_H, "sparse_attention": HEADS,
-                                    "scores": HEADS}, res
+    extents, sparse attention, exact scores with per-head lengths) under a 4-way mesh, each device on its heads
+    (interpret mode), equal their references and come back split by head (X rows along H). (A 2-way mesh, each
+    device on two KV heads: the slow test below.)"""
+    _, (res,) = default_runs
+    assert res["case"]["tp"] == 4
+    check_kernels(res)
+
+
+@pytest.mark.slow  # 4 s: the kernels compiled again for the 2-way mesh's shards
+def test_selection_kernels_run_per_device_on_a_2_way_mesh():
+    (res,) = run_cases([dict(kernels=True, tp=2)])
+    assert res["case"]["tp"] == 2
+    check_kernels(res)
 
 
 @pytest.mark.slow  # ~5 min: 14 cases, each generated on one device and on the mesh

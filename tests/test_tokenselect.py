@@ -49,14 +49,24 @@ def _decode(model, policy, steps, prompts=PROMPTS, **opts):
     return pol, np.stack(out), state
 
 
-@pytest.fixture(scope="module", params=["opt", "llama"])
+ARCHS = ["opt", "llama"]
+_REFS = {}
+
+
+@pytest.fixture
 def ref(request):
-    model = tiny_random_model(request.param, seed=1)
-    _, logits, _ = _decode(model, "full", NEW)
-    return request.param, model, logits
+    """`full`'s logits on the family the test is parametrized with (indirectly: "opt" or "llama"), made once."""
+    if request.param not in _REFS:
+        model = tiny_random_model(request.param, seed=1)
+        _, logits, _ = _decode(model, "full", NEW)
+        _REFS[request.param] = request.param, model, logits
+    return _REFS[request.param]
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+# pages of 4 on OPT behind the slow marker: pages run on LLaMA (GQA: the group's votes summed per page), MHA in
+# the page-1 case
+@pytest.mark.parametrize("ref,page_size", [("opt", 1), pytest.param("opt", 4, marks=pytest.mark.slow), ("llama", 1),
+                                           ("llama", 4)], indirect=["ref"], ids=["opt-1", "opt-4", "llama-1", "llama-4"])
 def test_whole_context_budget_equals_full(ref, page_size):
     """Every pool token selected and never reused: full attention, summed in another order."""
     arch, model, want = ref
@@ -68,6 +78,9 @@ def test_whole_context_budget_equals_full(ref, page_size):
     assert sel["hit_rate"] == 0.0 and sel["scored_fraction_per_layer"] == [1.0] * model.config.num_layers
 
 
+# LLaMA behind the slow marker: kv=split on LLaMA runs by default in
+# test_split_small_budget_reads_the_selected_values_from_the_host (its placement and plan are the family's shapes)
+@pytest.mark.parametrize("ref", ["opt", pytest.param("llama", marks=pytest.mark.slow)], indirect=True)
 def test_split_keys_on_device_values_on_host_equals_full(ref):
     """kv=split at the whole-context budget: `full`'s tokens, K extents in device memory and V extents in
     pinned host memory (also the blocks a flush wrote), no byte fetched, half of kv=gpu's GPU K/V bytes."""
@@ -96,6 +109,7 @@ def test_split_keys_on_device_values_on_host_equals_full(ref):
         x.nbytes for s in gr.slots for x in jax.tree.leaves(s)) > 0
 
 
+@pytest.mark.parametrize("ref", ARCHS, indirect=True)
 def test_split_store_act_equals_full(ref):
     """kv=split with store=act at the whole-context budget (MHA, OPT; LLaMA's RoPE case runs in test_clo): V
     recomputed from the X rows the host pool holds in its place, `full`'s tokens; every step reads the union
