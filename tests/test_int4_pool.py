@@ -189,6 +189,10 @@ def test_int4_error_shrinks_with_the_group(model, native):
     assert err[8] < err[64], err
 
 
+# A long CPU run (48 steps, 6 flushes). The default suite keeps int4 accuracy across flushes, teacher-forced
+# under the same bounds (test_int4_logits_stay_near_native; test_channel_int4_logits_stay_near_native: per-channel
+# K, the offload default this run uses) and the flushes' programs (test_int4_compiles_nothing_after_the_first_flush)
+@pytest.mark.slow
 def test_int4_long_run_greedy_mostly_agrees(model):
     """48 steps in 8-token blocks (6 flushes, most of the context generated and quantized at flushes),
     teacher-forced with the native greedy tokens: the int4 run's greedy token equals the native one at
