@@ -9,11 +9,18 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ref_cache import reference_for
 
 from kvoffload.engine import generate, pad_prompts
 from kvoffload.models import tiny_random_model
 from kvoffload.offload import memory as M
-from kvoffload.offload.pool import BlockAllocator, PoolExhausted, PoolLayout, allocate_prompts, allocate_prompts_aligned
+from kvoffload.offload.pool import (
+    BlockAllocator,
+    PoolExhausted,
+    PoolLayout,
+    allocate_prompts,
+    allocate_prompts_aligned,
+)
 from kvoffload.plan import MemoryPlanError, check_memory, plan_pool, pool_memory
 from kvoffload.plan.profiler import model_shape
 from kvoffload.policies import make_policy
@@ -33,12 +40,9 @@ _REFS = {}
 
 @pytest.fixture
 def ref(request):
-    """`full` on the family the test is parametrized with (indirectly: "opt" or "llama"), made once."""
-    if request.param not in _REFS:
-        model = tiny_random_model(request.param, seed=1)
-        toks, logits = generate(model, PROMPTS, NEW, policy="full", policy_options=BASE, return_logits=True)
-        _REFS[request.param] = request.param, model, toks, logits
-    return _REFS[request.param]
+    """(family, model, tokens, logits) of `full` on the family the test is parametrized with, made once."""
+    return reference_for(_REFS, request.param, lambda model: generate(model, PROMPTS, NEW, policy="full",
+                                                                      policy_options=BASE, return_logits=True))
 
 
 # column cases cut the batch into 3 GPU batches of one sequence each (one set of shapes to compile).
@@ -102,7 +106,11 @@ def test_prefill_in_row_chunks_equals_one_program(ref, policy, opts):
 def test_full_matches_the_dense_reference(ref):
     """The pool-based `full` against the dense one-jit decode of models/transformer.py (itself tested
     against HF transformers in test_models.py)."""
-    from kvoffload.models.transformer import dense_cache_from_prefill, dense_decode, prefill
+    from kvoffload.models.transformer import (
+        dense_cache_from_prefill,
+        dense_decode,
+        prefill,
+    )
 
     arch, model, want, want_logits = ref
     cfg, params = model.config, model.params

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ref_cache import reference_for
 
 from kvoffload import ops
 from kvoffload.compile_count import count_compilations
@@ -55,12 +56,8 @@ _REFS = {}
 
 @pytest.fixture
 def ref(request):
-    """`full`'s logits on the family the test is parametrized with (indirectly: "opt" or "llama"), made once."""
-    if request.param not in _REFS:
-        model = tiny_random_model(request.param, seed=1)
-        _, logits, _ = _decode(model, "full", NEW)
-        _REFS[request.param] = request.param, model, logits
-    return _REFS[request.param]
+    """(family, model, logits) of `full` on the family the test is parametrized with, made once."""
+    return reference_for(_REFS, request.param, lambda model: (_decode(model, "full", NEW)[1],))
 
 
 # pages of 4 on OPT behind the slow marker: pages run on LLaMA (GQA: the group's votes summed per page), MHA in
