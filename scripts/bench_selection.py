@@ -138,8 +138,8 @@ def parse_options(pairs):
 def _random_kv_layer():
     import jax
 
-    @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens", "attention_impl"))
-    def layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl=None):
+    @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens"))
+    def layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
         b, t, hidden = h.shape
         dtype = lp.wk.dtype
         kk, kv, kx = jax.random.split(jax.random.fold_in(jax.random.key(7), t), 3)

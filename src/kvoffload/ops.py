@@ -140,14 +140,18 @@ def _prefill_cudnn_jit(q, k, v, q_start, lengths, scale):
     return _pf.prefill_attention_chunk_cudnn(q, k, v, q_start, lengths, scale=scale)
 
 
+def _prefill_chunk_per_head(run, q, k, v, q_start, lengths):
+    """run(q, k, v, q_start, lengths) of a prefill chunk, per device on its heads under a tensor-parallel mesh."""
+    heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+    return _sh.per_shard(run, (heads, heads, heads, rep, rep), heads)(q, k, v, jnp.asarray(q_start, jnp.int32),
+                                                                      jnp.asarray(lengths, jnp.int32))
+
+
 def prefill_attention_chunk_cudnn(q, k, v, q_start, lengths, *, scale=None):
     """cuDNN flash attention of a prefill chunk (`pallas.prefill_attention.prefill_attention_chunk_cudnn`):
     per device on its heads under a tensor-parallel mesh."""
     scale = None if scale is None else float(scale)
-    heads, rep = _sh.KV_SPEC, _sh.REPLICATED
-    return _sh.per_shard(lambda q_, k_, v_, s_, n_: _prefill_cudnn_jit(q_, k_, v_, s_, n_, scale),
-                         (heads, heads, heads, rep, rep), heads)(q, k, v, jnp.asarray(q_start, jnp.int32),
-                                                                 jnp.asarray(lengths, jnp.int32))
+    return _prefill_chunk_per_head(lambda *a: _prefill_cudnn_jit(*a, scale), q, k, v, q_start, lengths)
 
 
 def prefill_attention_chunk_kernel(q, k, v, q_start, lengths, *, scale=None):
@@ -155,10 +159,7 @@ def prefill_attention_chunk_kernel(q, k, v, q_start, lengths, *, scale=None):
     per device on its heads under a tensor-parallel mesh; interpret mode off the GPU."""
     scale = None if scale is None else float(scale)
     interpret = not _c.on_gpu()
-    heads, rep = _sh.KV_SPEC, _sh.REPLICATED
-    return _sh.per_shard(lambda q_, k_, v_, s_, n_: _prefill_kernel_jit(q_, k_, v_, s_, n_, scale, interpret),
-                         (heads, heads, heads, rep, rep), heads)(q, k, v, jnp.asarray(q_start, jnp.int32),
-                                                                 jnp.asarray(lengths, jnp.int32))
+    return _prefill_chunk_per_head(lambda *a: _prefill_kernel_jit(*a, scale, interpret), q, k, v, q_start, lengths)
 
 
 # ----------------------------------------------------------------------------

@@ -673,7 +673,7 @@ def check_prefill(B=2, n_kv=2, G=4, T=300, Tc=70, q_start=150, d=128, dtype="flo
         with jax.default_matmul_precision("highest"):
             out = jax.jit(prefill_attention_chunk)(*args)
     elif impl == "cudnn":  # GPU only (gpu_cases)
-        out = jax.jit(lambda *a: _pf.prefill_attention_chunk_cudnn(*a))(*args)
+        out = jax.jit(_pf.prefill_attention_chunk_cudnn)(*args)
     else:
         out = jax.jit(lambda *a: _pf.prefill_attention_chunk_kernel(*a, interpret=(mode == "interpret"),
                                                                     **kw))(*args)
