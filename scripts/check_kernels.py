@@ -198,6 +198,9 @@ def lower_only_checks():
             xh = jnp.asarray(rng.standard_normal((E, blk, 4 * d + 8)), dt)  # headless (X rows), ragged column tile
             cases.append((f"gather headless E{E} blk{blk} K{K} {tag}",
                           lambda x, b: _ga.gather_rows_kernel(x, b, b, poison=True), (xh, bo[:, 0])))
+            buf = jnp.asarray(rng.standard_normal((B, n_kv, K, d)), dt)
+            cases.append((f"refill E{E},3 blk{blk} K{K} {tag}", lambda u, x, b, blk=blk:
+                          _ga.refill_rows_kernel(u, (x, x[:3].astype(jnp.float32)), b, blk), (buf, xb, bo)))
         if d in (64, 128):
             kq = _q.quantize_int4(k.astype(jnp.float32), 64)
             cases.append((f"int4 {tag}", lambda q, a, L: _q.decode_attention_int4_kernel(

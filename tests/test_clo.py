@@ -47,18 +47,55 @@ def test_everything_selected_never_reused_equals_full(ref):
 
 
 def test_persistent_heads_attend_everything_equals_full(ref):
-    """Every head persistent, a top-k of 8: the whole context anyway, and reuse only until a flush."""
+    """Every head persistent but head 0 of layers 1.., a top-k of 8: the persistent heads attend their whole
+    context anyway (re-selected only at a flush) and layer 0, all persistent (layer0_full), is a device layer."""
     arch, model, want = ref
     cfg = model.config
-    every = [(l, h) for l in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]
+    L, n_kv = cfg.num_layers, cfg.num_kv_heads
+    some = [(l, h) for l in range(1, L) for h in range(1, n_kv)]
+    pol, got, state = _decode(model, "clo", NEW, topk=8, num_recent=4, persistent_heads=some)
+    c = pol.describe(state)["clo"]
+    assert sorted(map(tuple, c["persistent_heads"])) == sorted(some + [(0, h) for h in range(n_kv)])
+    assert c["device_layers"] == [0]
+    # the row buffers of a persistent head hold the layer's whole bound; the rest select 8
+    slots = state.groups[0].slots
+    assert slots[0].dense and slots[0].v_rows.shape[2] == 1 and int(slots[0].scored) == 0
+    assert all(s.v_rows.shape[2] > 8 and not s.dense for s in slots[1:])
+    pv = state.groups[0].pool_v
+    on_host = lambda a: jax.typeof(jax.tree.leaves(a)[0]).memory_space == jax.memory.Space.Host  # noqa: E731
+    assert not any(on_host(e) for e in pv[0]) and all(on_host(e) for e in pv[1])
+
+    # every head persistent: every layer a device layer, attended as `full` attends its pool: the same bits
+    every = [(l, h) for l in range(L) for h in range(n_kv)]
     pol, got, state = _decode(model, "clo", NEW, topk=8, num_recent=4, persistent_heads=every)
+    assert (got.argmax(-1) == want.argmax(-1)).all(), arch
+    np.testing.assert_array_equal(got, want)
+    c = pol.describe(state)["clo"]
+    assert sorted(map(tuple, c["persistent_heads"])) == every and c["device_layers"] == list(range(L))
+    assert c["hit_rate"] == 0.0 and c["hit_rate_cached_heads"] is None  # persistent heads count no hits
+    assert c["v_bytes_fetched"] == 0 and all(int(s.scored) == 0 for s in state.groups[0].slots)
+    mem = pol.pipeline.memory_plan
+    assert mem.host["K/V blocks"] == 0 and mem.gpu["K/V blocks (GPU-resident)"] > 0
+
+
+def test_persistent_heads_reselect_at_a_flush(ref):
+    """Persistent heads outside a device layer (layer0_full off, one head of each layer not persistent): the
+    whole context, selected at the first step and again after the flush only."""
+    arch, model, want = ref
+    cfg = model.config
+    some = [(l, h) for l in range(cfg.num_layers) for h in range(1, cfg.num_kv_heads)]
+    pol, got, state = _decode(model, "clo", NEW, topk_ratio=1.0, fixed_threshold=2.0, persistent_heads=some,
+                              layer0_full=False)
     assert (got.argmax(-1) == want.argmax(-1)).all(), arch
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     c = pol.describe(state)["clo"]
-    assert sorted(map(tuple, c["persistent_heads"])) == every
-    assert c["hit_rate"] == 0.0 and c["hit_rate_cached_heads"] is None  # persistent heads count no hits
-    # selected once at prefill's first step, again after the flush: 2 gathers of each head's whole pool
-    assert all(int(s.scored) == 2 for s in state.groups[0].slots)
+    assert c["device_layers"] == [] and sorted(map(tuple, c["persistent_heads"])) == some
+    # the persistent heads' V rows: each head's whole pool gathered twice (first step, after the flush)
+    gr = state.groups[0]
+    fetched = np.stack([np.asarray(s.v_rows_fetched) for s in gr.slots])  # [L, B, n_kv]
+    first = (np.asarray([len(p) for p in PROMPTS]) // BLOCK) * BLOCK
+    np.testing.assert_array_equal(fetched[:, :, 1:], np.broadcast_to((2 * first + BLOCK)[None, :, None],
+                                                                     fetched[:, :, 1:].shape))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,31 +323,34 @@ def test_buffers_sized_per_request_and_counted_by_the_plan():
     """Per-(request, head) buffers hold one request's tokens, not the batch's pool: the most one request owns is
     its prompt's full blocks plus one block per flush (`PoolLayout.request_blocks`). Layer 0 (whole context) and
     a ratio top-k are sized by it, the memory plan counts the same bytes, and generating up to the capacity
-    (every flush) with every head of every layer persistent still attends every token: `full`'s logits."""
+    (every flush) with every head of every layer persistent (device layers) still attends every token: `full`'s
+    logits."""
     model = tiny_random_model("llama", seed=1)
     cfg = model.config
     capacity, steps = 128, 128 - max(map(len, PROMPTS))  # the longest prompt reaches the capacity
     bound = BLOCK * (max(map(len, PROMPTS)) // BLOCK + (capacity - max(map(len, PROMPTS))) // BLOCK)
-    pol, _, state = _decode(model, "clo", 0, topk_ratio=0.5)
+    # one persistent head in layer 0 (not all: a device layer keeps no buffers)
+    pol, _, state = _decode(model, "clo", 0, topk_ratio=0.5, layer0_full=False, persistent_heads=[(0, 0)])
     gr = state.groups[0]
     assert gr.layout.request_blocks * BLOCK == bound == 112
     assert gr.layout.num_blocks * BLOCK > 2 * bound  # the batch's pool: what the buffers were sized by
     k0, k1 = (s.selection.indices.shape[-1] for s in gr.slots)
-    assert k0 == bound and k1 == math.ceil(0.5 * (bound + 2 * BLOCK))  # layer 0 whole; the ratio of one request
+    assert k0 == bound and k1 == math.ceil(0.5 * (bound + 2 * BLOCK))  # layer 0's head whole; the ratio of one request
     row = len(PROMPTS) * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K or V row of every (request, head)
     plan = pol.pipeline.memory_plan
     # exact without speculation: K and V rows buffered (a hit reads only the buffers)
     assert all(s.k_rows is not None and s.k_rows.shape == s.v_rows.shape for s in gr.slots)
     assert plan.gpu["row buffers (selected K/V rows)"] == 2 * row * (k0 + k1) == sum(
         s.v_rows.nbytes + s.k_rows.nbytes for s in gr.slots)
-    pol_s, _, state_s = _decode(model, "clo", 0, topk_ratio=0.5, speculative_prefetch=True)
+    pol_s, _, state_s = _decode(model, "clo", 0, topk_ratio=0.5, speculative_prefetch=True, layer0_full=False,
+                                persistent_heads=[(0, 0)])
     assert all(s.k_rows is None for s in state_s.groups[0].slots)  # speculating: K rows read from the K extents
     assert pol_s.pipeline.memory_plan.gpu["row buffers (selected K/V rows)"] == row * (k0 + k1)
     _, want, _ = _decode(model, "full", steps)
     every = [(l, h) for l in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]
     _, got, state = _decode(model, "clo", steps, topk=8, num_recent=4, persistent_heads=every)
     assert state.groups[0].layout.request_blocks == max(len(t) for t in state.groups[0].alloc.tables)  # all used
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_small_topk_runs_and_selects_only_top_k():
@@ -328,7 +368,7 @@ def test_small_topk_runs_and_selects_only_top_k():
     gr = state.groups[0]
     pool = np.asarray([len(t) for t in gr.alloc.tables]) * BLOCK
     l0, l1 = gr.slots
-    np.testing.assert_array_equal(np.asarray(l0.selection.num_valid), np.repeat(pool[:, None], 2, 1))  # whole pool
+    assert l0.dense and c["device_layers"] == [0]  # layer 0 whole: its blocks on the GPU, attended as `full` does
     np.testing.assert_array_equal(np.asarray(l1.selection.num_valid), np.minimum(pool, 12)[:, None].repeat(2, 1))
 
 
@@ -392,8 +432,7 @@ def test_replay_zero_equals_a_threshold_never_cleared():
 
 def test_replayed_hit_rate_decides_reuse_of_cached_heads():
     """replay_hit_rate (shared with tokenselect): 0 never reuses, 1 reuses every cached head wherever its
-    selection is valid; layer 0's persistent heads keep their rule (reuse until the pool grows) and count no
-    hits."""
+    selection is valid; layer 0 (every head persistent: a device layer) selects nothing and counts no hits."""
     model = tiny_random_model("llama", seed=1)
     pol, _, state = _decode(model, "clo", NEW, replay_hit_rate=0.0, **REPLAY_OPTS)
     c = pol.describe(state)["clo"]
@@ -406,7 +445,7 @@ def test_replayed_hit_rate_decides_reuse_of_cached_heads():
     assert (np.asarray(layer0.hits) == 0).all()  # persistent (layer0_full)
     np.testing.assert_array_equal(np.asarray(layer1.hits), NEW - 2)  # selects at step 1 and after the flush
     assert c["hit_rate_per_layer"] == [0.0, pytest.approx((NEW - 2) / NEW, abs=1e-4)]
-    assert int(layer0.scored) == int(layer1.scored) == 2
+    assert int(layer0.scored) == 0 and int(layer1.scored) == 2  # layer 0: a device layer, nothing to select
     assert np.asarray(layer0.replay.rule_hits).sum() == 0  # the rule's count leaves persistent heads out too
     with pytest.raises(CloOptionError, match="replay_hit_rate"):
         make_policy("clo", replay_hit_rate=-0.1)
@@ -554,7 +593,7 @@ def test_quest_hata_options():
 
 def test_speculative_prefetch_changes_nothing_attended_and_reports_its_hit_rate():
     """A small top-k with reuse: the speculative run attends the plain run's rows (the true selection's,
-    wherever they came from, ascending in both), fetches fewer V rows in all (rows already held are never gathered again),
+    wherever they came from, ascending in both), its layer programs fetch fewer V rows (rows already held are never gathered again),
     and every step record carries the guess's hit rate (device values)."""
     model = tiny_random_model("llama", seed=1)
     opts = dict(topk=12, num_recent=4, eta=0.5)
@@ -573,7 +612,8 @@ def test_speculative_prefetch_changes_nothing_attended_and_reports_its_hit_rate(
     assert 0 < s["guess_hit_rate"] < 1 and s["guess_hit_rate_per_layer"][0] is None  # layer 0: nothing before it
     assert s["v_bytes_fetched_by_guesses"] > 0
     assert c["v_bytes_fetched"] == s["v_bytes_fetched_by_guesses"] + s["v_bytes_fetched_after_guesses"]
-    assert c["v_bytes_fetched"] < c0["v_bytes_fetched"]
+    # the layer programs gather only what the guesses missed (a wrong guess's rows cost extra, counted above)
+    assert s["v_bytes_fetched_after_guesses"] < c0["v_bytes_fetched"]
     rates = [float(r["guess_hit_rate"]) for r in state.records]
     assert len(rates) == NEW and all(0 <= x <= 1 for x in rates)
     per = np.stack([np.asarray(r["guess_hit_rate_per_layer"]) for r in state.records])
@@ -620,7 +660,8 @@ def test_guess_of_a_layer_equals_numpy_reference(monkeypatch):
     monkeypatch.setattr(P, "layer_step", spy_step)
     monkeypatch.setattr(CloHooks, "speculate", spy_spec)
     K = 8
-    _decode(model, "clo", 2, topk=K, num_sink=0, num_recent=0, fixed_threshold=2.0, layer0_full=False)
+    _decode(model, "clo", 2, topk=K, num_sink=0, num_recent=0, fixed_threshold=2.0, layer0_full=False,
+            speculative_prefetch=True)
     assert [g[0] for g in guesses] == [1, 1]  # once per step, for the layer after the first
     layer, h, pos, group, slot = guesses[-1]
     np.testing.assert_array_equal(h, seen[-2])  # the input of layer 0 in the same step
@@ -796,15 +837,18 @@ def test_store_auto_picks_per_layer_from_the_cost_model(tmp_path):
     flat = _profile(tmp_path, intercepts=False)
     pol, _, state = _decode(opt, "clo", 0, retrieval="hata", topk_ratio=1.0, store="auto", profile=flat)
     c = pol.describe(state)["clo"]
-    assert c["store_per_layer"] == ["act", "act"] and all(r.startswith("act: X rows of") for r in c["store_reasons"])
-    assert all(v is None for layer in state.groups[0].pool_v for v in layer)
+    # layer 0 (layer0_full: a device layer) keeps its K/V on the GPU whatever the cost model says
+    assert c["store_per_layer"] == ["kv", "act"] and c["store_reasons"][1].startswith("act: X rows of")
+    assert "every head persistent" in c["store_reasons"][0]
+    assert all(v is None for v in state.groups[0].pool_v[1]) and all(v is not None for v in state.groups[0].pool_v[0])
+    assert all(x is None for x in state.groups[0].pool_x[0])
     pol, _, state = _decode(opt, "clo", 0, topk_ratio=1.0, store="auto", profile=flat)  # exact
     c = pol.describe(state)["clo"]
-    assert c["store_per_layer"] == ["kv", "kv"] and "only V crosses" in c["store_reasons"][0]
+    assert c["store_per_layer"] == ["kv", "kv"] and "only V crosses" in c["store_reasons"][1]
     assert all(x is None for layer in state.groups[0].pool_x for x in layer)
     pol, _, state = _decode(llama, "clo", 0, retrieval="quest", topk_ratio=1.0, store="auto", profile=flat)
     c = pol.describe(state)["clo"]
-    assert c["store_per_layer"] == ["kv", "kv"] and "GQA" in c["store_reasons"][0]
+    assert c["store_per_layer"] == ["kv", "kv"] and "GQA" in c["store_reasons"][1]
 
     # the decision itself at OPT-6.7B's shape (H 4096, 32 heads of 128, bf16), 32K tokens, b=1
     cfg = ModelConfig(family="opt", model_type="opt", vocab_size=50272, hidden_size=4096, intermediate_size=16384,
@@ -921,10 +965,9 @@ def test_conditionals_and_topk_method_options_are_checked():
         make_policy("clo", topk_method="heap")
 
 
-def test_topk_method_auto_takes_radix_from_half_a_million_candidates():
-    """"auto" resolves by the static row length: radix from RADIX_MIN_CANDIDATES (the 1M HATA step, where the
-    GPU's sort dominates), sort below (the 128K step, bound by per-kernel host work); both give the sort's
-    indices on rows straddling the switch."""
+def test_topk_method_auto_takes_radix_from_128k_candidates():
+    """"auto" resolves by the static row length: radix from RADIX_MIN_CANDIDATES (the GPU-bound 128K and 1M
+    steps), sort below; both give the sort's indices on rows straddling the switch."""
     from kvoffload.pallas import topk as tk
 
     n = tk.RADIX_MIN_CANDIDATES

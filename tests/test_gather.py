@@ -139,3 +139,39 @@ def test_gpu_zero_copy_gather_inside_jit_no_host_compute(capfd):
     old = jax.jit(_ga.gather_rows_reference_host).lower(host[0], idx // 64, idx % 64).compile().as_text()
     err = capfd.readouterr().err
     assert _host_compute(old) or "host compute" in err, "the host-compute checks see nothing in the old path"
+
+
+def test_refill_replaces_only_the_rows_named_from_every_extent():
+    """ops.refill_block_rows: rows [0, count) of each (request, head) from the extents holding their tokens,
+    the rest of the buffer (a hit head: every row) kept. Native host extents (the CPU's fallback: a gather per
+    extent), the interpret-mode kernel (in place, the buffer donated) and int4 extents (gathered, dequantized,
+    merged) against NumPy."""
+    rng = np.random.default_rng(3)
+    sizes, n_kv, blk, d, B, K = (3, 5, 2), 2, 8, 16, 2, 21
+    ext = [_extent(rng, (s, n_kv, blk, d)) for s in sizes]
+    buf = _extent(rng, (B, n_kv, K, d))
+    N = sum(sizes) * blk
+    count = np.asarray([[K, 7], [0, 13]])  # request 1 head 0: a hit, every row kept
+    tokens = np.where(np.arange(K)[None, None] < count[..., None], rng.integers(0, N, (B, n_kv, K)), -1)
+    flat = np.concatenate([np.asarray(e) for e in ext])
+
+    def want_for(rows_from):
+        w = np.asarray(buf).copy()
+        for b, h, i in zip(*np.nonzero(tokens >= 0)):
+            t = tokens[b, h, i]
+            w[b, h, i] = rows_from[t // blk, h, t % blk]
+        return w
+
+    want = want_for(flat)
+    tok = jnp.asarray(tokens, jnp.int32)
+    host = [M.to_host(e) for e in ext]
+    got = jax.jit(lambda b_, t_, xs: ops.refill_block_rows(b_, xs, t_, blk))(buf, tok, host)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    fn = jax.jit(lambda b_, t_, xs: ops.refill_block_rows(b_, xs, t_, blk, impl="kernel", interpret=True),
+                 donate_argnums=0)
+    np.testing.assert_array_equal(np.asarray(fn(jnp.array(buf), tok, ext)), want)
+    q = [ops.quantize_int4(e, 8) for e in ext]
+    deq = np.concatenate([np.asarray(ops.dequantize_int4(x)) for x in q])
+    got = jax.jit(lambda b_, t_, xs: ops.refill_block_rows(b_, xs, t_, blk))(buf, tok, [M.to_host(x) for x in q])
+    np.testing.assert_allclose(np.asarray(got), want_for(deq), rtol=0, atol=1e-6)  # dequantized in another fusion
+    assert (np.asarray(got)[tokens < 0] == np.asarray(buf)[tokens < 0]).all()

@@ -73,6 +73,7 @@ __all__ = [
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk", "TOPK_METHODS",
     "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
     "QuantizedInt4", "INT4_SCALES", "decode_attention_int4", "kernel_default", "gather_block_rows",
+    "gather_pool_rows", "refill_block_rows",
     "gather_block_rows_path", "zero_copy_gather_supported", "IMPLS", "use_kernel",
 ]
 
@@ -605,3 +606,48 @@ def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k
         return _sh.per_shard(lambda x_, b_, o_: call(x_, b_, o_, path, bool(interpret), block_k), (rows, idx, idx),
                              rows)(x, block, offset)
     return call(x, block, offset, path, bool(interpret), block_k)
+
+
+def gather_pool_rows(extents, tokens, blk: int):
+    """[B, n_kv, K, d] in device memory: rows of a pool's token space (tokens [B, n_kv, K]: block id * blk +
+    offset) from its extents [E_e, n_kv, blk, d] (consecutive in block-id order), one ``gather_block_rows``
+    per extent, each row taken from its own (0 where no extent holds it, e.g. a token of -1). Activation
+    extents [E_e, blk, H] take tokens [B, T] and give [B, T, H]. A host extent is read in place by the kernel
+    on the GPU; a device extent through XLA's gather. An int4 extent (``QuantizedInt4``) gives the rows as
+    stored (a QuantizedInt4 of rows): dequantize only those."""
+    block, off = tokens // blk, tokens % blk
+    out, start = None, 0
+    for x in extents:
+        E = jax.tree.leaves(x)[0].shape[0]
+        host = jax.typeof(jax.tree.leaves(x)[0]).memory_space == jax.memory.Space.Host
+        rows = gather_block_rows(x, block - start, off, impl="auto" if host else "reference")
+        inside = ((block >= start) & (block < start + E))[..., None]
+        out = rows if out is None else jax.tree.map(lambda r, o: jnp.where(inside, r, o), rows, out)
+        start += E
+    return out
+
+
+def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=False, block_k=None):
+    """buf [B, n_kv, K, d] with the rows of tokens [B, n_kv, K] (pool token ids; -1: the row keeps its value)
+    read from the pool's extents [E_e, n_kv, blk, d] (consecutive in block-id order; host or device memory;
+    native or int4). A selection cache's refill: a missed head's rows replaced, a hit head's (all -1) kept.
+
+    On the GPU with native extents one Pallas kernel (``pallas/gather.py`` ``refill_rows_kernel``) reads every
+    extent and writes only the rows replaced, in place (aliased: no copy where the caller's jit donates buf);
+    elsewhere, or for int4 extents, the rows are gathered per extent (``gather_pool_rows``), dequantized and
+    merged with a ``where``."""
+    tokens = tokens.astype(jnp.int32)
+    native = not any(isinstance(x, QuantizedInt4) for x in extents)
+    paths = {_gather_path(x, True, interpret) for x in extents} if native else set()
+    if native and use_kernel(impl) and paths <= {"kernel", "kernel_zero_copy"} | ({"kernel_device_copy"} if interpret else set()):
+        def run(b_, t_, *xs):
+            if interpret:  # interpret mode cannot index host memory (tests only)
+                xs = tuple(jax.device_put(x, jax.memory.Space.Device) for x in xs)
+            return _ga.refill_rows_kernel(b_, xs, t_, blk, interpret=interpret, block_k=block_k)
+        spec = _sh.KV_SPEC
+        return _sh.per_shard(run, (spec, spec) + (spec,) * len(extents), spec)(buf, tokens, *extents)
+    rows = gather_pool_rows(extents, tokens, blk)
+    rows = dequantize_int4(rows, buf.dtype) if isinstance(rows, QuantizedInt4) else rows
+    block = tokens // blk
+    held = (tokens >= 0) & (block < sum(jax.tree.leaves(x)[0].shape[0] for x in extents))
+    return jnp.where(held[..., None], rows.astype(buf.dtype), buf)

@@ -261,7 +261,7 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
     return acc, slots
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"), donate_argnames=("tail_k", "tail_v", "tail_x"))
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"), donate_argnames=("tail_k", "tail_v", "tail_x", "slots"))
 def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, attend, options):
     """One decode layer, one program: the new token's q/k/v (k/v and x written into the GPU tail at
     each request's tail_len), the policy's attention over its sources (`attend`, a pure function
@@ -280,6 +280,21 @@ def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
     o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, impl=attention_impl))
     h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
     return h, tail_k, tail_v, tail_x, slots
+
+
+def distinct_arrays(tree):
+    """tree with every array that appears more than once replaced by copies after its first appearance: the
+    layer programs donate the slots, so two layers (or two fields) sharing one array would see it deleted."""
+    seen = set()
+
+    def one(a):
+        if not isinstance(a, jax.Array):
+            return a
+        if id(a) in seen:
+            return jnp.copy(a)
+        seen.add(id(a))
+        return a
+    return jax.tree.map(one, tree)
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "axis"), donate_argnums=(0,))
@@ -369,6 +384,13 @@ class LayerHooks:
         kind (clo / tokenselect kv=split with store=act: X in place of V, or of K and V, per layer); None:
         every part the layout says. Fixed at prefill (`pool_layouts` runs first)."""
         return None
+
+    def device_layer(self, pipe: "LayerPipeline", layer: int) -> bool:
+        """Whether layer `layer` of a host pool keeps all its K/V blocks in device memory, in the model's dtype
+        (clo: a layer whose every head is persistent attends its whole context each step, as `full` does: its
+        blocks never go to the host, the flush writes them in place). Fixed at prefill (`pool_layouts` runs
+        first). Default: no layer."""
+        return False
 
     def init_slots(self, pipe: "LayerPipeline", model, layout: PoolLayout, batch: int) -> tuple:
         """The policy's own state, one pytree per layer (per-request / per-head: selections, cached
@@ -698,6 +720,7 @@ class LayerPipeline:
                           k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp,
                           fetch=self.hooks.fetches_extents(self),
                           layer_parts=[self.hooks.layer_parts(self, i) for i in range(cfg.num_layers)],
+                          device_layers=[self.hooks.device_layer(self, i) for i in range(cfg.num_layers)],
                           slots=self.hooks.slot_memory(self, model, layouts, len(lengths)))
         if o.offload_weights and M.on_host(model.params.layers):
             mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
@@ -730,7 +753,7 @@ class LayerPipeline:
             allocate_prompts_aligned(alloc, layout, lengths_np[a:z])
             groups.append(dict(rows=(a, z), layout=layout, alloc=alloc, h=_embed(cfg, fam_params, tokens[a:z], positions[a:z]),
                                pk=[], pv=[], px=[], tk=[], tv=[], tx=[],
-                               slots=list(self.hooks.init_slots(self, model, layout, z - a)),
+                               slots=list(distinct_arrays(self.hooks.init_slots(self, model, layout, z - a))),
                                srcs=[self.local(extent_sources(alloc, layout, e, t_blk // blk))
                                      for e in range(layout.num_extents)],
                                start=self.local(jnp.asarray((lengths_np[a:z] // blk) * blk, jnp.int32))))
@@ -762,7 +785,8 @@ class LayerPipeline:
                 gr["h"], k, v, x = bufs
                 del bufs
                 pk, pv, px, k_dev = self._extents_from_prefill(gr["layout"], gr["srcs"], gr["alloc"], k, v, x, dtype,
-                                                               self.hooks.layer_parts(self, i))
+                                                               self.hooks.layer_parts(self, i),
+                                                               self.hooks.device_layer(self, i))
                 if gr["slots"]:
                     for e, ke in enumerate(k_dev):
                         if ke is not None:
@@ -798,10 +822,11 @@ class LayerPipeline:
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
         return logits, DecodeState(groups=tuple(states), batch=b)
 
-    def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype, parts=None):
+    def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype, parts=None, on_device=False):
         """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty; and the
         K extents as computed in device memory, before quantization and placement (for `keys_written`).
-        parts: the layer's stored parts (`LayerHooks.layer_parts`; None: all the layout holds)."""
+        parts: the layer's stored parts (`LayerHooks.layer_parts`; None: all the layout holds). on_device:
+        every extent of the layer stays in device memory as computed (`LayerHooks.device_layer`)."""
         keeps = (lambda part: parts is None or part in parts)  # noqa: E731
         blk = layout.block_tokens
         n_kv, d = k.shape[1], k.shape[3]
@@ -813,7 +838,7 @@ class LayerPipeline:
             src, valid = srcs[e]
             E = layout.size(e)
             # a host extent as the pool stores it: quantized here, on its way to the host, for int4
-            to_host = not layout.on_device(e)
+            to_host = not (layout.on_device(e) or on_device)
             stored = lambda a, h=to_host: self.host_form(a) if h else a  # noqa: E731
             stored_k = lambda a, h=to_host and not k_dev_kept: self.host_form(a, key=True) if h else a  # noqa: E731
             if layout.has("kv", e):
@@ -833,7 +858,7 @@ class LayerPipeline:
                 px.append(None)
         # committed, like the written extents a flush returns (else each first write recompiles); host
         # extents in one asynchronous device->host put of the layer's extents
-        on_host = [self.host_pool and not layout.on_device(e) for e in range(layout.num_extents)]
+        on_host = [self.host_pool and not (layout.on_device(e) or on_device) for e in range(layout.num_extents)]
         on_host = ([False] * len(on_host) if self.hooks.keys_on_device(self) else on_host) + on_host * 2  # K, V, X
         pick = lambda want: [(a if h == want else None) for a, h in zip(pk + pv + px, on_host)]  # noqa: E731
         n = layout.num_extents
@@ -999,26 +1024,28 @@ class LayerPipeline:
             bx = None
             if tx[i] is not None:
                 bx, tx[i] = _pop_block(tx[i], blk, 0)
+            dev_layer = self.hooks.device_layer(self, i)
             # int4 host extents: the blocks quantized once per layer, on the GPU, before they move; K kept on
             # the GPU stays native; a flushed block is whole (blk tokens of every request)
-            qk, qv = (bk if keys_dev else self.host_form(bk, key=True)), self.host_form(bv)
+            qk, qv = (bk, bv) if dev_layer else ((bk if keys_dev else self.host_form(bk, key=True)), self.host_form(bv))
             qx = self.host_form(bx) if bx is not None else None
             for e in touched:
                 share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
                 if layout.has("kv", e):
-                    wk, wv = (bk, bv) if layout.on_device(e) else (qk, qv)
+                    on_dev = layout.on_device(e) or dev_layer
+                    wk, wv = (bk, bv) if on_dev else (qk, qv)
                     if pk[i][e] is not None:  # a layer may store X in place of K and / or V (layer_parts)
                         pk[i][e] = write_stored_blocks(pk[i][e], wk, slots[e])
-                        nbytes += int(_tree_bytes(wk) * share)
+                        nbytes += 0 if on_dev or keys_dev else int(_tree_bytes(wk) * share)  # device -> host bytes
                     if pv[i][e] is not None:
                         pv[i][e] = write_stored_blocks(pv[i][e], wv, slots[e])
-                        nbytes += int(_tree_bytes(wv) * share)
+                        nbytes += 0 if on_dev else int(_tree_bytes(wv) * share)
                     if layer_slots:
                         layer_slots[i] = self.hooks.keys_written(self, layer_slots[i], e, bk, slots[e])
                 if layout.has("act", e) and bx is not None and px[i][e] is not None:
                     wx = bx if layout.on_device(e) else qx
                     px[i][e] = write_stored_blocks(px[i][e], wx, slots[e])
-                    nbytes += int(_tree_bytes(wx) * share)
+                    nbytes += 0 if layout.on_device(e) else int(_tree_bytes(wx) * share)
         return dataclasses.replace(
             gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
             pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),

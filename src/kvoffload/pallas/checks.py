@@ -640,6 +640,49 @@ def check_gather(B=2, n_kv=2, E=5, blk=24, d=80, K=37, dtype="float32", mode="re
     return r
 
 
+def check_refill(B=2, n_kv=2, sizes=(5, 3), blk=24, d=80, K=37, dtype="float32", mode="reference", seed=0,
+                 host=False, ext_dtype=None, **kw):
+    """A row buffer refilled from extents (``refill_rows_kernel``) vs NumPy, exactly: random buffer and extents
+    (never zeros), per (request, head) a random count of rows replaced by random pool tokens spread over every
+    extent (-1 past the count, and one head keeping all its rows: a hit), a few tokens past the last extent
+    (kept). host=True: the extents in pinned_host memory (read in place). ext_dtype: the extents' dtype when
+    it differs from the buffer's (cast on the way)."""
+    rng = np.random.default_rng(seed)
+    buf, buf64 = _rand(rng, (B, n_kv, K, d), dtype)
+    exts, exts64 = zip(*[_rand(rng, (E, n_kv, blk, d), ext_dtype or dtype) for E in sizes])
+    N = sum(sizes) * blk
+    tokens = rng.integers(0, N + 2 * blk, (B, n_kv, K)).astype(np.int32)  # some past the last extent
+    count = rng.integers(0, K + 1, (B, n_kv))
+    count[0, 0] = K
+    count[-1, -1] = 0  # a hit: every row kept
+    tokens = np.where(np.arange(K)[None, None] < count[..., None], tokens, -1).astype(np.int32)
+    flat = np.concatenate(exts64)  # [sum E, n_kv, blk, d]: block-id order
+    blocks, offs = tokens // blk, tokens % blk
+    inside = (tokens >= 0) & (blocks < sum(sizes))
+    got_rows = flat[np.clip(blocks, 0, sum(sizes) - 1), np.arange(n_kv)[None, :, None], offs]
+    want = np.where(inside[..., None], got_rows, buf64)
+    if ext_dtype:  # the extents' values as the buffer's dtype holds them
+        want = np.asarray(jnp.asarray(want, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
+    if host:
+        dev = jax.devices()[0]
+        exts = tuple(jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")) for x in exts)
+    if mode == "reference":  # host extents: the op's fallback (a gather per extent where the extent lives)
+        from kvoffload import ops
+
+        ref = (lambda b_, t_, *xs: ops.refill_block_rows(b_, xs, t_, blk, impl="reference")) if host else (
+            lambda b_, t_, *xs: _ga.refill_rows_reference(b_, xs, t_, blk))
+        out = jax.jit(ref)(buf, jnp.asarray(tokens), *exts)
+    else:
+        out = jax.jit(lambda b_, t_, *xs: _ga.refill_rows_kernel(b_, xs, t_, blk, interpret=(mode == "interpret"),
+                                                                 **kw), donate_argnums=0)(buf, jnp.asarray(tokens), *exts)
+    got = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    bad = float(np.mean(got != want)) if got.shape == want.shape else float("inf")
+    r = _result(f"refill E{sizes} blk{blk} B{B} kv{n_kv} K{K} d{d} {dtype}{' host' if host else ''}", mode,
+                dict(err_mismatch=bad), 1e-12)
+    r["ok"] = r["ok"] and out.dtype == buf.dtype
+    return r
+
+
 def check_prefill(B=2, n_kv=2, G=4, T=300, Tc=70, q_start=150, d=128, dtype="float32", lengths=None,
                   mode="reference", seed=0, **kw):
     """A prefill chunk's causal attention (q at positions q_start + [0, Tc) over keys < its position and
@@ -777,6 +820,8 @@ def kernel_cases(full=False):
                           for g in (1, 4, 7)]):
         cases.append((check_int4_decode, dict(d=d, group_size=gs, dtype=dt, G=g)))
     cases += gather_cases(full)
+    cases += [(check_refill, dict()), (check_refill, dict(sizes=(3, 1, 4), blk=16, d=64, K=300, dtype="bfloat16")),
+              (check_refill, dict(B=1, sizes=(2,), d=128, K=5, dtype="bfloat16", ext_dtype="float32", block_k=16))]
     pf = ([(g, d, dt) for g in (1, 4, 7) for d in HEAD_DIMS for dt in DTYPES] if full else
           [(4, 128, "bfloat16"), (3, 80, "float32"), (1, 64, "float32")])
     for i, (g, d, dt) in enumerate(pf):
@@ -891,6 +936,10 @@ def gpu_cases():
         add(check_gather, dict(d=d, K=300, dtype="bfloat16", E=13, blk=16, host=True))
     add(check_gather, dict(B=2, n_kv=8, E=40, blk=64, d=128, K=2000, dtype="bfloat16", host=True))
     add(check_gather, dict(n_kv=8, E=40, blk=1, d=128, K=2000, dtype="float32", host=True))  # per-channel K scales
+    for d in HEAD_DIMS:  # the extents in pinned_host memory, and a clo-sized buffer (13K rows of 8 heads)
+        add(check_refill, dict(d=d, K=300, dtype="bfloat16", sizes=(13, 5, 7), blk=16, host=True))
+    add(check_refill, dict(B=1, n_kv=8, sizes=(256, 256, 256, 256), blk=128, d=128, K=13107, dtype="bfloat16",
+                           host=True))
     add(check_prefill, dict(B=1, n_kv=8, G=4, d=128, dtype="bfloat16", T=6000, Tc=1024, q_start=4500))
     for d, T, Tc, start in ((128, 6000, 1024, 4500), (64, 300, 70, 150), (80, 129, 33, 96), (128, 200, 64, 0)):
         add(check_prefill, dict(B=2, n_kv=2, G=4, d=d, dtype="bfloat16", T=T, Tc=Tc, q_start=start, impl="cudnn"))
@@ -902,7 +951,7 @@ def gpu_cases():
 
 KERNEL_FNS = (check_decode, check_paged, check_sparse, check_recompute, check_scores_exact,
               check_int4_decode, check_quest, check_hata, check_tokenselect, check_gather, check_prefill,
-              check_select_rows)
+              check_select_rows, check_refill)
 
 
 def run_case(fn, kw, mode):

@@ -140,3 +140,82 @@ def gather_rows_reference_host(x, block, offset):
     the device. On a GPU XLA runs that gather as host (CPU) compute: slow, the fallback only."""
     at = jax.device_put(_row_index(x, block, offset), jax.memory.Space.Host)
     return _zero_outside(x, block, offset, jax.device_put(x[at], jax.memory.Space.Device))
+
+
+# ---------------------------------------------------------------------------------------------
+# refill: a row buffer's rows replaced in place by rows of a token space spread over extents
+# ---------------------------------------------------------------------------------------------
+
+
+def refill_rows_reference(buf, extents, tokens, blk: int):
+    """Pure-jnp refill of a row buffer (the kernel's semantics).
+
+    buf [B, n_kv, K, d]; extents: per extent [E_e, n_kv, blk, d], consecutive in block-id order (extent e's
+    first block id is the sum of the earlier ones' E); tokens [B, n_kv, K] int32: pool token ids (block id *
+    blk + offset), -1 where the row keeps its value. Row (b, h, i) of the result is the token's row from its
+    extent, buf's where tokens[b, h, i] < 0 (or past the last extent)."""
+    block, off = tokens // blk, tokens % blk
+    out, start = buf, 0
+    for x in extents:
+        E = x.shape[0]
+        inside = (tokens >= 0) & (block >= start) & (block < start + E)
+        rows = gather_rows_reference(x, jnp.where(inside, block - start, -1), off)
+        out = jnp.where(inside[..., None], rows.astype(buf.dtype), out)
+        start += E
+    return out
+
+
+def _refill_kernel(tok_ref, *refs, sizes, blk, d, dp, K, block_k):
+    # tok_ref [K] (this (b, h)); refs: the extents' refs [E_e, blk, d] (head h), buf's input ref (aliased to the
+    # output: never read, so a row the kernel does not store keeps its value), o_ref [K, d]
+    from jax.experimental.pallas import triton as plgpu
+
+    x_refs, o_ref = refs[:len(sizes)], refs[-1]
+    rows = pl.program_id(2) * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    row_in = rows < K
+    toks = load(tok_ref.at[rows], mask=row_in, other=-1)
+    write = row_in & (toks >= 0)
+    block, off = toks // blk, toks % blk
+    cols = jnp.arange(dp, dtype=jnp.int32)
+    col_ok = cols < d
+    vals = jnp.zeros((block_k, dp), o_ref.dtype)
+    start = 0
+    for x_ref, E in zip(x_refs, sizes):  # each row is read from the one extent that holds it (masked loads)
+        ok = write & (block >= start) & (block < start + E)
+        at = (jnp.clip(block - start, 0, E - 1)[:, None], jnp.clip(off, 0, blk - 1)[:, None], cols[None, :])
+        got = load(x_ref.at[at], mask=ok[:, None] & col_ok[None, :], other=0)
+        vals = jnp.where(ok[:, None], got.astype(o_ref.dtype), vals)
+        start += E
+    write = write & (block < start)
+    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], vals, mask=write[:, None] & col_ok[None, :])
+
+
+def refill_rows_kernel(buf, extents, tokens, blk: int, *, interpret=False, block_k=None, num_warps=4, num_stages=1):
+    """Pallas (Triton) refill, ``refill_rows_reference``'s semantics, writing buf in place (aliased: under a jit
+    that donates buf no copy is made; otherwise XLA copies buf first). Extents may be in pinned_host memory
+    (read in place, only the rows written cross PCIe) or device memory, in buf's dtype or another native one.
+    One program per (request, head, tile of block_k rows); a tile of a head that keeps every row (a cache hit:
+    tokens all -1) loads its tokens and stores nothing."""
+    B, n_kv, K, d = buf.shape
+    if tokens.shape != (B, n_kv, K):
+        raise ValueError(f"tokens {tokens.shape} must be [B, n_kv, K] = {(B, n_kv, K)}")
+    for x in extents:
+        if x.ndim != 4 or x.shape[1] != n_kv or x.shape[2] != blk or x.shape[3] != d:
+            raise ValueError(f"extent {x.shape} must be [E, n_kv={n_kv}, blk={blk}, d={d}]")
+    block_k, dp = gather_tiles(K, d, block_k)
+    sizes = tuple(int(x.shape[0]) for x in extents)
+    kernel = functools.partial(_refill_kernel, sizes=sizes, blk=blk, d=d, dp=dp, K=K, block_k=block_k)
+    n_ext = len(extents)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, n_kv, cdiv(K, block_k)),
+        in_specs=[pl.BlockSpec((None, None, K), lambda b, h, t: (b, h, 0))]
+        + [pl.BlockSpec((E, None, blk, d), lambda b, h, t: (0, h, 0, 0)) for E in sizes]
+        + [pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+        input_output_aliases={1 + n_ext: 0},
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kvo_refill_rows",
+    )(tokens.astype(jnp.int32), *extents, buf)

@@ -630,10 +630,11 @@ def prefix_count(mask, chunk=128):
 
 
 TOPK_METHODS = ("auto", "sort", "radix", "kernel")
-# "auto" takes the radix select from this many candidates per row: a clo decode step on an H100 is bound by
-# the host's per-kernel work at 128K (sort 28.8 ms vs radix 38.5 ms per 32-layer step) and by the GPU's sort
-# at 1M (HATA, 2 layers: 18.0 vs 14.0 ms per layer); no point between was measured (BENCHMARKS, 2026-11-27)
-RADIX_MIN_CANDIDATES = 1 << 19
+# "auto" takes the radix select from this many candidates per row. A clo decode step on an H100 at 128K became
+# GPU-bound once the row buffers were refilled in place (eighth session): radix 22.45 vs sort 25.68 ms per
+# 32-layer step, and at 1M (HATA, 2 layers) 14.0 vs 18.0 ms per layer; below 128K not measured (the sort, as
+# before). BENCHMARKS.md, 2026-11-27.
+RADIX_MIN_CANDIDATES = 1 << 17
 
 
 def resolve_topk_method(method: str, n_candidates: int) -> str:
@@ -653,10 +654,10 @@ def top_count_ascending(pri, counts, k, *, method="auto", digit_bits=4):
     * "sort": ``jax.lax.top_k`` of k (XLA sorts each row), the first counts[r] kept, then sorted ascending.
     * "radix": the k-th largest value by a radix select (`kth_largest_key`), then an order-keeping compaction
       (`prefix_count` and a scatter of unique slots): no sort, half the GPU time at 8 x 128K scores on an
-      H100 (140 vs 291 us), but ~30 more kernels in a layer program, and a `clo` decode step at b1 128K is
-      bound by the host's per-kernel work: 38.5 vs 28.8 ms per step there; at 1M candidates the sort's GPU
-      time dominates and radix wins (14.0 vs 18.0 ms per layer). "auto" (the default): radix from
-      RADIX_MIN_CANDIDATES per row, else sort.
+      H100 (140 vs 291 us), but ~30 more kernels in a layer program: it pays where the step is GPU-bound (a
+      `clo` step at b1 128K: 22.45 vs 25.68 ms; 1M: 14.0 vs 18.0 ms per layer), not where the host's
+      per-kernel work bounds it (before the in-place refill: 38.5 vs 28.8 ms at 128K). "auto" (the default):
+      radix from RADIX_MIN_CANDIDATES (128K) per row, else sort.
     * "kernel": the radix select and the compaction in one Pallas launch per row (`pallas/select.py`; interpret
       mode off the GPU). Exact on an H100, but one program per row leaves the GPU idle: 9.1 ms at 8 x 128K,
       65x the XLA radix select."""

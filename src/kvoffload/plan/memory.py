@@ -144,7 +144,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
                 int4_group_size: int = 64, int4_k_quant: str = "token", k_on_device: bool = False, prefill_chunk_tokens: int | None = None,
                 activation_split: int = 1, fetch: bool = True, slots: dict | None = None,
-                layer_parts=None) -> MemoryPlan:
+                layer_parts=None, device_layers=None) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
@@ -157,7 +157,8 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     policy's per-layer slots by part name (selection caches, row buffers, retrieval metadata), held from
     prefill to the end of the run. layer_parts: per layer, the parts ("k", "v", "x") it stores where the
     layout holds them, or None (all; `LayerHooks.layer_parts`: clo / tokenselect store=act keep X in place
-    of V, or of K and V).
+    of V, or of K and V). device_layers: per layer, whether a host pool keeps that layer's K/V extents in
+    device memory in the model's dtype (`LayerHooks.device_layer`: clo's all-persistent layers).
     prefill_chunk_tokens: the prefill runs each layer in token chunks (the workspace is a chunk's) and
     one layer at a time (its K/V, X and their gathered extents are counted once).
     Tensor parallelism (offload/sharding.py) plans one device: cfg is the config that device sees (its
@@ -188,7 +189,11 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     pool_d = {"K/V blocks": 0, "activation blocks": 0}
     per_layer_fetch, rec_ws, deq_ws = 0, 0, 0
     parts = [None] * L if layer_parts is None else list(layer_parts)
-    n_k, n_v, n_x = (sum(1 for p_ in parts if p_ is None or part in p_) for part in "kvx")  # layers storing each
+    dev_layer = [False] * L if device_layers is None else [bool(x) and host_pool for x in device_layers]
+    # layers storing each part in the pool's placement; device layers' K/V counted apart (native, on the GPU)
+    n_k, n_v = (sum(1 for p_, d_ in zip(parts, dev_layer) if (p_ is None or part in p_) and not d_) for part in "kv")
+    n_x = sum(1 for p_ in parts if p_ is None or "x" in p_)
+    n_dev_k, n_dev_v = (sum(1 for p_, d_ in zip(parts, dev_layer) if (p_ is None or part in p_) and d_) for part in "kv")
     for lay in layouts:
         moved = 0
         for e in range(lay.num_extents):
@@ -206,6 +211,8 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
                 pool_h["K/V blocks"] += n_v * v_e
                 kv_e = k_e = v_e = 0
             side["K/V blocks"] += n_k * k_e + n_v * v_e
+            if lay.has("kv", e):
+                pool_d["K/V blocks"] += (n_dev_k + n_dev_v) * (lay.size(e) * kv_blk(lay) // 2)
             side["activation blocks"] += n_x * x_e
             if side is pool_h:
                 moved += max(kv_e, x_e)

@@ -100,7 +100,7 @@ from kvoffload.errors import KVOffloadError
 from kvoffload.importance.deploy import group_similarity
 from kvoffload.models.transformer import family
 from kvoffload.offload import sharding as S
-from kvoffload.offload.pipeline import native_extent
+from kvoffload.offload.pipeline import attend_pool, native_extent
 from kvoffload.offload.pool import write_blocks
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
 from kvoffload.policies.base import register_policy
@@ -176,6 +176,9 @@ class CloSlots:
     guess_covered: jax.Array | None = None  # [B, n_kv] int32: rows of fresh selections already held
     guess_needed: jax.Array | None = None  # [B, n_kv] int32: rows of fresh selections after a guess
     last_guess: jax.Array | None = None  # [2] int32: (covered, needed) of the last step
+    # static: every head of the layer is persistent; its K/V blocks stay on the GPU (`CloHooks.device_layer`) and
+    # it attends them as `full` does: no scores, no selection, no row buffers (theirs are one row)
+    dense: bool = False
 
     # what tokenselect's `hit_rates` reads
     hits = property(lambda self: self.selection.hits)
@@ -184,8 +187,8 @@ class CloSlots:
     replay = property(lambda self: self.selection.replay)
 
 
-jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclasses.fields(CloSlots)],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclasses.fields(CloSlots) if f.name != "dense"],
+                                 meta_fields=["dense"])
 
 
 def clo_slot_specs(slots: CloSlots) -> CloSlots:
@@ -203,7 +206,7 @@ def clo_slot_specs(slots: CloSlots) -> CloSlots:
                     held_valid=opt(slots.held_valid, heads), guessed=opt(slots.guessed, rep),
                     spec_rows_fetched=opt(slots.spec_rows_fetched, heads),
                     guess_covered=opt(slots.guess_covered, heads), guess_needed=opt(slots.guess_needed, heads),
-                    last_guess=opt(slots.last_guess, rep))
+                    last_guess=opt(slots.last_guess, rep), dense=slots.dense)
 
 
 def exact_scores(q, keys, tables, space: TokenSpace | None = None, skip=None):
@@ -415,6 +418,10 @@ class CloAttend:
         return reuse, select, replay
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
+        if slots.dense:  # every head persistent: the layer's blocks in device memory, attended as `full` does
+            acc, _ = attend_pool(cfg, lp, q, acc, src.pool, tables, None, recompute_impl, attention_impl)
+            sel = slots.selection
+            return acc, dataclasses.replace(slots, selection=dataclasses.replace(sel, steps=sel.steps + 1))
         keys = src.pool.k
         B, H, d = q.shape
         sel = slots.selection
@@ -423,7 +430,6 @@ class CloAttend:
         pool_tokens = sum(tables.count) * blk
         reuse, select, replay = self.selection_rule(q, src, tables, slots)
         indices, num_valid = reuse_or_select(reuse, sel, select, self.conditionals)
-        hit = reuse[..., None, None]
         # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
         rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl)
         miss_nv = jnp.where(reuse, 0, num_valid)  # the hit heads' rows come from the buffers
@@ -441,19 +447,15 @@ class CloAttend:
                         last_guess=jnp.stack([jnp.sum(covered), jnp.sum(needed)]))
         elif slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
             k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
-            (fetched_v,), x_rows = unless_all(reuse, ((slots.v_rows,), no_x),
-                                              lambda: rows(indices, miss_nv, (slots.v_rows.dtype,), blk),
-                                              self.conditionals)
+            (v_sel,), x_rows = unless_all(reuse, ((slots.v_rows,), no_x),
+                                          lambda: rows.refill((slots.v_rows,), indices, miss_nv, blk), self.conditionals)
             k_rows = None
-            v_sel = jnp.where(hit, slots.v_rows, fetched_v)
-        else:  # K buffered too (on the host, or exact's device extents): both gathered on a miss, for the missed
-            # heads only; both buffers reused on hits
-            (fetched_k, fetched_v), x_rows = unless_all(
+        else:  # K buffered too (on the host, or exact's device extents): the missed heads' rows of both refilled
+            # in place; a hit head's kept
+            (k_rows, v_sel), x_rows = unless_all(
                 reuse, ((slots.k_rows, slots.v_rows), no_x),
-                lambda: rows(indices, miss_nv, (slots.k_rows.dtype, slots.v_rows.dtype), blk), self.conditionals)
-            k_rows = jnp.where(hit, slots.k_rows, fetched_k)
+                lambda: rows.refill((slots.k_rows, slots.v_rows), indices, miss_nv, blk), self.conditionals)
             k_sel = k_rows
-            v_sel = jnp.where(hit, slots.v_rows, fetched_v)
         if not self.speculative:
             fetched = jnp.where(reuse, 0, num_valid)
         slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
@@ -586,12 +588,13 @@ class CloHooks(TokenSelectHooks):
         self.persistent_heads, self.layer0_full = persistent_heads, layer0_full
         self.hata_weights, self.hata_bits = hata_weights, hata_bits
         self.chosen: dict = {}  # what init_slots decided for the model (for describe)
+        self.device_layers: tuple = ()  # per layer: every head persistent (`device_layer`), set by choose_stores
 
     def keys_on_device(self, pipe) -> bool:
         return self.attend.retrieval == "exact"  # quest / hata: only their metadata on the GPU
 
     def speculate(self, pipe, model, group, layer, h, positions, slot):
-        if not self.attend.speculative:
+        if not self.attend.speculative or slot.dense:
             return slot
         src = self.sources(pipe, group, None, layer, None)  # kv=split: the pool's own arrays, nothing fetched
         return speculate_layer(model.config, self.attend, pipe.layers(model)[layer], h, positions, src, group.tables,
@@ -634,13 +637,29 @@ class CloHooks(TokenSelectHooks):
 
     def keys_written(self, pipe, slot, extent, k_blocks, at):
         r = self.attend.retrieval
-        if r == "exact":
+        if r == "exact" or slot.dense:
             return slot
         new = key_metadata(k_blocks, slot.hata_w, r, self.attend.page_size)
         if pipe.mesh is not None:  # the blocks' metadata split by head like the extent's (write_blocks keeps it)
             new = jax.device_put(new, jax.tree.map(lambda old: old.sharding, slot.meta[extent]))
         written = tuple(write_blocks(old, part, at) for old, part in zip(slot.meta[extent], new))
         return dataclasses.replace(slot, meta=slot.meta[:extent] + (written,) + slot.meta[extent + 1:])
+
+    def choose_stores(self, pipe, model, layout, batch):
+        """tokenselect's choice per layer, and the device layers (`device_layer`): those whose every KV head is
+        persistent keep K and V (on the GPU)."""
+        stores, reasons = super().choose_stores(pipe, model, layout, batch)
+        K = self.static_budget(layout, batch)
+        self.device_layers = tuple(bool(x) for x in self.persistent_for_stores(pipe, model, layout, batch, K).all(1))
+        stores, reasons = list(stores), list(reasons)
+        for layer in np.flatnonzero(self.device_layers):
+            stores[layer] = "kv"
+            reasons[layer] = ("kv: every head persistent, so the layer's K/V blocks stay on the GPU in the model's "
+                              "dtype and it attends them whole, as `full` does")
+        return tuple(stores), tuple(reasons)
+
+    def device_layer(self, pipe, layer) -> bool:
+        return bool(self.device_layers and self.device_layers[layer])
 
     def persistent_for_stores(self, pipe, model, layout, batch, K):
         scores = head_rule(model.config, self.importance, self.eta, self.p, self.fixed_threshold)[0]
@@ -724,7 +743,9 @@ class CloHooks(TokenSelectHooks):
                 return (jnp.zeros((E, n_kv, blk, w.shape[-1] // 32), jnp.uint32),)
             return ()
         zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        K = bound if persistent[layer].any() else K_sel  # a persistent head selects its whole context
+        dense = self.device_layer(None, layer)
+        # a persistent head selects its whole context; a dense layer selects nothing (its buffers: one row)
+        K = 1 if dense else bound if persistent[layer].any() else K_sel
         spec = dict(held=zeros((batch, n_kv, K)), held_valid=zeros((batch, n_kv)), guessed=jnp.zeros((), bool),
                     spec_rows_fetched=zeros((batch, n_kv)), guess_covered=zeros((batch, n_kv)),
                     guess_needed=zeros((batch, n_kv)), last_guess=zeros((2,))) if self.attend.speculative else {}
@@ -735,9 +756,10 @@ class CloHooks(TokenSelectHooks):
                         v_rows_fetched=zeros((batch, n_kv)), tau=jnp.asarray(tau[layer], jnp.float32),
                         weights=jnp.asarray(weights[layer], jnp.float32), persistent=jnp.asarray(persistent[layer]),
                         meta=tuple(meta_zeros(layout.size(e)) for e in range(layout.num_extents))
-                        if retrieval != "exact" else (),
-                        hata_w=None if w is None else jnp.asarray(w[layer], jnp.float32),
-                        k_rows=jnp.zeros((batch, n_kv, K, d), dtype) if self.buffers_k(layer) else None, **spec)
+                        if retrieval != "exact" and not dense else (),
+                        hata_w=None if w is None or dense else jnp.asarray(w[layer], jnp.float32),
+                        k_rows=jnp.zeros((batch, n_kv, K, d), dtype) if self.buffers_k(layer) and not dense else None,
+                        dense=dense, **spec)
 
     def buffers_k(self, layer) -> bool:
         """Whether the layer keeps a GPU buffer of its selected K rows: K on the host (quest / hata), and for
@@ -824,7 +846,11 @@ class CloPolicy(LayeredPolicy):
             c.update(importance=ch["source"], tau=[[round(float(x), 6) for x in row] for row in ch["tau"]],
                      persistent_heads=[list(map(int, x)) for x in np.argwhere(ch["persistent"])],
                      selected_per_head=ch["K"], persistent_tokens_per_head=ch["bound"],
-                     persistent_v_placement="host pool (gathered whole on re-selection), K on the GPU")
+                     device_layers=[int(x) for x in np.flatnonzero(h.device_layers)],
+                     persistent_v_placement="a layer whose every head is persistent (device_layers: layer 0 with "
+                                            "layer0_full): its K/V blocks in GPU memory, attended whole as `full` "
+                                            "does; another layer's persistent heads: V in the host pool (gathered "
+                                            "whole on re-selection), K on the GPU")
             if ch["plan"] is not None:
                 c["plan"] = {k: ch["plan"][k] for k in ("n_d", "n_p", "n_persist", "n_kept", "total_bytes")}
         if state is not None and state.groups and state.groups[0].slots:

@@ -401,16 +401,7 @@ def gather_rows(extents, indices, blk):
     only the selected rows in place (XLA's gather of a host operand would run as host compute). An int4
     extent (``QuantizedInt4``: codes, step, min, each [E_e, n_kv, blk, .]) gives the rows as stored (a
     QuantizedInt4 of [B, n_kv, K, .] arrays): the caller dequantizes only those (`native_extent`)."""
-    block, off = indices // blk, indices % blk
-    out, start = None, 0
-    for x in extents:
-        E = jax.tree.leaves(x)[0].shape[0]
-        host = jax.typeof(jax.tree.leaves(x)[0]).memory_space == jax.memory.Space.Host
-        rows = ops.gather_block_rows(x, block - start, off, impl="auto" if host else "reference")  # device: XLA's
-        inside = ((block >= start) & (block < start + E))[..., None]
-        out = rows if out is None else jax.tree.map(lambda r, o: jnp.where(inside, r, o), rows, out)
-        start += E
-    return out
+    return ops.gather_pool_rows(extents, indices, blk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,6 +511,19 @@ class HostRows:
         valid = jnp.arange(indices.shape[-1]) < num_valid[..., None]
         return act_rows(self.cfg, self.lp, self.acts, blk, self.positions, indices, valid, len(dtypes) == 2,
                         dtypes[-1], self.impl)
+
+    def refill(self, buffers, indices, num_valid, blk):
+        """(buffers, x_rows [B]): each buffer [B, n_kv, K, d] (one per part) with rows [0, num_valid) of every
+        (request, head) replaced by the rows of indices [B, n_kv, K] (a head with num_valid 0 keeps its rows;
+        rows past num_valid keep theirs, never read). Extents: ``ops.refill_block_rows`` (on the GPU one kernel
+        per buffer writing only the replaced rows, in place); X rows: recomputed (``__call__``) and merged."""
+        if self.acts is None:
+            tokens = jnp.where(jnp.arange(indices.shape[-1]) < num_valid[..., None], indices, -1)
+            return (tuple(ops.refill_block_rows(buf, ext, tokens, blk) for buf, ext in zip(buffers, self.extents)),
+                    jnp.zeros(indices.shape[:1], jnp.int32))
+        rows, x_rows = self(indices, num_valid, tuple(b.dtype for b in buffers), blk)
+        keep = (jnp.arange(indices.shape[-1]) < num_valid[..., None])[..., None]
+        return tuple(jnp.where(keep, r, buf) for r, buf in zip(rows, buffers)), x_rows
 
 
 def query_cosines(q, cached):
@@ -811,11 +815,11 @@ class TokenSelectHooks(LayerHooks):
         K = self.static_budget(layout, batch)
         rates = self.replay_rates(cfg)
 
-        def make():
-            one = empty_selection(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, K)
-            if rates is None:
-                return tuple(one for _ in range(cfg.num_layers))
-            return tuple(with_replay(one, rates[i], i) for i in range(cfg.num_layers))
+        def make():  # each layer its own arrays: a layer's program donates its slots
+            def one(i):
+                sel = empty_selection(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, K)
+                return sel if rates is None else with_replay(sel, rates[i], i)
+            return tuple(one(i) for i in range(cfg.num_layers))
         return make
 
     def init_slots(self, pipe, model, layout, batch):
