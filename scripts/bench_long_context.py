@@ -13,7 +13,11 @@ Default policy `offload` with host_dtype=int4 and prefill_chunk_tokens=8192; --p
 registered policy and --option key=value any of its options (values parsed as JSON, else strings; an
 option the policy does not take is refused with the policy's own message). --layers N keeps the
 first N layers of the shape: prefill and step times scale with the layers (a 1M-token prefill of all 32
-is minutes per layer of attention), memory per layer too; the JSON says how many ran.
+is minutes per layer of attention), memory per layer too; the JSON says how many ran. --random-prefill
+replaces each prefill layer program by random K/V of its shapes (`offload.bench.random_kv_prefill`; the rest is
+the runtime's own prefill: plan, pool, extents, metadata): every layer's decode step and memory at a context
+whose real prefill would not fit one run; the JSON's prefill_s is then not a prefill time (prefill = "random
+K/V"). Measure the prefill rate on a few real layers beside it.
 """
 
 import os
@@ -24,6 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
@@ -56,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="decode steps before the timed ones (compilation)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_long_context.json)")
+    ap.add_argument("--random-prefill", action="store_true",
+                    help="random K/V in place of the prefill's layer programs (decode and memory only; see above)")
     args = ap.parse_args(argv)
 
     import logging
@@ -83,7 +90,8 @@ def main(argv=None):
     dev = M.default_device()
     result = {"shape": args.shape, "layers": layers, "of_layers": cfg.num_layers, "tokens": args.tokens, "batch": 1,
               "policy": args.policy, "options": opts, "dtype": args.dtype, "device": dev.device_kind,
-              "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+              "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "prefill": "random K/V (not a prefill time)" if args.random_prefill else "real"}
 
     def finish(rc):
         with open(out_path, "w") as f:
@@ -117,8 +125,13 @@ def main(argv=None):
     if layers < cfg.num_layers:
         model = Model(dataclasses.replace(model.config, num_layers=layers),
                       dataclasses.replace(model.params, layers=model.params.layers[:layers]))
+    from kvoffload.offload.bench import random_kv_prefill
+
     try:
-        prefill_s, times, logits, state, _ = timed_decode(pol, model, tokens, lengths, capacity, args.warmup + args.steps)
+        with random_kv_prefill(getattr(getattr(pol, "pipeline", None), "mesh", None)) if args.random_prefill \
+                else contextlib.nullcontext():
+            prefill_s, times, logits, state, _ = timed_decode(pol, model, tokens, lengths, capacity,
+                                                              args.warmup + args.steps)
     except MemoryPlanError as e:  # refused before allocating the pool
         return refused(e)
     stats = {}

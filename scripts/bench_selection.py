@@ -57,7 +57,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -129,61 +128,8 @@ def parse_options(pairs):
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# random K/V instead of the prefill's layer programs
-# ------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _random_kv_layer():
-    import jax
-
-    @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens"))
-    def layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
-        b, t, hidden = h.shape
-        dtype = lp.wk.dtype
-        kk, kv, kx = jax.random.split(jax.random.fold_in(jax.random.key(7), t), 3)
-        shape = (b, cfg.num_kv_heads, t, cfg.head_dim)
-        k = jax.random.normal(kk, shape, dtype)
-        v = jax.random.normal(kv, shape, dtype)
-        x = jax.random.normal(kx, (b, t, hidden), dtype) if keep_x else None
-        return h, k, v, x
-
-    return layer
-
-
-@contextlib.contextmanager
-def random_kv_prefill(mesh=None):
-    """Within: the pipeline's prefill computes no layer; each layer's K/V (and X) are random, of the shapes
-    and dtype the layer program would give, and the hidden state passes through. See the module doc. On a
-    tensor-parallel mesh the outputs are placed as the real program's are (K/V by head, X along H, h replicated)."""
-    import jax
-
-    from kvoffload.offload import memory as M
-    from kvoffload.offload import pipeline
-
-    layer = _random_kv_layer()
-    dev = M.default_device()
-
-    def committed(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl=None):
-        # the pipeline's _layer_prefill signature; committed to the device, as the real program's outputs are
-        # (it reads the committed weights): the tails made from them then enter the first decode step as
-        # later steps' do (one compilation)
-        out = layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens)
-        if mesh is None:
-            return jax.device_put(out, dev)
-        from kvoffload.offload import sharding as S
-
-        h, k, v, x = out
-        return (jax.device_put(h, S.replicated(mesh)), *jax.device_put((k, v), S.kv_sharding(mesh)),
-                None if x is None else jax.device_put(x, S.x_shardings(x, mesh)))
-
-    real = pipeline._layer_prefill
-    pipeline._layer_prefill = committed
-    try:
-        yield
-    finally:
-        pipeline._layer_prefill = real
+# random K/V instead of the prefill's layer programs (shared with scripts/bench_long_context.py)
+from kvoffload.offload.bench import random_kv_prefill  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------

@@ -113,11 +113,11 @@ def test_random_kv_prefill_takes_the_pipelines_layer_prefill_arguments():
     import inspect
 
     from kvoffload.offload import pipeline
+    from kvoffload.offload.bench import random_kv_prefill
 
-    with script_module("bench_selection") as bs:
-        want = list(inspect.signature(pipeline._layer_prefill).parameters)
-        with bs.random_kv_prefill():
-            got = list(inspect.signature(pipeline._layer_prefill).parameters)
-            assert pipeline._layer_prefill.__name__ == "committed"  # swapped in
-        assert pipeline._layer_prefill.__name__ == "_layer_prefill"  # restored
+    want = list(inspect.signature(pipeline._layer_prefill).parameters)
+    with random_kv_prefill():
+        got = list(inspect.signature(pipeline._layer_prefill).parameters)
+        assert pipeline._layer_prefill.__name__ == "committed"  # swapped in
+    assert pipeline._layer_prefill.__name__ == "_layer_prefill"  # restored
     assert got == want

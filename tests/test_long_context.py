@@ -162,3 +162,24 @@ def test_cudnn_prefill_attention_matches_the_xla_path_in_bf16(q_start, tc, lengt
     rows = ((q_start + np.arange(tc))[None, :] < np.asarray(lengths)[:, None])[:, None, :, None]
     err = np.abs(np.where(rows, np.asarray(got, np.float32) - np.asarray(want), 0)).max()
     assert err < 2e-2, err
+
+
+def test_bench_long_context_with_random_prefill_decodes_and_says_so(tmp_path):
+    """scripts/bench_long_context.py --random-prefill on the tiny OPT shape, clo with int4 host K/V: random K/V in
+    place of the prefill's layer programs (`offload.bench.random_kv_prefill`, which the JSON names), then the
+    decode steps and the plan; the stand-in is removed after the run."""
+    import json
+
+    from script_loader import script_module
+
+    from kvoffload.offload import pipeline
+
+    path = tmp_path / "random.json"
+    with script_module("bench_long_context") as blc:
+        rc = blc.main(["--shape", "tiny-opt", "--tokens", "96", "--policy", "clo", "--option", "block_tokens=16",
+                       "--option", "prefill_chunk_tokens=32", "--option", "int4_group_size=16", "--steps", "2",
+                       "--out", str(path), "--random-prefill"])
+    assert rc == 0 and pipeline._layer_prefill.__name__ == "_layer_prefill"
+    r = json.loads(path.read_text())
+    assert r["prefill"].startswith("random K/V") and r["options"]["host_dtype"] == "int4"
+    assert r["decode_step_s"] > 0 and len(r["decode_step_times_s"]) == 2 and r["memory_plan"]["host"]["K/V blocks"] > 0

@@ -17,15 +17,19 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    for random-weight speed runs) replaces a cached head's rule by a seeded Bernoulli draw at that rate
    (`tokenselect.ReplayDraw`; persistent heads keep theirs); tau is still evaluated and counted.
 3. Persistent heads select every pool token of the request (their "selection" is the whole context,
-   re-made only when the pool grows); layer 0 always (``layer0_full``). ``persistent_heads="plan"``
+   re-made only when the pool grows); layer 0 always (``layer0_full``). A layer whose every head is
+   persistent (layer 0 then) is a device layer (``CloHooks.device_layer``): its K/V blocks stay on the GPU in
+   the model's dtype and it attends them with `full`'s own ``attend_pool`` (no scores, no top-k, no row
+   buffers; ``CloSlots.dense``). ``persistent_heads="plan"``
    uses ``plan_persistent_heads`` with the shipped profile of the embedded model; "auto" (the default)
    does so where that profile is the model's and keeps none elsewhere (RULER on SmolLM2, exact: -1.3 / -2.6
    points without persistent heads, -0.5 / -0.0 with them).
 4. The cache buffer: the selected V rows per (request, KV head) are kept on the GPU in the slots
    (``v_rows``); when every head of a layer hits, nothing is gathered from host memory (on the CPU the
    gather runs under a ``lax.cond``; on the GPU, where a conditional syncs the host, it runs with every
-   head's count 0: ``conditionals``). When some head misses, only the missed heads' rows are read (the
-   hit heads' rows are taken from the buffer); ``v_rows_fetched`` counts them. Every per-(request, head) buffer holds one request's tokens at most
+   head's count 0: ``conditionals``). When some head misses, only the missed heads' rows are read and
+   written into the buffer in place (``ops.refill_block_rows``; the layer program donates the slots; the
+   hit heads' rows stay); ``v_rows_fetched`` counts them. Every per-(request, head) buffer holds one request's tokens at most
    (`request_token_bound`: the longest prompt's full blocks plus one block per flush), not the batch's pool.
 
 5. Retrieval (``retrieval``): ``exact`` scores the exact keys (above). ``quest`` and ``hata`` score GPU-side
