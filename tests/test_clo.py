@@ -620,6 +620,10 @@ def test_speculative_prefetch_changes_nothing_attended_and_reports_its_hit_rate(
     assert np.isnan(per[:, 0]).all() and np.allclose(per[:, 1], rates)  # two layers: layer 1's is the step's
 
 
+# slow (7 s of its own speculative compilations): the default suite checks the speculative path end to end in
+# test_speculative_prefetch_changes_nothing_attended_and_reports_its_hit_rate (speculation attends the plain run's
+# rows; the plain run equals full in test_everything_selected_never_reused_equals_full)
+@pytest.mark.slow
 def test_everything_selected_with_speculation_equals_full_and_guesses_everything(ref):
     arch, model, want = ref
     pol, got, state = _decode(model, "clo", NEW, topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False,
@@ -938,7 +942,10 @@ def test_gpu_store_act_matches_store_kv():
     ("clo", "radix", dict(topk=12, num_recent=4, eta=0.5)),
     pytest.param("clo", "kernel", dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5,
                                        host_dtype="int4", int4_group_size=16), marks=pytest.mark.slow),  # 12 s
-    ("tokenselect", "kernel", dict(token_budget=12, num_recent=4, cache_threshold=0.5, kv="split")),
+    # slow (6 s): conditionals=False is checked by default on clo-radix, the Pallas top-k kernel against NumPy by
+    # test_kernels.py::test_top_count_ascending_methods_against_numpy
+    pytest.param("tokenselect", "kernel", dict(token_budget=12, num_recent=4, cache_threshold=0.5, kv="split"),
+                 marks=pytest.mark.slow),
 ])
 def test_without_conditionals_and_by_radix_the_same_logits_and_reuse(policy, method, opts):
     """A small top-k with some reuse: with conditionals=False (no lax.cond: the selection and the gathers

@@ -51,7 +51,9 @@ CASES = [
     # ACT-only on LLaMA: slow; ACT-only runs on OPT (2), LLaMA's ACT extents recomputed with RoPE in 4
     pytest.param("llama", dict(act_share=1.0, gpu_blocks=0), 1, marks=pytest.mark.slow),
     ("opt", dict(act_share=1.0, gpu_blocks=0), 1),  # ACT-only, MHA
-    ("opt", dict(act_share=0.4, gpu_blocks=6), 1),  # KV, ACT and GPU-resident ACT extents
+    # KV, ACT and GPU-resident ACT extents. OPT slow (3 s): llama-4 below runs the same split against full, and
+    # test_blocks_sit_where_full_puts_them_and_gpu_blocks_stay_on_the_gpu places this split's blocks on OPT
+    pytest.param("opt", dict(act_share=0.4, gpu_blocks=6), 1, marks=pytest.mark.slow),
     ("llama", dict(act_share=0.4, gpu_blocks=6), 1),
     ("opt", dict(act_share=0.7, gpu_blocks=0, mini_batch_gb=1e-6), 3),  # one request per mini-batch (zig-zag over 3)
     ("llama", dict(allocation="algorithm1"), 1),

@@ -62,8 +62,11 @@ def ref(request):
 
 # pages of 4 on OPT behind the slow marker: pages run on LLaMA (GQA: the group's votes summed per page), MHA in
 # the page-1 case
-@pytest.mark.parametrize("ref,page_size", [("opt", 1), pytest.param("opt", 4, marks=pytest.mark.slow), ("llama", 1),
-                                           ("llama", 4)], indirect=["ref"], ids=["opt-1", "opt-4", "llama-1", "llama-4"])
+# the page-1 case on LLaMA behind the slow marker too: token-level selection runs by default on OPT (opt-1), GQA
+# LLaMA by default with pages of 4 (llama-4)
+@pytest.mark.parametrize("ref,page_size", [("opt", 1), pytest.param("opt", 4, marks=pytest.mark.slow),
+                                           pytest.param("llama", 1, marks=pytest.mark.slow), ("llama", 4)],
+                         indirect=["ref"], ids=["opt-1", "opt-4", "llama-1", "llama-4"])
 def test_whole_context_budget_equals_full(ref, page_size):
     """Every pool token selected and never reused: full attention, summed in another order."""
     arch, model, want = ref
