@@ -658,7 +658,9 @@ def test_guess_of_a_layer_equals_numpy_reference(monkeypatch):
 
     def spy_spec(self, pipe, model_, group, layer, h, positions, slot):
         out = real_spec(self, pipe, model_, group, layer, h, positions, slot)
-        guesses.append((layer, np.asarray(h), np.asarray(positions), group, out))
+        # the guess as made: the layer program donates the slots it is given
+        guesses.append((layer, np.asarray(h), np.asarray(positions), group, (np.asarray(out.held),
+                                                                             np.asarray(out.held_valid))))
         return out
 
     monkeypatch.setattr(P, "layer_step", spy_step)
@@ -679,7 +681,7 @@ def test_guess_of_a_layer_equals_numpy_reference(monkeypatch):
     keys = np.concatenate([np.asarray(k, np.float64) for k in group.pool_k[1]])  # [blocks, n_kv, blk, d]
     blk = keys.shape[2]
     flat = keys.transpose(1, 0, 2, 3).reshape(n_kv, -1, d)
-    held, nv = np.asarray(slot.held), np.asarray(slot.held_valid)
+    held, nv = slot
     for b, ids in enumerate(group.alloc.tables):
         own = np.zeros(flat.shape[1], bool)
         for i in ids:

@@ -645,7 +645,9 @@ def test_channel_int4_clo_quest_stays_near_native(model):
     rms = np.sqrt(np.mean((got - want) ** 2)) / want.std()
     assert 0 < rms <= 0.25, rms
     assert float(np.mean(got_greedy == greedy)) >= 0.75
-    assert all(a.scales == "channel" for layer in state.groups[0].pool_k for a in layer)
+    layer0, *host_layers = state.groups[0].pool_k  # layer 0 (layer0_full): a device layer, native K on the GPU
+    assert all(a.scales == "channel" for layer in host_layers for a in layer)
+    assert not any(isinstance(a, ops.QuantizedInt4) for a in layer0)
 
 
 def test_int4_k_quant_defaults_by_policy():

@@ -316,11 +316,13 @@ def check_selection(res):
     assert res["max_abs"] < 1e-4, (case, res["max_abs"])
     keys_dev = case["policy"] == "tokenselect" or opts.get("retrieval", "exact") == "exact"
     values_dev = case["policy"] == "tokenselect" and opts.get("kv", "gpu") == "gpu"
-    assert res["pool_k"] == [f"{HEADS}@{'device' if keys_dev else 'pinned_host'}"], res
+    # clo's layer 0 (layer0_full, the default): a device layer, its K and V extents on the GPU by head
+    layer0 = {f"{HEADS}@device"} if case["policy"] == "clo" and opts.get("layer0_full", True) else set()
+    assert res["pool_k"] == sorted({f"{HEADS}@{'device' if keys_dev else 'pinned_host'}"} | layer0), res
     if opts.get("store") == "act":
         assert res["pool_v"] == [] and res["pool_x"] == [f"{ALONG_H}@pinned_host"], res
     else:
-        assert res["pool_v"] == [f"{HEADS}@{'device' if values_dev else 'pinned_host'}"], res
+        assert res["pool_v"] == sorted({f"{HEADS}@{'device' if values_dev else 'pinned_host'}"} | layer0), res
     assert res["tail_k"] == [f"{HEADS}@device"] and res["logits"] == ["P()@device"], res
     assert f"{HEADS}@device" in res["slots"] and set(res["slots"]) <= {f"{HEADS}@device", "P()@device",
                                                                        "P('model',)@device"}, res

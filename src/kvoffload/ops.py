@@ -639,7 +639,7 @@ def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=
     tokens = tokens.astype(jnp.int32)
     native = not any(isinstance(x, QuantizedInt4) for x in extents)
     paths = {_gather_path(x, True, interpret) for x in extents} if native else set()
-    if native and use_kernel(impl) and paths <= {"kernel", "kernel_zero_copy"} | ({"kernel_device_copy"} if interpret else set()):
+    if native and use_kernel(impl) and paths <= {"kernel", "kernel_zero_copy", "kernel_device_copy"}:
         def run(b_, t_, *xs):
             if interpret:  # interpret mode cannot index host memory (tests only)
                 xs = tuple(jax.device_put(x, jax.memory.Space.Device) for x in xs)

@@ -592,7 +592,6 @@ class CloHooks(TokenSelectHooks):
         self.persistent_heads, self.layer0_full = persistent_heads, layer0_full
         self.hata_weights, self.hata_bits = hata_weights, hata_bits
         self.chosen: dict = {}  # what init_slots decided for the model (for describe)
-        self.device_layers: tuple = ()  # per layer: every head persistent (`device_layer`), set by choose_stores
 
     def keys_on_device(self, pipe) -> bool:
         return self.attend.retrieval == "exact"  # quest / hata: only their metadata on the GPU
@@ -648,22 +647,6 @@ class CloHooks(TokenSelectHooks):
             new = jax.device_put(new, jax.tree.map(lambda old: old.sharding, slot.meta[extent]))
         written = tuple(write_blocks(old, part, at) for old, part in zip(slot.meta[extent], new))
         return dataclasses.replace(slot, meta=slot.meta[:extent] + (written,) + slot.meta[extent + 1:])
-
-    def choose_stores(self, pipe, model, layout, batch):
-        """tokenselect's choice per layer, and the device layers (`device_layer`): those whose every KV head is
-        persistent keep K and V (on the GPU)."""
-        stores, reasons = super().choose_stores(pipe, model, layout, batch)
-        K = self.static_budget(layout, batch)
-        self.device_layers = tuple(bool(x) for x in self.persistent_for_stores(pipe, model, layout, batch, K).all(1))
-        stores, reasons = list(stores), list(reasons)
-        for layer in np.flatnonzero(self.device_layers):
-            stores[layer] = "kv"
-            reasons[layer] = ("kv: every head persistent, so the layer's K/V blocks stay on the GPU in the model's "
-                              "dtype and it attends them whole, as `full` does")
-        return tuple(stores), tuple(reasons)
-
-    def device_layer(self, pipe, layer) -> bool:
-        return bool(self.device_layers and self.device_layers[layer])
 
     def persistent_for_stores(self, pipe, model, layout, batch, K):
         scores = head_rule(model.config, self.importance, self.eta, self.p, self.fixed_threshold)[0]

@@ -393,15 +393,7 @@ def tier_index(sizes, most):
     return jnp.where(most == 0, 0, 1 + below).astype(jnp.int32)
 
 
-def gather_rows(extents, indices, blk):
-    """[B, n_kv, K, d] in device memory: rows of the pool's token space (indices [B, n_kv, K]) from the
-    extents [E_e, n_kv, blk, d] (block-id order); one gather per extent, each row taken from its own.
-    Activation extents [E_e, blk, H] take tokens [B, T] and give [B, T, H]; a token -1 reads nothing (0).
-    An extent in host memory (kv=split's V) goes to ``ops.gather_block_rows``: on the GPU a kernel reads
-    only the selected rows in place (XLA's gather of a host operand would run as host compute). An int4
-    extent (``QuantizedInt4``: codes, step, min, each [E_e, n_kv, blk, .]) gives the rows as stored (a
-    QuantizedInt4 of [B, n_kv, K, .] arrays): the caller dequantizes only those (`native_extent`)."""
-    return ops.gather_pool_rows(extents, indices, blk)
+gather_rows = ops.gather_pool_rows  # rows of the pool's token space from its extents (host ones zero-copy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,6 +668,7 @@ class TokenSelectHooks(LayerHooks):
         self.split = split  # kv=split: K extents on the device, V extents in the host pool
         self.store = store  # kv | act | auto: per layer, the host pool holds V (or K/V) rows or activations X
         self.stores: tuple = ()  # per layer, decided at prefill (`pool_layouts`)
+        self.device_layers: tuple = ()  # per layer: every head persistent (`device_layer`), decided with the stores
         self.store_reasons: tuple = ()
         self.x_row_bytes = 0.0  # one token's X as the host pool stores it
         self.replay_hit_rate = replay_hit_rate  # checked values (a number or one per layer), or None
@@ -717,8 +710,15 @@ class TokenSelectHooks(LayerHooks):
         bound = request_token_bound(layout, batch)
         persistent = self.persistent_for_stores(pipe, model, layout, batch, K)
         forced = self.attend.num_sink + self.attend.num_recent
+        # a layer whose every head selects its whole context keeps its K/V blocks on the GPU (`device_layer`)
+        self.device_layers = tuple(bool(x) for x in persistent.all(1))
         stores, reasons = [], []
         for layer in range(L):
+            if self.device_layers[layer]:
+                stores.append("kv")
+                reasons.append("kv: every head persistent, so the layer's K/V blocks stay on the GPU in the model's "
+                               "dtype and it attends them whole, as `full` does")
+                continue
             n_p = int(persistent[layer].sum())
             kv_tokens = batch * (n_p * bound + (n_kv - n_p) * K) / n_kv
             x_tokens = batch * (bound if n_p else expected_union(K, bound, n_kv, forced))
@@ -730,6 +730,9 @@ class TokenSelectHooks(LayerHooks):
                 stores.append(self.store)
                 reasons.append(f"{self.store}: as asked (store={self.store}); the cost model: {plan.reason}")
         return tuple(stores), tuple(reasons)
+
+    def device_layer(self, pipe, layer) -> bool:
+        return bool(self.device_layers and self.device_layers[layer])
 
     def pool_layouts(self, pipe, model, dtype, rows, lengths, capacity):
         layouts = super().pool_layouts(pipe, model, dtype, rows, lengths, capacity)
