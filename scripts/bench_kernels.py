@@ -451,6 +451,24 @@ def bench_scores(ceil, quick):
     sc = f(q, k, L)
     t_s = timeit(sel, sc)
     record("select_topk", f"B{B} S{S} k=10%", t_s, None, sc.nbytes, 0, ceil)
+    # `clo`'s layout: one extent of the pool = E blocks of 64 tokens as a batch of E, a per-head length (0: the
+    # head reuses its selection, its keys not read). One head of 8 scored (a hit rate of ~0.86) and all 8.
+    blk, E = 64, S // 64 // 4  # a quarter of the context: 4 extents per layer at 128K
+    qe = jnp.broadcast_to(q, (E, n_heads, d))
+    ke = rand(jax.random.PRNGKey(13), (E, n_kv, blk, d), jnp.bfloat16)
+    for pattern, heads in (("1 of 8 heads", 1), ("8 heads", n_kv)):
+        Le = jnp.broadcast_to(jnp.where(jnp.arange(n_kv) < heads, blk, 0).astype(jnp.int32), (E, n_kv))
+        mk = lambda **kw: jax.jit(lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L, group_reduce="max", **kw))
+        r = jax.jit(lambda q, k, L: _tk.topk_scores_exact_reference(q, k, L, group_reduce="max"))
+        t_one = timeit(mk(), qe, ke, Le)
+        t_b, best = _sweep(f"scores blocks {pattern}", mk, (qe, ke, Le),
+                           [dict(items=n, num_warps=w) for n in (4, 8, 16, 32) for w in (4, 8)], t_one)
+        got = mk(**best)(qe, ke, Le) if best else mk()(qe, ke, Le)
+        record("topk_scores_exact", f"E{E} x blk{blk} (one extent) {pattern} h32/kv8 d128 bf16", t_one,
+               timeit(r, qe, ke, Le), heads * E * blk * d * 2 + E * n_kv * blk * 4, 2 * E * 4 * heads * blk * d,
+               ceil, extra=dict(best_us=t_b * 1e6, best_params=best,
+                                equal_per_block=bool(np.array_equal(np.asarray(got), np.asarray(mk()(qe, ke, Le)))),
+                                rel_err_vs_xla=relerr(got, r(qe, ke, Le))))
 
 
 def bench_prefill(ceil, quick):
@@ -491,34 +509,53 @@ def bench_prefill(ceil, quick):
 
 def bench_topk(ceil, quick):
     """The top-10% selection per KV head (Llama-3-8B: 8 rows) at 128K and 1M scores: ``top_count_ascending``'s
-    radix select with its order-keeping compaction (4- and 2-bit digits) against its "sort" method
-    (``jax.lax.top_k`` plus the ascending sort), in the same run (the "XLA" column). The roofline counts one
-    read of the scores: the 32 / digit_bits count rounds reread them (from L2 at 128K)."""
+    radix select with its order-keeping compaction (4- and 2-bit digits) and the same select as Pallas kernels
+    ("kernel": many programs per row, a row of count 0 skipped) against its "sort" method (``jax.lax.top_k``
+    plus the ascending sort), in the same run (the "XLA" column). Two count patterns: every row selects, and
+    one row of 8 (a `clo` step at a hit rate of ~0.86: the other heads reuse their selection, count 0). The
+    roofline counts one read of the scores: the 32 / digit_bits count rounds reread them (from L2 at 128K)."""
+    from kvoffload.pallas import select as _sel
+
     sizes = [1024] if TINY else ([131072] if quick else [131072, 1048576])
     for S in sizes:
         rows, k = 8, S // 10
         sc = jax.random.normal(jax.random.PRNGKey(21), (rows, S), jnp.float32)
         sc = sc.at[:, :4].set(jnp.inf).at[:, -64:].set(jnp.inf)  # forced sinks / recent, as selection has them
+        for pattern in ("all rows", "1 of 8 rows"):
+            counts = jnp.full((rows,), k, jnp.int32)
+            if pattern != "all rows":
+                counts = counts * (jnp.arange(rows) == 3)
+            sort = jax.jit(lambda s, c: _tk.top_count_ascending(s, c, k, method="sort"))
+            t_sort = timeit(sort, sc, counts)
+            t_sort_all = t_sort if pattern == "all rows" else t_sort_all
+            want = np.asarray(sort(sc, counts)[0])
+            variants = [("radix", dict(digit_bits=4)), ("radix", dict(digit_bits=2)), ("kernel", {})]
+            if not quick and pattern == "1 of 8 rows":
+                variants = variants[:1] + variants[2:]
+            for method, kw in variants:
+                f = jax.jit(lambda s, c, m=method, kw=kw: _tk.top_count_ascending(s, c, k, method=m, **kw))
+                try:
+                    t = timeit(f, sc, counts)
+                except Exception as e:  # noqa: BLE001  (the kernel's first GPU run: say why, go on)
+                    print(f"  top_count_ascending {method} failed: {str(e)[:300]}", flush=True)
+                    continue
+                same = bool(np.array_equal(np.asarray(f(sc, counts)[0]), want))
+                label = f"rows{rows} S{S} k=10% {pattern} {method}" + (
+                    f" digits{kw['digit_bits']}" if method == "radix" else "")
+                extra = dict(equals_sort=same)
+                if method == "kernel":
+                    keys, nv = _tk.orderable_keys(sc), sort(sc, counts)[1]
+                    mk = lambda **p: jax.jit(lambda x, n: _sel.select_rows_kernel(x, n, k, interpret=TINY, **p))
+                    t_b, best = _sweep(f"select_rows {pattern}", mk, (keys, nv),
+                                       [dict(chunk=c, num_warps=w) for c in (2048, 4096, 8192) for w in (4, 8)],
+                                       timeit(mk(), keys, nv))
+                    extra.update(best_us=t_b * 1e6, best_params=best)
+                record("top_count_ascending", label, t, t_sort, sc.nbytes, 0, ceil, extra=extra)
         counts = jnp.full((rows,), k, jnp.int32)
-
-        sort = jax.jit(lambda s, c: _tk.top_count_ascending(s, c, k, method="sort"))
-        t_sort = timeit(sort, sc, counts)
-        want = np.asarray(sort(sc, counts)[0])
-        for method, bits in (("radix", 4), ("radix", 2), ("kernel", 4)):
-            f = jax.jit(lambda s, c, m=method, bits=bits: _tk.top_count_ascending(s, c, k, method=m, digit_bits=bits))
-            try:
-                t = timeit(f, sc, counts)
-            except Exception as e:  # noqa: BLE001  (the kernel's first GPU run: say why, go on)
-                print(f"  top_count_ascending {method} failed: {str(e)[:300]}", flush=True)
-                continue
-            same = bool(np.array_equal(np.asarray(f(sc, counts)[0]), want))
-            record("top_count_ascending", f"rows{rows} S{S} k=10% {method}" + (f" digits{bits}" if method == "radix"
-                                                                             else ""),
-                   t, t_sort, sc.nbytes, 0, ceil, extra=dict(equals_sort=same))
         keys = _tk.orderable_keys(sc)
         for bits in (4, 2):
             f = jax.jit(lambda x, c, bits=bits: _tk.kth_largest_key(x, c, digit_bits=bits))
-            record("kth_largest_key", f"rows{rows} S{S} digits{bits}", timeit(f, keys, counts), t_sort, sc.nbytes,
+            record("kth_largest_key", f"rows{rows} S{S} digits{bits}", timeit(f, keys, counts), t_sort_all, sc.nbytes,
                    0, ceil)
         mask = sc > 0.5
         t_cum = timeit(jax.jit(lambda m: jnp.cumsum(m.astype(jnp.int32), axis=-1)), mask)

@@ -173,6 +173,11 @@ def lower_only_checks():
         ]
         for blk in (16, 64, 24):  # 24: a block size that is not a power of two (padded)
             E, M = S // blk + 3, S // blk + 1
+            qe = jnp.asarray(rng.standard_normal((E, n_kv * G, d)), dt)
+            ke = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), dt)
+            Le = jnp.asarray(rng.integers(0, blk + 1, (E, n_kv)), jnp.int32)
+            cases.append((f"scores_exact blocks E{E} blk{blk} {tag}", lambda q, k, L: _tk.topk_scores_exact_kernel(
+                q, k, L, group_reduce="max"), (qe, ke, Le)))
             kb = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), dt)
             table = jnp.asarray(rng.integers(0, E, (B, M)), jnp.int32)
             nb = jnp.asarray(rng.integers(0, M + 1, B), jnp.int32)

@@ -975,13 +975,18 @@ def test_conditionals_and_topk_method_options_are_checked():
 
 
 def test_topk_method_auto_takes_radix_from_128k_candidates():
-    """"auto" resolves by the static row length: radix from RADIX_MIN_CANDIDATES (the GPU-bound 128K and 1M
-    steps), sort below; both give the sort's indices on rows straddling the switch."""
+    """"auto" resolves by the static row length and the backend: off the GPU radix from RADIX_MIN_CANDIDATES,
+    sort below; on the GPU the Pallas kernels from KERNEL_MIN_CANDIDATES, sort below. Both give the sort's
+    indices on rows straddling the switch."""
     from kvoffload.pallas import topk as tk
 
     n = tk.RADIX_MIN_CANDIDATES
-    assert tk.resolve_topk_method("auto", n - 1) == "sort" and tk.resolve_topk_method("auto", n) == "radix"
-    assert tk.resolve_topk_method("kernel", 8) == "kernel"
+    assert tk.resolve_topk_method("auto", n - 1, gpu=False) == "sort"
+    assert tk.resolve_topk_method("auto", n, gpu=False) == "radix"
+    m = tk.KERNEL_MIN_CANDIDATES
+    assert tk.resolve_topk_method("auto", m - 1, gpu=True) == "sort"
+    assert tk.resolve_topk_method("auto", m, gpu=True) == "kernel"
+    assert tk.resolve_topk_method("kernel", 8) == "kernel" and tk.resolve_topk_method("radix", 8, gpu=True) == "radix"
     with pytest.raises(ValueError, match="top-k method must be one of"):
         tk.resolve_topk_method("heap", 8)
     pri = jax.random.normal(jax.random.key(5), (2, n), jnp.float32)

@@ -318,6 +318,29 @@ def test_planner_checks_the_device_side_on_cpu():
         check_memory(mem, host_available=mem.host_bytes + 1, device_is_host=True)
 
 
+def test_planner_adds_the_resident_weights_back_to_free_gpu_memory(monkeypatch):
+    """Free GPU memory has the model's loaded weights in use and the plan counts them too: check_pool adds the
+    weights' device bytes back (else they count twice: a 1M-token Llama-3-8B run refused 66.9 GB against 62.2
+    GB free of a 78.6 GB limit with 16 GB of weights loaded). Only device-memory shards count."""
+    from kvoffload.plan.memory import check_pool
+
+    dev = jax.devices()[0]
+    weights = {"w": jnp.ones((256, 256), jnp.float32), "b": np.ones(7, np.float32),
+               "h": jax.device_put(jnp.ones((64, 64)), jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))}
+    resident = M.resident_device_bytes(weights, dev)
+    assert resident == 256 * 256 * 4
+    cfg = model_shape("opt-6.7b")
+    plan = plan_pool(cfg, jnp.bfloat16, [np.full(8, 1024)], 1152)
+    mem = pool_memory(cfg, jnp.bfloat16, plan.layouts, 8, 1024, host_pool=True, offload_weights=False)
+    monkeypatch.setattr(M, "available_device_bytes", lambda d=None: mem.gpu_bytes - resident // 2)
+    monkeypatch.setattr(M, "host_memory_kind", lambda d=None: ("pinned_host", ""))
+    monkeypatch.setattr(M, "host_pool_cap_bytes", lambda platform=None: None)
+    kw = dict(host_limit_gb=1e6, gpu_limit_gb=None, host_pool=True, dev=dev)
+    with pytest.raises(MemoryPlanError, match="GPU side needs"):
+        check_pool(mem, **kw)
+    check_pool(mem, **kw, resident=resident)
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError, match="schedule"):
         make_policy("kvpr", schedule="diagonal")

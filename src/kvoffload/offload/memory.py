@@ -180,3 +180,17 @@ def available_device_bytes(dev=None) -> float | None:
     if "bytes_limit" not in stats:
         return None
     return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def resident_device_bytes(tree, dev=None) -> int:
+    """Bytes of tree's arrays held in dev's device memory (their shards there): what a plan that counts those
+    arrays must add back to `available_device_bytes`, which has them in use already (a model's weights, loaded
+    before its run is planned)."""
+    dev = dev or default_device()
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if not isinstance(x, jax.Array) or memory_kind_of(x) not in (None, "device"):
+            continue
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == dev)
+    return total
+

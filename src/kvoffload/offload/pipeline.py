@@ -695,7 +695,8 @@ class LayerPipeline:
             check_pool(S.machine_plan(self.memory_plan, self.mesh, self.dev.platform), o.host_memory_limit_gb,
                        o.gpu_memory_limit_gb, self.host_pool, self.dev,
                        what=f"{self.hooks.name} for batch {b} x {capacity} tokens"
-                       + (f" on {self.tp} devices" if self.mesh is not None else ""))
+                       + (f" on {self.tp} devices" if self.mesh is not None else ""),
+                       resident=M.resident_device_bytes(model.params, self.dev))  # the plan counts the weights
         return rows, layouts
 
     def device_config(self, model):

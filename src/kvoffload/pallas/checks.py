@@ -527,7 +527,7 @@ def check_select(B=3, n_kv=2, N=300, k=40, num_sink=4, num_recent=16, page_size=
 
 
 def check_select_rows(R=8, N=131072, ratio=0.1, kind="normal", mode="reference", seed=0, **kw):
-    """The selection's top-k in one kernel (`pallas/select.py`, mode kernel / interpret) or by the XLA radix
+    """The selection's top-k by the Pallas kernels (`pallas/select.py`, mode kernel / interpret) or by the XLA radix
     select (mode reference) against `jax.lax.top_k` + sort (`top_count_ascending(method="sort")`), with
     per-row counts, forced +inf entries and (kind "ties") integer scores: the same indices, exactly."""
     rng = np.random.default_rng(seed)
@@ -538,6 +538,7 @@ def check_select_rows(R=8, N=131072, ratio=0.1, kind="normal", mode="reference",
     pri[:, :4] = np.inf
     pri[rng.random((R, N)) < 0.05] = -np.inf
     counts = rng.integers(k // 2, k + 1, R).astype(np.int32)
+    counts[R // 2] = 0  # a row that reuses its selection: skipped, zeros out
     p, c = jnp.asarray(pri), jnp.asarray(counts)
     want, nv = jax.jit(lambda p, c: _tk.top_count_ascending(p, c, k, method="sort"))(p, c)
     if mode == "reference":
@@ -785,6 +786,8 @@ def kernel_cases(full=False):
                                 for dt in DTYPES for red in ("sum", "max")]):
         cases.append((check_scores_exact, dict(G=g, d=d, dtype=dt, group_reduce=red)))
     cases.append((check_scores_exact, dict(G=4, d=128, dtype="bfloat16", group_reduce="max", per_head=True, S=256)))
+    # pool blocks as a batch (S <= 128: several blocks per program, `SCORE_ITEMS`), a head of length 0
+    cases.append((check_scores_exact, dict(B=19, n_kv=3, G=3, S=64, d=64, group_reduce="max", per_head=True)))
     if full:
         # every group x head dim x dtype (x code width x popcount for HATA); the other
         # options (reduction, page size, num_pages, norm, shared) cycle along
@@ -829,7 +832,7 @@ def kernel_cases(full=False):
                                           q_start=(150, 96)[i % 2])))
     cases.append((check_prefill, dict(G=2, d=64, T=200, Tc=64, q_start=0, block_q=32, block_k=16)))
     cases += [(check_select_rows, dict(R=3, N=300, kind="normal")), (check_select_rows, dict(R=2, N=77, kind="ties")),
-              (check_select_rows, dict(R=2, N=200, ratio=0.3, chunk=32, out_chunk=16))]
+              (check_select_rows, dict(R=3, N=200, ratio=0.3, chunk=32, count_piece=16, compact_piece=8))]
     return cases
 
 
@@ -897,6 +900,7 @@ def gpu_cases():
             add(check_sparse, dict(G=7, d=d, dtype=dt, page_size=16, with_lengths=True))
             add(check_scores_exact, dict(G=3, d=d, dtype=dt))
             add(check_scores_exact, dict(G=4, d=d, dtype=dt, group_reduce="max", per_head=True, S=256))
+            add(check_scores_exact, dict(B=37, n_kv=8, G=4, d=d, dtype=dt, group_reduce="max", per_head=True, S=64))
     for d in (64, 128):
         for dt in DTYPES:
             for b in (True, False):
@@ -946,6 +950,7 @@ def gpu_cases():
     add(check_select_rows, dict(R=8, N=131072))
     add(check_select_rows, dict(R=8, N=131072, kind="ties"))
     add(check_select_rows, dict(R=16, N=20000, ratio=0.5))
+    add(check_select_rows, dict(R=8, N=1048576))  # 64 programs of 16K keys per row
     return cases
 
 

@@ -42,6 +42,7 @@ from kvoffload.pallas.common import (
     dot,
     load,
     next_pow2,
+    on_gpu,
     online_softmax_init,
     online_softmax_step,
     pallas_call,
@@ -126,8 +127,53 @@ def _scores_kernel(len_ref, q_ref, k_ref, o_ref, *, scale, block_s, d, dp, G, gr
     o_ref[...] = jnp.where(row_ok, _reduce_group_rows(s, G, group_reduce), -jnp.inf)
 
 
+# batch items per program of the exact scores kernel over pool blocks (`topk_scores_exact_kernel`): one, so that
+# a scored head's blocks spread over every SM while a skipped head's programs only store -inf. H100, one 32K
+# extent of 64-token blocks, one head of 8 scored, 10 calls in a jit: 28 us (1 item) vs 40 (the per-block
+# grid without the skip) and 46 (8 items); every head scored: 60-64 us for all three (ninth session).
+SCORE_ITEMS = 1
+
+
+def _scores_items_kernel(len_ref, q_ref, k_ref, o_ref, *, scale, items, B, S, Sp, d, dp, G, group_reduce, n_kv):
+    # Whole arrays: len_ref [B * n_kv]; q_ref [B, n_kv, Gp, dp]; k_ref [B, n_kv, S, d]; o_ref [B, n_kv, Sp].
+    # One program: `items` consecutive batch items of one KV head (S <= Sp rows each).
+    i0, h = pl.program_id(0) * items, pl.program_id(1)
+    rows = jnp.arange(Sp, dtype=jnp.int32)
+    cols = jnp.arange(dp, dtype=jnp.int32)
+
+    def one(i, _):
+        b = jnp.minimum(i0 + i, B - 1)  # past the batch: redo the last item (same values, no stray write)
+        length = jnp.minimum(len_ref[b * n_kv + h], S)
+        row_ok = rows < length
+
+        @pl.when(length > 0)
+        def _():
+            kb = load(k_ref.at[b, h, rows[:, None], cols[None, :]],
+                      mask=row_ok[:, None] & (cols < d)[None, :], other=0.0)
+            s = dot(q_ref[b, h], kb, trans_b=True) * scale  # [Gp, Sp]
+            o_ref[b, h, :] = jnp.where(row_ok, _reduce_group_rows(s, G, group_reduce), -jnp.inf)
+
+        @pl.when(length <= 0)  # a head that is not scored: its keys are not read
+        def _():
+            o_ref[b, h, :] = jnp.full((Sp,), -jnp.inf, jnp.float32)
+
+        return 0
+
+    jax.lax.fori_loop(0, items, one, 0)
+
+
 def topk_scores_exact_kernel(q, k, lengths=None, *, scale=None, group_reduce="sum",
-                             interpret=False, poison=False, block_s=128, num_warps=4):
+                             interpret=False, poison=False, block_s=128, num_warps=4, items="auto"):
+    """The exact scores kernel. Two layouts of the grid:
+    * items=None: programs over (batch, KV head, blocks of block_s keys).
+    * items=n (S <= block_s only, as the pool's blocks are: a `clo` extent is E blocks of blk tokens, a batch
+      of E): each program scores n batch items of one KV head, and an item of length 0 (a head that reuses
+      its selection) costs a store of -inf, no read of its keys. One program per block left the GPU
+      latency-bound at 4096 programs of a 64 x 128 key tile each (an H100: ~16 us per 32K-token extent with
+      one head of 8 scored).
+    "auto": SCORE_ITEMS items where S <= block_s, else None. The same values either way (same tile, same dot)."""
+    if items == "auto":
+        items = SCORE_ITEMS if k.shape[2] <= block_s else None
     _check_group_reduce(group_reduce)
     B, H, d = q.shape
     _, n_kv, S, _ = k.shape
@@ -138,9 +184,26 @@ def topk_scores_exact_kernel(q, k, lengths=None, *, scale=None, group_reduce="su
     if lengths is None:
         lengths = jnp.full((B,), S, jnp.int32)
     per_head = lengths.ndim == 2  # [B, n_kv]: a length per (b, KV head); 0 skips the head (its K is never read)
+    qg = jnp.pad(q.reshape(B, n_kv, G, d), ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
+    if items is not None and S <= block_s:
+        Sp = max(16, next_pow2(S))
+        L = (lengths if per_head else jnp.broadcast_to(lengths[:, None], (B, n_kv))).astype(jnp.int32)
+        kernel = functools.partial(_scores_items_kernel, scale=scale, items=int(items), B=B, S=S, Sp=Sp, d=d,
+                                   dp=dp, G=G, group_reduce=group_reduce, n_kv=n_kv)
+        whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+        out = pallas_call(
+            kernel, poison=poison,
+            grid=(cdiv(B, int(items)), n_kv),
+            in_specs=[whole((B * n_kv,)), whole((B, n_kv, Gp, dp)), whole((B, n_kv, S, d))],
+            out_specs=whole((B, n_kv, Sp)),
+            out_shape=jax.ShapeDtypeStruct((B, n_kv, Sp), jnp.float32),
+            compiler_params=triton_params(num_warps=num_warps, num_stages=2),
+            interpret=interpret,
+            name="kvo_topk_scores",
+        )(L.reshape(-1), qg, k)
+        return out[:, :, :S]
     block_s = min(block_s, max(16, next_pow2(S)))
     ns = cdiv(S, block_s)
-    qg = jnp.pad(q.reshape(B, n_kv, G, d), ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
     kernel = functools.partial(_scores_kernel, scale=scale, block_s=block_s, d=d, dp=dp,
                                G=G, group_reduce=group_reduce, S=S)
     out = pallas_call(
@@ -630,18 +693,25 @@ def prefix_count(mask, chunk=128):
 
 
 TOPK_METHODS = ("auto", "sort", "radix", "kernel")
-# "auto" takes the radix select from this many candidates per row. A clo decode step on an H100 at 128K became
-# GPU-bound once the row buffers were refilled in place (eighth session): radix 22.45 vs sort 25.68 ms per
-# 32-layer step, and at 1M (HATA, 2 layers) 14.0 vs 18.0 ms per layer; below 128K not measured (the sort, as
-# before). BENCHMARKS.md, 2026-11-27.
+# Off the GPU "auto" takes the XLA radix select from this many candidates per row, the sort below (on the CPU
+# the Pallas kernels would run interpreted). A clo decode step on an H100 at 128K: radix 22.45 vs sort 25.68 ms
+# per 32-layer step (eighth session).
 RADIX_MIN_CANDIDATES = 1 << 17
+# On the GPU "auto" takes the Pallas select ("kernel") from this many candidates: at 8 x 128K with one row
+# selecting (a clo layer at a hit rate of ~0.86) 87 us against the XLA radix's 206 and the sort's 318, in a
+# jit of 10 calls; the 128K clo step 18.7-19.8 ms against radix's 22.9. At 32K the sort's step was faster
+# (19.7 vs 22.8 ms), so the sort below 128K (ninth session, H100, BENCHMARKS.md).
+KERNEL_MIN_CANDIDATES = 1 << 17
 
 
-def resolve_topk_method(method: str, n_candidates: int) -> str:
-    """The method `top_count_ascending` runs for `method` over rows of n_candidates (static) entries."""
+def resolve_topk_method(method: str, n_candidates: int, gpu: bool | None = None) -> str:
+    """The method `top_count_ascending` runs for `method` over rows of n_candidates (static) entries; gpu: the
+    default backend is a GPU (None: ask JAX)."""
     if method not in TOPK_METHODS:
         raise ValueError(f"top-k method must be one of {TOPK_METHODS}, got {method!r}")
     if method == "auto":
+        if on_gpu() if gpu is None else gpu:
+            return "kernel" if n_candidates >= KERNEL_MIN_CANDIDATES else "sort"
         return "radix" if n_candidates >= RADIX_MIN_CANDIDATES else "sort"
     return method
 
@@ -653,14 +723,12 @@ def top_count_ascending(pri, counts, k, *, method="auto", digit_bits=4):
 
     * "sort": ``jax.lax.top_k`` of k (XLA sorts each row), the first counts[r] kept, then sorted ascending.
     * "radix": the k-th largest value by a radix select (`kth_largest_key`), then an order-keeping compaction
-      (`prefix_count` and a scatter of unique slots): no sort, half the GPU time at 8 x 128K scores on an
-      H100 (140 vs 291 us), but ~30 more kernels in a layer program: it pays where the step is GPU-bound (a
-      `clo` step at b1 128K: 22.45 vs 25.68 ms; 1M: 14.0 vs 18.0 ms per layer), not where the host's
-      per-kernel work bounds it (before the in-place refill: 38.5 vs 28.8 ms at 128K). "auto" (the default):
-      radix from RADIX_MIN_CANDIDATES (128K) per row, else sort.
-    * "kernel": the radix select and the compaction in one Pallas launch per row (`pallas/select.py`; interpret
-      mode off the GPU). Exact on an H100, but one program per row leaves the GPU idle: 9.1 ms at 8 x 128K,
-      65x the XLA radix select."""
+      (`prefix_count` and a scatter of unique slots), all in XLA: no sort, but ~40 kernels, each over every row.
+    * "kernel": the same radix select and compaction as Pallas kernels (`pallas/select.py`: 8 count launches
+      and one compaction, many programs per row; a row of count 0 exits at once). On an H100, 8 x 128K with
+      one row selecting: 87 us against radix's 206 and the sort's 318. Off the GPU it runs interpreted (slow).
+    * "auto" (the default): on the GPU "kernel" from KERNEL_MIN_CANDIDATES (128K) per row, else the sort; off it
+      radix from RADIX_MIN_CANDIDATES (128K), else the sort."""
     R, N = pri.shape
     method = resolve_topk_method(method, N)
     k = int(min(k, N))
@@ -668,7 +736,6 @@ def top_count_ascending(pri, counts, k, *, method="auto", digit_bits=4):
     n_ok = jnp.sum(pri > NEG_INF, axis=1, dtype=jnp.int32)
     want = jnp.clip(jnp.minimum(counts.astype(jnp.int32), n_ok), 0, k)
     if method == "kernel":
-        from kvoffload.pallas.common import on_gpu
         from kvoffload.pallas.select import select_rows_kernel
 
         return select_rows_kernel(orderable_keys(pri), want, k, interpret=not on_gpu()), want

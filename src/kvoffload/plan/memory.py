@@ -287,10 +287,14 @@ def check_memory(plan: MemoryPlan, *, host_available: float | None = None, gpu_a
 
 
 def check_pool(plan: MemoryPlan, host_limit_gb: float | None, gpu_limit_gb: float | None, host_pool: bool, dev,
-               what: str = "") -> None:
-    """check_memory for a pool run on dev (limits in GB override what the machine reports)."""
+               what: str = "", resident: int = 0) -> None:
+    """check_memory for a pool run on dev (limits in GB override what the machine reports). resident: bytes the
+    plan counts that dev already holds (the model's weights): free memory has them in use, so they are added
+    back to it (else they would count twice)."""
     kind, _ = M.host_memory_kind(dev)
+    free = M.available_device_bytes(dev) if gpu_limit_gb is None else None
     check_memory(plan, host_available=None if host_limit_gb is None else host_limit_gb * GB,
-                 gpu_available=None if gpu_limit_gb is None else gpu_limit_gb * GB,
+                 gpu_available=gpu_limit_gb * GB if gpu_limit_gb is not None else (
+                     None if free is None else free + resident),
                  host_cap=M.host_pool_cap_bytes(dev.platform) if (host_pool and kind == "pinned_host") else None,
                  device_is_host=dev.platform == "cpu", what=what)
