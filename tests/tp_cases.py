@@ -93,7 +93,7 @@ def run_case(case, refs):
 
 def kernel_case(case):
     """The Pallas kernels clo and tokenselect call inside their layer programs (row gather from a K/V or an
-    activation extent in pinned host memory, sparse attention, exact scores with per-head lengths), run in
+    activation extent in pinned host memory, sparse attention, exact scores with per-head lengths, the top-k), run in
     interpret mode under an N-way mesh with head-split inputs (each device its heads: `sharding.per_shard`),
     against their references on one device: the largest difference per kernel and the outputs' shardings."""
     import jax
@@ -135,6 +135,11 @@ def kernel_case(case):
         want = ops.topk_scores_exact(q, k, lens, group_reduce="max", impl="reference")
         out["scores"] = finite(s, want) if (np.isfinite(s) == np.isfinite(want)).all() else float("inf")
         shardings["scores"] = str(s.sharding.spec)
+        sc, cnt = arr((B, n_kv, 40)), arr((B, n_kv), 0, 9)  # the top-k kernels ("auto" on the GPU from 128K)
+        gi, gn = jax.jit(lambda a, c: ops.select_topk(a, 8, counts=c, num_sink=2, method="kernel"))(*split(sc, cnt))
+        wi, wn = ops.select_topk(sc, 8, counts=cnt, num_sink=2, method="sort")
+        out["select"] = float(max(np.abs(np.asarray(gi) - np.asarray(wi)).max(), np.abs(np.asarray(gn) - np.asarray(wn)).max()))
+        shardings["select"] = str(gi.sharding.spec)
     return dict(case=case, max_abs=out, shardings=shardings)
 
 

@@ -455,8 +455,11 @@ def tokenselect_scores(q, k, lengths=None, *, scale=None, shared=False, impl="au
 
 
 def select_topk(scores, k, *, lengths=None, num_sink=0, num_recent=0, page_size=1, counts=None, method="auto"):
-    """`pallas.topk.select_topk` (the top-k per KV head, ascending, per-row counts); method="kernel" runs its
-    Pallas kernel per device on its heads under a tensor-parallel mesh."""
+    """`pallas.topk.select_topk` (the top-k per KV head, ascending, per-row counts); where the method resolves
+    to "kernel" ("auto" on the GPU from 128K entries) its Pallas kernels run per device on its heads under a
+    tensor-parallel mesh."""
+    method = _tk.resolve_topk_method(method, scores.shape[-1])
+
     def run(s, n, c):
         return _tk.select_topk(s, k, lengths=n, num_sink=num_sink, num_recent=num_recent, page_size=page_size,
                                counts=c, method=method)
