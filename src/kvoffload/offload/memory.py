@@ -193,4 +193,3 @@ def resident_device_bytes(tree, dev=None) -> int:
             continue
         total += sum(s.data.nbytes for s in x.addressable_shards if s.device == dev)
     return total
-
