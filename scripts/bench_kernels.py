@@ -462,7 +462,7 @@ def bench_scores(ceil, quick):
         r = jax.jit(lambda q, k, L: _tk.topk_scores_exact_reference(q, k, L, group_reduce="max"))
         t_one = timeit(mk(), qe, ke, Le)
         t_b, best = _sweep(f"scores blocks {pattern}", mk, (qe, ke, Le),
-                           [dict(items=n, num_warps=w) for n in (4, 8, 16, 32) for w in (4, 8)], t_one)
+                           [dict(items=n, num_warps=w) for n in (None, 1, 2, 8) for w in (4, 8)], t_one)
         got = mk(**best)(qe, ke, Le) if best else mk()(qe, ke, Le)
         record("topk_scores_exact", f"E{E} x blk{blk} (one extent) {pattern} h32/kv8 d128 bf16", t_one,
                timeit(r, qe, ke, Le), heads * E * blk * d * 2 + E * n_kv * blk * 4, 2 * E * 4 * heads * blk * d,
