@@ -121,3 +121,19 @@ def test_random_kv_prefill_takes_the_pipelines_layer_prefill_arguments():
         assert pipeline._layer_prefill.__name__ == "committed"  # swapped in
     assert pipeline._layer_prefill.__name__ == "_layer_prefill"  # restored
     assert got == want
+
+
+@pytest.mark.slow  # 15 s: every kernel of the sweep in interpret mode
+def test_selection_kernel_sweep_smoke_times_and_checks_every_kernel(tmp_path):
+    """scripts/sweep_selection_kernels.py --smoke: the select, scores and refill sweeps run on tiny shapes
+    (interpret mode), every variant's result is checked (the select against the sort, the scores against the
+    reference) and the JSON holds one row per variant."""
+    with script_module("sweep_selection_kernels") as sweep:
+        rows = sweep.main(["--smoke", "--calls", "2", "--reps", "1", "--out", str(tmp_path / "s.json")])
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["results"] == rows and data["meta"]["calls_per_jit"] == 2
+    kinds = [r["kind"] for r in rows]
+    assert kinds.count("select") == 6 and kinds.count("scores") == 4 and kinds.count("refill") == 2
+    assert all(r["equals_sort"] for r in rows if "equals_sort" in r)
+    assert all(r["matches_reference"] for r in rows if r["kind"] == "scores")
+    assert all(r["us_per_call"] > 0 for r in rows)
