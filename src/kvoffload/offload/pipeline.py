@@ -261,9 +261,8 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
     return acc, slots
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"), donate_argnames=("tail_k", "tail_v", "tail_x", "slots"))
-def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, attend, options):
-    """One decode layer, one program: the new token's q/k/v (k/v and x written into the GPU tail at
+def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, attend, options):
+    """One decode layer (`layer_step`'s program): the new token's q/k/v (k/v and x written into the GPU tail at
     each request's tail_len), the policy's attention over its sources (`attend`, a pure function
     folding sources into an fp32 accumulator and updating the layer's slots), the tail folded last,
     output projection and MLP. Returns (h, tail_k, tail_v, tail_x, slots)."""
@@ -280,6 +279,33 @@ def layer_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
     o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, impl=attention_impl))
     h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
     return h, tail_k, tail_v, tail_x, slots
+
+
+# One decode layer, one program (`layer_body`): the tails and the slots are donated.
+layer_step = functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"),
+                               donate_argnames=("tail_k", "tail_v", "tail_x", "slots"))(layer_body)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"), donate_argnames=("tail_k", "tail_v", "tail_x", "slots"))
+def layers_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, attend, options):
+    """Consecutive decode layers in one program (`PipelineOptions.layers_per_program`): lp, tail_k, tail_v,
+    tail_x, sources and slots are tuples, one entry per layer, run in order by `layer_body`; one call of the
+    host instead of one per layer. Returns (h, tail_k, tail_v, tail_x, slots), the same tuples updated."""
+    out = ([], [], [], [])
+    for args in zip(lp, tail_k, tail_v, tail_x, sources, slots):
+        lp_i, tk, tv, tx, src, sl = args
+        h, tk, tv, tx, sl = layer_body(cfg, lp_i, h, positions, tk, tv, tx, tail_len, src, tables, sl, attend, options)
+        for lst, val in zip(out, (tk, tv, tx, sl)):
+            lst.append(val)
+    return (h,) + tuple(tuple(lst) for lst in out)
+
+
+def program_key(tree):
+    """What decides a layer program's compilation: the tree's structure and every leaf's shape, dtype and memory
+    kind. Consecutive layers with equal keys can share one `layers_step` program."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a).__name__)),
+                           getattr(getattr(a, "sharding", None), "memory_kind", None)) for a in leaves)
 
 
 def distinct_arrays(tree):
@@ -406,6 +432,10 @@ class LayerHooks:
         HATA codes). Default: unchanged."""
         return slot
 
+    def speculates(self, pipe: "LayerPipeline") -> bool:
+        """Whether `speculate` dispatches work between layer programs (then layers do not share a program)."""
+        return False
+
     def speculate(self, pipe: "LayerPipeline", model, group: GroupState, layer: int, h, positions, slot):
         """Layer `layer`'s slots after a speculative step dispatched before layer `layer` - 1's program, with h
         the input hidden state of layer `layer` - 1 and positions the new token's (clo: a guessed selection
@@ -524,6 +554,11 @@ class PipelineOptions:
     # jax.sharding.Mesh with a 'model' axis; weights, K/V and the host pool split by head over it
     tensor_parallel: int = 1
     mesh: Any = None
+    # decode up to this many consecutive layers in one program where the step issues no transfers (a device
+    # pool, or a host pool read in place: clo, tokenselect kv=split; no offloaded weights, no speculative
+    # prefetch) and the layers' programs have the same shapes: one host call per group of layers instead of
+    # one per layer (each call costs the host ~0.6-1 ms, about a clo layer's GPU work at 128K). Elsewhere 1.
+    layers_per_program: int = 1
 
     def __post_init__(self):
         from kvoffload.plan.cost import HOST_DTYPES
@@ -544,6 +579,10 @@ class PipelineOptions:
         self.block_tokens = int(self.block_tokens)
         self.sync_depth = int(self.sync_depth)
         self.extent_mb = float(self.extent_mb)
+        if isinstance(self.layers_per_program, bool) or int(self.layers_per_program) != self.layers_per_program \
+                or self.layers_per_program < 1:
+            raise ValueError(f"layers_per_program must be an integer >= 1, got {self.layers_per_program!r}")
+        self.layers_per_program = int(self.layers_per_program)
         if self.gpu_batches < 1:
             raise ValueError(f"gpu_batches must be >= 1, got {self.gpu_batches}")
         if self.block_tokens < 1 or self.block_tokens & (self.block_tokens - 1):
@@ -887,6 +926,15 @@ class LayerPipeline:
             items += [(i, g) for g in order]
         return items
 
+    def layers_per_program(self) -> int:
+        """Layers one decode program may run (`PipelineOptions.layers_per_program`) where the step issues no
+        transfers between layers and nothing is speculated between them; else 1."""
+        o = self.opts
+        fetches = self.host_pool and self.hooks.fetches_extents(self)
+        if fetches or o.offload_weights or self.hooks.speculates(self):
+            return 1
+        return o.layers_per_program
+
     def decode_step(self, model, state: DecodeState, tokens):
         with S.context(self.mesh):
             return self._decode_step(model, state, tokens)
@@ -940,6 +988,29 @@ class LayerPipeline:
         # a device pool moves nothing, nor does a host pool read in place (clo, tokenselect kv=split: the layer
         # programs gather selected rows themselves): no transfer buffers to bound, the host never waits in the step
         fetches = self.host_pool and self.hooks.fetches_extents(self)
+        fuse = self.layers_per_program()
+        pending: dict = {g: [] for g in range(len(groups))}  # fused: (layer, weights, sources) not yet run
+        pending_key: dict = {}
+
+        def run_pending(g):
+            """Group g's pending layers in one `layers_step` program."""
+            batch, gr, tl = pending[g], groups[g], tails[g]
+            if not batch:
+                return
+            idx = [b[0] for b in batch]
+            with jax.named_scope(f"layers{idx[0]}-{idx[-1]}"):
+                hs[g], ks, vs, xs, sls = layers_step(
+                    cfg, tuple(b[1] for b in batch), hs[g], positions[g], tuple(tl["k"][i] for i in idx),
+                    tuple(tl["v"][i] for i in idx), tuple(tl["x"][i] for i in idx), gr.tail_len,
+                    tuple(b[2] for b in batch), gr.tables,
+                    tuple(tl["slots"][i] if tl["slots"] else None for i in idx), self.hooks.attend,
+                    (o.recompute_impl, o.attention_impl))
+            for j, i in enumerate(idx):
+                tl["k"][i], tl["v"][i], tl["x"][i] = ks[j], vs[j], xs[j]
+                if tl["slots"]:
+                    tl["slots"][i] = sls[j]
+            pending[g] = []
+
         sync_depth = o.sync_depth if fetches or o.offload_weights else 0
         # XLA starts a host->GPU copy only after every program dispatched before it (its allocator is
         # synchronised with the compute stream), so a copy overlaps only programs dispatched after it:
@@ -967,6 +1038,15 @@ class LayerPipeline:
             f = fetched.pop(n)
             gr, tl = groups[g], tails[g]
             lp = join_layer(weights[i][0], weights[i][1][0]) if o.offload_weights else layers[i]
+            if fuse > 1:  # no transfers, no speculation: queue the layer; equal programs share one call
+                src = self.hooks.sources(self, gr, plans[g], i, f)
+                key = program_key((lp, src, tl["k"][i], tl["v"][i], tl["x"][i], tl["slots"][i] if tl["slots"] else None))
+                if pending[g] and (pending_key[g] != key or len(pending[g]) == fuse):
+                    run_pending(g)
+                pending[g].append((i, lp, src))
+                pending_key[g] = key
+                del src, f
+                continue
             with jax.named_scope(f"layer{i}"):
                 if tl["slots"] and i + 1 < cfg.num_layers:  # dispatched before layer i's program, from its input
                     tl["slots"][i + 1] = self.hooks.speculate(self, model, gr, i + 1, hs[g], positions[g],
@@ -988,6 +1068,8 @@ class LayerPipeline:
                 w_done = weights.pop(i, None)
                 if sync_depth:
                     keep[last_item[i], "w"] = w_done
+        for g in pending:
+            run_pending(g)
         moved.update(lookahead_items=lookahead)
         logits = [_logits(cfg, fam_params, h[:, 0]) for h in hs]
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)

@@ -596,6 +596,9 @@ class CloHooks(TokenSelectHooks):
     def keys_on_device(self, pipe) -> bool:
         return self.attend.retrieval == "exact"  # quest / hata: only their metadata on the GPU
 
+    def speculates(self, pipe) -> bool:
+        return bool(self.attend.speculative)
+
     def speculate(self, pipe, model, group, layer, h, positions, slot):
         if not self.attend.speculative or slot.dense:
             return slot

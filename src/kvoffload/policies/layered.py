@@ -73,7 +73,8 @@ class LayeredPolicy(Policy):
              "gpu_batches": o.gpu_batches, "block_tokens": o.block_tokens,
              "pool": "pinned host" if self.host_pool else "device", "host_memory": self.pipeline.host_note,
              "host_dtype": o.host_dtype if self.host_pool else "native",
-             "cost_model": self.pipeline.cost.source}
+             "cost_model": self.pipeline.cost.source,
+             "layers_per_program": self.pipeline.layers_per_program()}
         if self.pipeline.memory_plan is not None:
             d["memory_plan"] = self.pipeline.memory_plan.describe()
         if state is not None:
