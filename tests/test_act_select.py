@@ -12,7 +12,7 @@ from kvoffload.models import tiny_random_model
 from kvoffload.models.transformer import family
 from kvoffload.offload import memory as M
 from kvoffload.pallas import gather as _ga
-from kvoffload.policies.tokenselect import act_rows, gather_rows, union_tiers
+from kvoffload.policies.tokenselect import act_rows, union_tiers
 
 
 def test_headless_gather_rows_reference_kernel_and_host():
@@ -28,7 +28,7 @@ def test_headless_gather_rows_reference_kernel_and_host():
     # tokens over two extents, from host memory, -1 reading nothing
     ext = [rng.normal(size=(n, 4, 24)).astype(np.float32) for n in (3, 2)]
     tok = np.asarray([[0, 7, 19, -1], [12, 3, -1, 13]], np.int32)
-    got = jax.jit(gather_rows, static_argnums=2)([M.to_host(jnp.asarray(e)) for e in ext], jnp.asarray(tok), 4)
+    got = jax.jit(ops.gather_pool_rows, static_argnums=2)([M.to_host(jnp.asarray(e)) for e in ext], jnp.asarray(tok), 4)
     flat = np.concatenate(ext)
     np.testing.assert_array_equal(np.asarray(got), np.where((tok >= 0)[..., None], flat[tok // 4, tok % 4], 0))
     q = ops.quantize_int4(jnp.asarray(x[..., :256]), 64)  # int4 X: codes and scales gathered alike

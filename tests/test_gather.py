@@ -1,5 +1,5 @@
 """ops.gather_block_rows: rows of one block extent (device or host memory) into device memory, and its
-use by tokenselect's gather_rows (kv=split's V rows, clo's K/V rows). The kernel-vs-NumPy sweep is
+use by ops.gather_pool_rows (kv=split's V rows, clo's K/V rows). The kernel-vs-NumPy sweep is
 pallas/checks.py's check_gather (tests/test_kernels.py, scripts/check_kernels.py on the GPU)."""
 
 import re
@@ -13,7 +13,6 @@ from kvoffload import ops
 from kvoffload.offload import memory as M
 from kvoffload.pallas import common as _c
 from kvoffload.pallas import gather as _ga
-from kvoffload.policies.tokenselect import gather_rows
 
 
 def _extent(rng, shape=(5, 2, 24, 80), dtype=jnp.float32):
@@ -84,7 +83,7 @@ def test_zero_copy_probe_failure_falls_back_inside_a_trace(monkeypatch):
         rng = np.random.default_rng(2)
         ext = [_extent(rng, (s, 2, 4, 8)) for s in (3, 5)]
         idx = jnp.asarray(rng.integers(0, 32, size=(2, 2, 6)), jnp.int32)
-        out = jax.jit(gather_rows, static_argnums=2)([M.to_host(e) for e in ext], idx, 4)
+        out = jax.jit(ops.gather_pool_rows, static_argnums=2)([M.to_host(e) for e in ext], idx, 4)
         assert ops.gather_block_rows_path() == "reference_host_gather"
         assert ops.zero_copy_gather_supported() is False
     finally:
@@ -110,7 +109,7 @@ def _host_compute(hlo: str) -> list[str]:
 
 @pytest.mark.gpu
 def test_gpu_zero_copy_gather_inside_jit_no_host_compute(capfd):
-    """On the GPU: gather_rows over pinned_host extents inside a jit takes the zero-copy kernel (path,
+    """On the GPU: ops.gather_pool_rows over pinned_host extents inside a jit takes the zero-copy kernel (path,
     Triton custom call in the compiled HLO), XLA converts nothing into host compute (no such log line,
     no host-space compute in the HLO), and the rows equal NumPy's; the old path is detected as host
     compute by the same checks (so they can fail)."""
@@ -121,7 +120,7 @@ def test_gpu_zero_copy_gather_inside_jit_no_host_compute(capfd):
     ext = [_extent(rng, (s, 8, 64, 128), jnp.bfloat16) for s in (40, 13)]
     idx = jnp.asarray(rng.integers(0, 53 * 64, size=(2, 8, 700)), jnp.int32)
     host = [M.to_host(e) for e in ext]
-    f = jax.jit(gather_rows, static_argnums=2)
+    f = jax.jit(ops.gather_pool_rows, static_argnums=2)
     compiled = f.lower(host, idx, 64).compile()
     assert ops.gather_block_rows_path() == "kernel_zero_copy"
     out = f(host, idx, 64)

@@ -474,19 +474,18 @@ def test_int4_selected_rows_stay_near_native(model, policy, opts):
 
 
 def test_int4_row_gather_takes_the_stored_rows_and_dequantizes_them():
-    """gather_rows of int4 extents in host memory: the selected rows' codes and scales (a QuantizedInt4 of
+    """ops.gather_pool_rows of int4 extents in host memory: the selected rows' codes and scales (a QuantizedInt4 of
     rows, moved to the device), which dequantize to the rows of the dequantized extents; and clo's refill
     takes them dequantized into its buffers."""
     from kvoffload.offload.pipeline import native_extent
     from kvoffload.offload.pool import quantize_blocks
     from kvoffload.policies.clo import refill_rows
-    from kvoffload.policies.tokenselect import gather_rows
-
+    
     rng = np.random.default_rng(2)
     ext = [quantize_blocks(jnp.asarray(rng.normal(size=(s, 2, 4, 8)), jnp.float32), 4) for s in (3, 5)]
     host = [M.to_host(e) for e in ext]
     idx = jnp.asarray(rng.integers(0, 32, size=(2, 2, 6)), jnp.int32)
-    rows = jax.jit(gather_rows, static_argnums=2)(host, idx, 4)
+    rows = jax.jit(ops.gather_pool_rows, static_argnums=2)(host, idx, 4)
     assert isinstance(rows, ops.QuantizedInt4) and M.memory_kind_of(rows.codes) == "device"
     assert rows.codes.shape == (2, 2, 6, 4) and rows.step.shape == (2, 2, 6, 2)
     flat = np.concatenate([np.asarray(ops.dequantize_int4(e)) for e in ext])
@@ -603,20 +602,19 @@ def test_channel_int4_logits_stay_near_native(model, native, policy, opts):
 
 
 def test_channel_int4_row_gather_takes_each_rows_block_scales():
-    """gather_rows of channel-mode K extents in host memory (clo quest / hata): each row's codes and its
+    """ops.gather_pool_rows of channel-mode K extents in host memory (clo quest / hata): each row's codes and its
     block's per-channel scales, dequantizing to the rows of the dequantized extents; a row outside the
     extents reads 0. And decode_attention_int4 refuses channel-mode K in its kernel, attends it by
     dequantizing otherwise."""
     from kvoffload.offload.pipeline import native_extent
     from kvoffload.offload.pool import quantize_blocks
-    from kvoffload.policies.tokenselect import gather_rows
-
+    
     rng = np.random.default_rng(6)
     ext = [quantize_blocks(jnp.asarray(_outlier_keys(rng, (s, 2, 4, 8), outliers=(1,))), 4, "channel") for s in (3, 5)]
     host = [M.to_host(e) for e in ext]
     idx = rng.integers(0, 32, size=(2, 2, 6))
     idx[0, 0, 0] = 40  # past the pool: reads 0
-    rows = jax.jit(gather_rows, static_argnums=2)(host, jnp.asarray(idx, jnp.int32), 4)
+    rows = jax.jit(ops.gather_pool_rows, static_argnums=2)(host, jnp.asarray(idx, jnp.int32), 4)
     assert isinstance(rows, ops.QuantizedInt4) and rows.scales == "channel" and M.memory_kind_of(rows.step) == "device"
     assert rows.codes.shape == (2, 2, 6, 4) and rows.step.shape == (2, 2, 6, 8)
     flat = np.concatenate([np.asarray(ops.dequantize_int4(e)) for e in ext])

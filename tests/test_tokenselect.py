@@ -25,7 +25,6 @@ from kvoffload.policies.tokenselect import (
     TokenSelectAttend,
     TokenSelectOptionError,
     empty_selection,
-    gather_rows,
     soft_vote,
     with_replay,
 )
@@ -144,8 +143,8 @@ def test_split_small_budget_reads_the_selected_values_from_the_host():
     rng = np.random.default_rng(3)
     ext = [rng.normal(size=(s, 2, 4, 8)).astype(np.float32) for s in (3, 5)]
     idx = jnp.asarray(rng.integers(0, 32, size=(2, 2, 6)), jnp.int32)
-    on_dev = jax.jit(gather_rows, static_argnums=2)([jnp.asarray(e) for e in ext], idx, 4)
-    on_host = jax.jit(gather_rows, static_argnums=2)([M.to_host(jnp.asarray(e)) for e in ext], idx, 4)
+    on_dev = jax.jit(ops.gather_pool_rows, static_argnums=2)([jnp.asarray(e) for e in ext], idx, 4)
+    on_host = jax.jit(ops.gather_pool_rows, static_argnums=2)([M.to_host(jnp.asarray(e)) for e in ext], idx, 4)
     assert M.memory_kind_of(on_host) == "device"
     np.testing.assert_array_equal(np.asarray(on_host), np.asarray(on_dev))
     flat = np.concatenate(ext)  # [blocks, n_kv, blk, d]

@@ -2,7 +2,7 @@
 approximate cache, importance-derived per-head thresholds and persistent heads.
 
 Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache in the layer's slots,
-``choose_tokens``, ``gather_rows``); what differs:
+``choose_tokens``, ``ops.gather_pool_rows``); what differs:
 
 1. Scoring (``exact_scores``): exact keys, per KV head score_t = max over the group's query heads of
    q.k_t / sqrt(d) (plain attention logits, no softmax vote). Max, not sum: a token one query head of the
@@ -82,7 +82,7 @@ against its owner's query, and the scores are laid out per request over its own 
 chosen slots map back to pool token ids. At batch 1 the request's space is the pool's (nothing gathered).
 
 int4 host storage (``host_dtype="int4"``, issue 13): the host extents (V; for quest / hata also K) are
-``QuantizedInt4``; the gathers take the selected rows' codes and scales (``gather_rows``) and dequantize only
+``QuantizedInt4``; the gathers take the selected rows' codes and scales (``ops.gather_pool_rows``) and dequantize only
 those rows on the GPU (`native_extent`); K extents kept on the GPU (exact) stay in the model's dtype, and
 the retrieval metadata is computed from the unquantized keys.
 """
@@ -119,7 +119,6 @@ from kvoffload.policies.tokenselect import (
     empty_selection,
     choose_tokens,
     constrain_slots,
-    gather_rows,
     hit_rates,
     pool_block_tokens,
     query_cosines,
@@ -441,7 +440,7 @@ class CloAttend:
         spec = {}
         if self.speculative:  # the buffers hold the rows of slots.held: gather only the rows they lack
             k_rows, v_sel, fetched, x_rows = refill_buffers(slots, indices, num_valid, rows, blk)
-            k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype) if k_rows is None else k_rows
+            k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype) if k_rows is None else k_rows
             # the guess's coverage of every fresh selection of a layer that was guessed this step
             fresh = ~reuse & slots.guessed
             needed = jnp.where(fresh, num_valid, 0)
@@ -450,7 +449,7 @@ class CloAttend:
                         guess_covered=slots.guess_covered + covered, guess_needed=slots.guess_needed + needed,
                         last_guess=jnp.stack([jnp.sum(covered), jnp.sum(needed)]))
         elif slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
-            k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
+            k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype)
             (v_sel,), x_rows = unless_all(reuse, ((slots.v_rows,), no_x),
                                           lambda: rows.refill((slots.v_rows,), indices, miss_nv, blk), self.conditionals)
             k_rows = None

@@ -6,7 +6,7 @@ from attending fewer tokens. Placement ``kv=split``: a host pool whose K extents
 memory (`LayerHooks.keys_on_device`) and V extents in pinned host memory; nothing is fetched (every
 extent's mode is "dev": the pool's own arrays go to the layer program as they are), the vote reads K on
 the GPU and the gather reads only the selected V rows from the host arrays inside the layer program
-(`gather_rows` -> `ops.gather_block_rows`: on the GPU a Pallas kernel reads the rows in place over PCIe).
+(`ops.gather_pool_rows` -> `ops.gather_block_rows`: on the GPU a Pallas kernel reads the rows in place over PCIe).
 Half of `kv=gpu`'s GPU KV bytes. The rows move inside the program, so the step records count no
 bytes_kv for them (they move nothing the pipeline issues). With ``host_dtype="int4"`` the V extents are
 stored quantized (issue 13; K stays native on the GPU): the gather takes the selected rows' codes and
@@ -393,7 +393,6 @@ def tier_index(sizes, most):
     return jnp.where(most == 0, 0, 1 + below).astype(jnp.int32)
 
 
-gather_rows = ops.gather_pool_rows  # rows of the pool's token space from its extents (host ones zero-copy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +426,7 @@ def recompute_rows(cfg, lp, x, positions, want_k: bool, impl="reference"):
 def act_rows(cfg, lp, acts, blk, positions, indices, valid, want_k, dtype, impl="reference"):
     """(rows, x_rows): the K and V rows (want_k) or the V rows, each [B, n_kv, K, d] in dtype, of the tokens
     indices [B, n_kv, K] where valid, recomputed on the GPU from activation rows gathered from the X extents
-    acts [E_e, blk, H] (host memory: `gather_rows`, zero-copy on the GPU). X is per token, shared by every
+    acts [E_e, blk, H] (host memory: `ops.gather_pool_rows`, zero-copy on the GPU). X is per token, shared by every
     head: a request's rows are those of the union of its heads' valid tokens (x_rows [B] of them), gathered
     once, in the smallest of `union_tiers` that holds the largest union (a ``lax.switch``; none when empty).
     positions [N]: each token of the pool's token space its position (RoPE; OPT's X carries its learned
@@ -445,7 +444,7 @@ def act_rows(cfg, lp, acts, blk, positions, indices, valid, want_k, dtype, impl=
         def run():
             union = jnp.full((B, c), -1, jnp.int32).at[rows_b, rank].set(
                 jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)), mode="drop")  # ascending, then -1
-            x = native_extent(gather_rows(acts, union, blk), dtype)
+            x = native_extent(ops.gather_pool_rows(acts, union, blk), dtype)
             k, v = recompute_rows(cfg, lp, x, positions[jnp.maximum(union, 0)], want_k, impl)
             keyed = jnp.where(union >= 0, union, jnp.int32(2 ** 30))
             at = jnp.minimum(sorted_positions(keyed, indices.reshape(B, -1)), c - 1).reshape(B, n_kv, K, 1)
@@ -497,7 +496,7 @@ class HostRows:
         cost no transfer: a hit head's count of 0 moves nothing)."""
         if self.acts is None:  # rows past num_valid are not read (-1: outside every extent; a masked load)
             indices = jnp.where(jnp.arange(indices.shape[-1]) < num_valid[..., None], indices, -1)
-            rows = tuple(native_extent(gather_rows(ext, indices, blk), dt).astype(dt)
+            rows = tuple(native_extent(ops.gather_pool_rows(ext, indices, blk), dt).astype(dt)
                          for ext, dt in zip(self.extents, dtypes))
             return rows, jnp.zeros(indices.shape[:1], jnp.int32)
         valid = jnp.arange(indices.shape[-1]) < num_valid[..., None]
@@ -611,7 +610,7 @@ class TokenSelectAttend:
 
         indices, num_valid = reuse_or_select(reuse, slots, select, self.conditionals)
 
-        k_sel = native_extent(gather_rows(keys, indices, blk), q.dtype)
+        k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype)
         # int4 host V: the rows dequantized; store=act: V recomputed from the selected tokens' X rows
         (v_sel,), x_rows = HostRows.of(cfg, lp, pool, tables, ("v",), recompute_impl)(indices, num_valid, (q.dtype,),
                                                                                         blk)
