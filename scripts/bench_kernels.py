@@ -460,14 +460,11 @@ def bench_scores(ceil, quick):
         Le = jnp.broadcast_to(jnp.where(jnp.arange(n_kv) < heads, blk, 0).astype(jnp.int32), (E, n_kv))
         mk = lambda **kw: jax.jit(lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L, group_reduce="max", **kw))
         r = jax.jit(lambda q, k, L: _tk.topk_scores_exact_reference(q, k, L, group_reduce="max"))
-        t_one = timeit(mk(), qe, ke, Le)
-        t_b, best = _sweep(f"scores blocks {pattern}", mk, (qe, ke, Le),
-                           [dict(items=n, num_warps=w) for n in (None, 1, 2, 8) for w in (4, 8)], t_one)
-        got = mk(**best)(qe, ke, Le) if best else mk()(qe, ke, Le)
-        record("topk_scores_exact", f"E{E} x blk{blk} (one extent) {pattern} h32/kv8 d128 bf16", t_one,
+        got = mk()(qe, ke, Le)  # launch sweeps, timed inside a jit: scripts/sweep_selection_kernels.py
+        record("topk_scores_exact", f"E{E} x blk{blk} (one extent) {pattern} h32/kv8 d128 bf16", timeit(mk(), qe, ke, Le),
                timeit(r, qe, ke, Le), heads * E * blk * d * 2 + E * n_kv * blk * 4, 2 * E * 4 * heads * blk * d,
-               ceil, extra=dict(best_us=t_b * 1e6, best_params=best,
-                                equal_per_block=bool(np.array_equal(np.asarray(got), np.asarray(mk()(qe, ke, Le)))),
+               ceil, extra=dict(equal_per_block=bool(np.array_equal(np.asarray(got),
+                                                                    np.asarray(mk(items=None)(qe, ke, Le)))),
                                 rel_err_vs_xla=relerr(got, r(qe, ke, Le))))
 
 
@@ -514,20 +511,18 @@ def bench_topk(ceil, quick):
     plus the ascending sort), in the same run (the "XLA" column). Two count patterns: every row selects, and
     one row of 8 (a `clo` step at a hit rate of ~0.86: the other heads reuse their selection, count 0). The
     roofline counts one read of the scores: the 32 / digit_bits count rounds reread them (from L2 at 128K)."""
-    from kvoffload.pallas import select as _sel
-
     sizes = [1024] if TINY else ([131072] if quick else [131072, 1048576])
     for S in sizes:
         rows, k = 8, S // 10
         sc = jax.random.normal(jax.random.PRNGKey(21), (rows, S), jnp.float32)
         sc = sc.at[:, :4].set(jnp.inf).at[:, -64:].set(jnp.inf)  # forced sinks / recent, as selection has them
+        t_sort = {}
         for pattern in ("all rows", "1 of 8 rows"):
             counts = jnp.full((rows,), k, jnp.int32)
             if pattern != "all rows":
                 counts = counts * (jnp.arange(rows) == 3)
             sort = jax.jit(lambda s, c: _tk.top_count_ascending(s, c, k, method="sort"))
-            t_sort = timeit(sort, sc, counts)
-            t_sort_all = t_sort if pattern == "all rows" else t_sort_all
+            t_sort[pattern] = timeit(sort, sc, counts)
             want = np.asarray(sort(sc, counts)[0])
             variants = [("radix", dict(digit_bits=4)), ("radix", dict(digit_bits=2)), ("kernel", {})]
             if not quick and pattern == "1 of 8 rows":
@@ -542,20 +537,14 @@ def bench_topk(ceil, quick):
                 same = bool(np.array_equal(np.asarray(f(sc, counts)[0]), want))
                 label = f"rows{rows} S{S} k=10% {pattern} {method}" + (
                     f" digits{kw['digit_bits']}" if method == "radix" else "")
-                extra = dict(equals_sort=same)
-                if method == "kernel":
-                    keys, nv = _tk.orderable_keys(sc), sort(sc, counts)[1]
-                    mk = lambda **p: jax.jit(lambda x, n: _sel.select_rows_kernel(x, n, k, interpret=TINY, **p))
-                    t_b, best = _sweep(f"select_rows {pattern}", mk, (keys, nv),
-                                       [dict(chunk=c, num_warps=w) for c in (2048, 4096, 8192) for w in (4, 8)],
-                                       timeit(mk(), keys, nv))
-                    extra.update(best_us=t_b * 1e6, best_params=best)
-                record("top_count_ascending", label, t, t_sort, sc.nbytes, 0, ceil, extra=extra)
+                # the kernel's launch sweeps, timed inside a jit: scripts/sweep_selection_kernels.py
+                record("top_count_ascending", label, t, t_sort[pattern], sc.nbytes, 0, ceil,
+                       extra=dict(equals_sort=same))
         counts = jnp.full((rows,), k, jnp.int32)
         keys = _tk.orderable_keys(sc)
         for bits in (4, 2):
             f = jax.jit(lambda x, c, bits=bits: _tk.kth_largest_key(x, c, digit_bits=bits))
-            record("kth_largest_key", f"rows{rows} S{S} digits{bits}", timeit(f, keys, counts), t_sort_all, sc.nbytes,
+            record("kth_largest_key", f"rows{rows} S{S} digits{bits}", timeit(f, keys, counts), t_sort["all rows"], sc.nbytes,
                    0, ceil)
         mask = sc > 0.5
         t_cum = timeit(jax.jit(lambda m: jnp.cumsum(m.astype(jnp.int32), axis=-1)), mask)

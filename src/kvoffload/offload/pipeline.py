@@ -926,14 +926,16 @@ class LayerPipeline:
             items += [(i, g) for g in order]
         return items
 
+    def fetches(self) -> bool:
+        """Whether a decode step moves pool extents to the device (a host pool the policy does not read in place)."""
+        return self.host_pool and self.hooks.fetches_extents(self)
+
     def layers_per_program(self) -> int:
         """Layers one decode program may run (`PipelineOptions.layers_per_program`) where the step issues no
         transfers between layers and nothing is speculated between them; else 1."""
-        o = self.opts
-        fetches = self.host_pool and self.hooks.fetches_extents(self)
-        if fetches or o.offload_weights or self.hooks.speculates(self):
+        if self.fetches() or self.opts.offload_weights or self.hooks.speculates(self):
             return 1
-        return o.layers_per_program
+        return self.opts.layers_per_program
 
     def decode_step(self, model, state: DecodeState, tokens):
         with S.context(self.mesh):
@@ -987,7 +989,7 @@ class LayerPipeline:
 
         # a device pool moves nothing, nor does a host pool read in place (clo, tokenselect kv=split: the layer
         # programs gather selected rows themselves): no transfer buffers to bound, the host never waits in the step
-        fetches = self.host_pool and self.hooks.fetches_extents(self)
+        fetches = self.fetches()
         fuse = self.layers_per_program()
         pending: dict = {g: [] for g in range(len(groups))}  # fused: (layer, weights, sources) not yet run
         pending_key: dict = {}
