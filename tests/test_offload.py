@@ -484,7 +484,7 @@ def test_layers_per_program_runs_consecutive_layers_in_one_program(monkeypatch, 
     """layers_per_program=3 where a step moves nothing between layers (`clo` reading its host pool in place,
     `full`'s device pool): consecutive layers whose programs have equal shapes share one `layers_step` call
     (clo's layer 0 keeps its K/V whole: another program), with the logits of one program per layer, bit for
-    bit. `offload` (transfers between layers) and speculative prefetch keep one layer per program."""
+    bit on the CPU (on a GPU the same greedy tokens, fp32 logits within 1e-4). `offload` (transfers between layers) and speculative prefetch keep one layer per program."""
     from kvoffload.offload import pipeline as P
     from test_tokenselect import _decode
 
@@ -495,7 +495,11 @@ def test_layers_per_program_runs_consecutive_layers_in_one_program(monkeypatch, 
     _, want, _ = _decode(model, policy, 2, **opts)
     calls.clear()
     pol, got, state = _decode(model, policy, 2, layers_per_program=3, **opts)
-    np.testing.assert_array_equal(got, want)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:  # XLA:GPU fuses a multi-layer program differently: fp32 rounding moves (H100: 1.4e-6 at most)
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert sorted(calls[:len(per_step)]) == sorted(per_step) and len(calls) == 2 * len(per_step), calls
     assert pol.describe(state)["layers_per_program"] == 3
     assert make_policy("offload", layers_per_program=3).pipeline.layers_per_program() == 1  # it fetches extents
