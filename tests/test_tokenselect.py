@@ -195,6 +195,28 @@ def _vote_f64(q, keys, alloc, blk):
     return out
 
 
+def test_block_owners_come_with_the_tables_and_equal_the_tables_own():
+    """`device_tables` carries each block's owner (built on the host once per table change, so the layer programs
+    do not rebuild it): the same array as derived from the tables, with free and reserved blocks -1."""
+    from kvoffload.offload.pool import BlockTables
+    from kvoffload.policies.tokenselect import block_owners
+
+    rng = np.random.default_rng(5)
+    layout = PoolLayout(block_tokens=4, extent_blocks=3, num_extents=4, prompt_extents=2, gen_extent_blocks=5)
+    alloc = BlockAllocator(layout.num_blocks, 3, 4)
+    alloc.reserve_below(1)
+    for r in rng.integers(0, 3, 9):
+        alloc.allocate(int(r))
+    alloc.release(1)
+    alloc.allocate(2)
+    alloc.check()
+    tables = alloc.device_tables(layout)
+    derived = block_owners(BlockTables(table=tables.table, count=tables.count, first_pos=tables.first_pos))
+    got = np.asarray(block_owners(tables))
+    np.testing.assert_array_equal(got, np.asarray(derived))
+    assert got.shape == (layout.num_blocks,) and set(got.tolist()) == {-1, 0, 2}
+
+
 def test_soft_vote_matches_float64_across_extents():
     rng = np.random.default_rng(0)
     # 11 blocks in 3 extents; requests interleaved across all of them, one slot free, request 2 owns none

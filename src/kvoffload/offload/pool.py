@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -280,10 +281,12 @@ class BlockAllocator:
                 count[e, r] += 1
         pos = np.where(self.first_pos >= 0, self.first_pos, 0).astype(np.int32)
         firsts = [pos[layout.start(e):layout.start(e) + layout.size(e)] for e in range(n_ext)]
+        total = layout.start(n_ext - 1) + layout.size(n_ext - 1) if n_ext else 0
+        owner = np.where(self.owner[:total] >= 0, self.owner[:total], -1).astype(np.int32)
         from kvoffload.offload.sharding import put
 
-        table, cnt, first = put((tables, list(count), firsts), where)  # one transfer
-        return BlockTables(table=tuple(table), count=tuple(cnt), first_pos=tuple(first))
+        table, cnt, first, owner = put((tables, list(count), firsts, owner), where)  # one transfer
+        return BlockTables(table=tuple(table), count=tuple(cnt), first_pos=tuple(first), owner=owner)
 
 
 @pytree_dataclass
@@ -291,6 +294,10 @@ class BlockTables:
     table: tuple  # per extent [B, E_e] int32: local slots of each request's blocks there, position order
     count: tuple  # per extent [B] int32: how many
     first_pos: tuple  # per extent [E_e] int32: first token position of each slot's block (recomputation's RoPE)
+    # [num_blocks] int32, block-id order: each block's request, -1 where none. Built with the tables on the host,
+    # so the selective policies' layer programs do not rebuild it (a scatter per extent, in every layer);
+    # None (tables built by hand): derived from the tables (`tokenselect.block_owners`)
+    owner: Any = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -231,6 +231,8 @@ jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len"]
 
 def block_owners(tables):
     """[num_blocks] int32: the request owning each block of the pool (block-id order), -1 where none."""
+    if tables.owner is not None:  # built with the tables (`BlockAllocator.device_tables`)
+        return tables.owner
     out = []
     for table, count, first in zip(tables.table, tables.count, tables.first_pos):
         B, M = table.shape
