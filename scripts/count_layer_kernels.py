@@ -1,0 +1,127 @@
+"""How many kernels each layer program launches, and from which part of the code (issue 11).
+
+Where a decode step is host-bound (HATA, Qwen2.5-7B, 32K: BENCHMARKS, tenth session), the host's time follows the
+number of kernels a layer program launches, so that number is the one to drive down. This reads an XLA dump
+(`--xla_dump_to=DIR --xla_dump_hlo_as_text`) and counts, in each compiled module whose name matches, the
+instructions of its entry computation that launch work: fusions, custom calls (Pallas / Triton kernels, cuBLAS),
+copies and any other op that is not free (parameters, constants, tuples and bitcasts are). It groups them by
+opcode and by the source scope in their `op_name` metadata (named scopes, inner jits, Pallas kernel names).
+
+    # run a benchmark under the dump flags, then count (GPU: the counts the host pays for)
+    PYTHONPATH=src python scripts/count_layer_kernels.py --out $OUT/kernels.json --run \\
+        "python scripts/bench_selection.py --only clo_hata:32k:1 --steps 1 --warmup 1 --no-extremes"
+    # or count an existing dump
+    python scripts/count_layer_kernels.py DUMP_DIR
+
+On the CPU the same dump counts XLA:CPU's fusions, which differ from the GPU's: compare counts on one backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+
+# instructions that launch nothing
+FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
+        "replica-id", "opt-barrier"}
+_FILE = re.compile(r"^module_(\d+)\.(.+?)\.(?:sm_[\w.]+_gpu_|cpu_|)after_optimizations\.txt$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = .+? ([a-z][a-z0-9\-]*)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def entry_lines(text: str) -> list[str]:
+    """The lines of the module's ENTRY computation."""
+    start = text.find("\nENTRY")
+    if start < 0:
+        return []
+    body = text[start + 1:]
+    end = body.find("\n}")
+    return body[:end].splitlines()[1:] if end >= 0 else body.splitlines()[1:]
+
+
+def scope_of(op_name: str) -> str:
+    """The source scope of an op: its op_name without the module's own jit(...) and the final primitive
+    ("jit(layer_body)/kvo_select_count/pallas_call" -> "kvo_select_count"); the primitive alone at top level."""
+    parts = op_name.split("/")
+    if parts and parts[0].startswith("jit("):
+        parts = parts[1:]
+    return "/".join(parts[:-1]) or (parts[-1] if parts else "")
+
+
+def count_module(text: str) -> dict:
+    """{"launches": n, "by_opcode": {...}, "by_scope": {...}} for one module's optimized HLO text."""
+    by_op, by_scope = collections.Counter(), collections.Counter()
+    for line in entry_lines(text):
+        m = _INSTR.match(line)
+        if not m or m.group(1) in FREE:
+            continue
+        op = m.group(1)
+        name = _OP_NAME.search(line)
+        by_op[op] += 1
+        by_scope[scope_of(name.group(1)) if name else f"({op}, no op_name)"] += 1
+    return {"launches": sum(by_op.values()), "by_opcode": dict(by_op.most_common()),
+            "by_scope": dict(by_scope.most_common())}
+
+
+def count_dump(dump_dir: str, module_re: str = ".*layer.*") -> list[dict]:
+    """One record per optimized module in dump_dir whose name matches module_re, in compilation order."""
+    pat = re.compile(module_re)
+    out = []
+    for f in sorted(os.listdir(dump_dir)):
+        m = _FILE.match(f)
+        if not m or not pat.fullmatch(m.group(2)):
+            continue
+        with open(os.path.join(dump_dir, f)) as fh:
+            out.append({"module": m.group(2), "id": int(m.group(1)), "file": f, **count_module(fh.read())})
+    return sorted(out, key=lambda r: r["id"])
+
+
+def table(records: list[dict], top: int = 12) -> str:
+    lines = []
+    for r in records:
+        ops = ", ".join(f"{k} {v}" for k, v in r["by_opcode"].items())
+        lines.append(f"{r['module']} (module {r['id']}): {r['launches']} launches ({ops})")
+        for scope, n in list(r["by_scope"].items())[:top]:
+            lines.append(f"  {n:4d}  {scope}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dump", nargs="?", help="an XLA dump directory (with --run: where to dump; default a temp dir)")
+    ap.add_argument("--run", help="a command to run under the dump flags first (its own output is shown)")
+    ap.add_argument("--modules", default=".*layer.*", help="regex on the module name (jit_<function>)")
+    ap.add_argument("--top", type=int, default=12, help="scopes listed per module")
+    ap.add_argument("--out", help="JSON path")
+    args = ap.parse_args(argv)
+    if args.run is None and args.dump is None:
+        ap.error("give a dump directory, or --run COMMAND")
+    dump = args.dump or tempfile.mkdtemp(prefix="kvoffload-dump-")
+    if args.run is not None:
+        flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re={args.modules}"
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+        rc = subprocess.run(shlex.split(args.run), env=env).returncode
+        if rc:
+            raise SystemExit(f"count_layer_kernels: the command exited with {rc}: {args.run}")
+    if not os.path.isdir(dump):
+        raise SystemExit(f"count_layer_kernels: no dump directory {dump}")
+    records = count_dump(dump, args.modules)
+    if not records:
+        raise SystemExit(f"count_layer_kernels: no optimized module matching {args.modules!r} in {dump}")
+    print(table(records, args.top))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"dump": dump, "command": args.run, "modules": records}, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,35 @@
+"""scripts/count_layer_kernels.py (kernels per layer program, from an XLA dump) on the CPU."""
+
+import json
+import sys
+
+import jax
+import pytest
+from script_loader import script_module
+
+
+def test_count_layer_kernels_counts_the_launches_of_a_dumped_program(tmp_path):
+    """scripts/count_layer_kernels.py --run: a program under XLA's dump flags, then its entry computation's
+    launching instructions counted by opcode and by scope (the named scope and the Pallas-like inner name)."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "@jax.jit\n"
+        "def layer_body(x, w):\n"
+        "    with jax.named_scope('mixing'):\n"
+        "        y = jnp.tanh(x @ w)\n"
+        "    return jax.lax.sort(y[0]) + jnp.exp(y).sum(0)\n"
+        "layer_body(jnp.ones((8, 8)), jnp.ones((8, 8))).block_until_ready()\n"
+        "jax.jit(lambda a: a + 1)(jnp.ones(3))\n")
+    with script_module("count_layer_kernels") as ck:
+        recs = ck.main([str(tmp_path / "dump"), "--run", f"{sys.executable} {prog}", "--out", str(tmp_path / "k.json")])
+        assert [r["module"] for r in recs] == ["jit_layer_body"]  # the other jit's module is not a layer's
+        r = recs[0]
+        assert r["launches"] == sum(r["by_opcode"].values()) >= 2
+        if jax.default_backend() == "cpu":  # XLA:GPU may fold the sort into a fusion or a library call
+            assert r["by_opcode"].get("sort") == 1
+        assert "parameter" not in r["by_opcode"] and any(s.startswith("mixing") for s in r["by_scope"])
+        assert json.loads((tmp_path / "k.json").read_text())["modules"][0]["launches"] == r["launches"]
+        assert ck.scope_of("jit(layer_body)/kvo_select_count/pallas_call") == "kvo_select_count"
+        with pytest.raises(SystemExit, match="no optimized module"):
+            ck.main([str(tmp_path / "dump"), "--modules", "nothing"])
