@@ -281,8 +281,8 @@ class BlockAllocator:
                 count[e, r] += 1
         pos = np.where(self.first_pos >= 0, self.first_pos, 0).astype(np.int32)
         firsts = [pos[layout.start(e):layout.start(e) + layout.size(e)] for e in range(n_ext)]
-        total = layout.start(n_ext - 1) + layout.size(n_ext - 1) if n_ext else 0
-        owner = np.where(self.owner[:total] >= 0, self.owner[:total], -1).astype(np.int32)
+        owned = self.owner[:layout.num_blocks]
+        owner = np.where(owned >= 0, owned, -1).astype(np.int32)
         from kvoffload.offload.sharding import put
 
         table, cnt, first, owner = put((tables, list(count), firsts, owner), where)  # one transfer

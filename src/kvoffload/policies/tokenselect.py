@@ -395,8 +395,6 @@ def tier_index(sizes, most):
     return jnp.where(most == 0, 0, 1 + below).astype(jnp.int32)
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # top-k over activations (store=act): the selected tokens' K/V recomputed from their X rows
 # ---------------------------------------------------------------------------------------------
