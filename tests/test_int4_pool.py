@@ -480,7 +480,7 @@ def test_int4_row_gather_takes_the_stored_rows_and_dequantizes_them():
     from kvoffload.offload.pipeline import native_extent
     from kvoffload.offload.pool import quantize_blocks
     from kvoffload.policies.clo import refill_rows
-    
+
     rng = np.random.default_rng(2)
     ext = [quantize_blocks(jnp.asarray(rng.normal(size=(s, 2, 4, 8)), jnp.float32), 4) for s in (3, 5)]
     host = [M.to_host(e) for e in ext]
@@ -608,7 +608,7 @@ def test_channel_int4_row_gather_takes_each_rows_block_scales():
     dequantizing otherwise."""
     from kvoffload.offload.pipeline import native_extent
     from kvoffload.offload.pool import quantize_blocks
-    
+
     rng = np.random.default_rng(6)
     ext = [quantize_blocks(jnp.asarray(_outlier_keys(rng, (s, 2, 4, 8), outliers=(1,))), 4, "channel") for s in (3, 5)]
     host = [M.to_host(e) for e in ext]
