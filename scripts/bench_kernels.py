@@ -459,9 +459,9 @@ def bench_scores(ceil, quick):
     for pattern, heads in (("1 of 8 heads", 1), ("8 heads", n_kv)):
         Le = jnp.broadcast_to(jnp.where(jnp.arange(n_kv) < heads, blk, 0).astype(jnp.int32), (E, n_kv))
         mk = lambda **kw: jax.jit(lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L, group_reduce="max", **kw))
-        r = jax.jit(lambda q, k, L: _tk.topk_scores_exact_reference(q, k, L, group_reduce="max"))
-        got = mk()(qe, ke, Le)  # launch sweeps, timed inside a jit: scripts/sweep_selection_kernels.py
-        record("topk_scores_exact", f"E{E} x blk{blk} (one extent) {pattern} h32/kv8 d128 bf16", timeit(mk(), qe, ke, Le),
+        kern, r = mk(), jax.jit(lambda q, k, L: _tk.topk_scores_exact_reference(q, k, L, group_reduce="max"))
+        got = kern(qe, ke, Le)  # launch sweeps, timed inside a jit: scripts/sweep_selection_kernels.py
+        record("topk_scores_exact", f"E{E} x blk{blk} (one extent) {pattern} h32/kv8 d128 bf16", timeit(kern, qe, ke, Le),
                timeit(r, qe, ke, Le), heads * E * blk * d * 2 + E * n_kv * blk * 4, 2 * E * 4 * heads * blk * d,
                ceil, extra=dict(equal_per_block=bool(np.array_equal(np.asarray(got),
                                                                     np.asarray(mk(items=None)(qe, ke, Le)))),
@@ -517,11 +517,11 @@ def bench_topk(ceil, quick):
         sc = jax.random.normal(jax.random.PRNGKey(21), (rows, S), jnp.float32)
         sc = sc.at[:, :4].set(jnp.inf).at[:, -64:].set(jnp.inf)  # forced sinks / recent, as selection has them
         t_sort = {}
+        sort = jax.jit(lambda s, c: _tk.top_count_ascending(s, c, k, method="sort"))
         for pattern in ("all rows", "1 of 8 rows"):
             counts = jnp.full((rows,), k, jnp.int32)
             if pattern != "all rows":
                 counts = counts * (jnp.arange(rows) == 3)
-            sort = jax.jit(lambda s, c: _tk.top_count_ascending(s, c, k, method="sort"))
             t_sort[pattern] = timeit(sort, sc, counts)
             want = np.asarray(sort(sc, counts)[0])
             variants = [("radix", dict(digit_bits=4)), ("radix", dict(digit_bits=2)), ("kernel", {})]

@@ -484,7 +484,8 @@ def test_layers_per_program_runs_consecutive_layers_in_one_program(monkeypatch, 
     """layers_per_program=3 where a step moves nothing between layers (`clo` reading its host pool in place,
     `full`'s device pool): consecutive layers whose programs have equal shapes share one `layers_step` call
     (clo's layer 0 keeps its K/V whole: another program), with the logits of one program per layer, bit for
-    bit on the CPU (on a GPU the same greedy tokens, fp32 logits within 1e-4). `offload` (transfers between layers) and speculative prefetch keep one layer per program."""
+    bit on the CPU (on a GPU the same greedy tokens, fp32 logits within 1e-4). `offload` (transfers between
+    layers) and speculative prefetch keep one layer per program."""
     from kvoffload.offload import pipeline as P
     from test_tokenselect import _decode
 
