@@ -213,36 +213,6 @@ def test_recompute_ops(d, T, rope, bias):
         assert C.rel_err(kk, k64) < 1e-5 and C.rel_err(vv, v64) < 1e-5
 
 
-def test_recompute_reference_precision_by_dtype_and_tokens():
-    """HIGHEST (no TF32) for fp32 and for bf16 blocks of tokens; a bf16 decode step's one token takes the default
-    precision, whose GPU matrix-vector fusion reads the bf16 weights as they are (HIGHEST made XLA write W_K and
-    W_V out in fp32 each step). Its values stay the fp32 product of the bf16 inputs, to bf16 rounding."""
-    from kvoffload.pallas.recompute import recompute_kv_reference
-
-    rng = np.random.default_rng(3)
-    H, n_kv, d = 64, 2, 32
-    w = [jnp.asarray(rng.standard_normal((H, n_kv * d)) * H ** -0.5, jnp.bfloat16) for _ in range(2)]
-    ang = rng.uniform(0, 2 * np.pi, (2, 1, d // 2))
-    cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
-
-    def hlo(dtype, T):
-        x = jnp.zeros((2, T, H), dtype)
-        c, s_ = (jnp.zeros((2, T, d // 2)),) * 2
-        f = lambda *a: recompute_kv_reference(*a, n_kv=n_kv)  # noqa: E731
-        with jax.default_matmul_precision("default"):  # a user's default (the tests' conftest sets "highest")
-            return jax.jit(f).lower(x, w[0].astype(dtype), None, w[1].astype(dtype), None, c, s_).as_text()
-
-    assert "HIGHEST" in hlo(jnp.float32, 1) and "HIGHEST" in hlo(jnp.bfloat16, 64)
-    assert "HIGHEST" not in hlo(jnp.bfloat16, 1)
-    x = jnp.asarray(rng.standard_normal((2, 1, H)), jnp.bfloat16)
-    k, v = recompute_kv_reference(x, w[0], None, w[1], None, cos, sin, n_kv=n_kv)
-    k32, v32 = recompute_kv_reference(x.astype(jnp.float32), w[0].astype(jnp.float32), None,
-                                      w[1].astype(jnp.float32), None, cos, sin, n_kv=n_kv)
-    assert k.dtype == jnp.bfloat16
-    for got, want in ((k, k32), (v, v32)):
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
-
-
 def test_topk_score_ops_dispatch():
     """quest / hata / tokenselect ops: impl="kernel" (interpret) == "reference" == "auto"
     (the reference on CPU); bad impl / group_reduce / popcount raise."""

@@ -31,11 +31,11 @@ def recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv):
     """Pure-jnp reference. x [B, T, H] -> k, v [B, n_kv, T, d] in x.dtype (w_k None: V alone, k None)."""
     B, T, H = x.shape
     d = w_v.shape[1] // n_kv
-    # HIGHEST keeps fp32 matmuls off TF32. For a decode step's one token in bf16 it buys nothing (bf16 products are
-    # exact in the fp32 accumulator) and costs 5x the weight bytes: XLA:GPU's matrix-vector fusion then writes
-    # W_K and W_V out as fp32 and reads them back every step (H100 dump, Llama-3-8B: 84 MB per layer for 17).
-    # Blocks of tokens (prefill, recompute) keep HIGHEST: their bits are checked equal across policies.
-    prec = None if T == 1 and x.dtype != jnp.float32 else jax.lax.Precision.HIGHEST
+    # HIGHEST keeps fp32 matmuls off TF32. For a bf16 decode step's one token XLA:GPU then writes x*W_K and x*W_V
+    # out in fp32 (H100 dump, Llama-3-8B: 84 MB per layer for 17 MB of weights), yet the default precision was
+    # not faster: `full` at 128K the same (17.7 ms), `clo` exact 28-30 ms against 18 (two processes each, one H100;
+    # BENCHMARKS, eleventh session). Kept HIGHEST everywhere.
+    prec = jax.lax.Precision.HIGHEST
     v = jnp.einsum("bth,hn->btn", x, w_v, preferred_element_type=jnp.float32, precision=prec)
     if b_v is not None:
         v = v + b_v.astype(jnp.float32)
