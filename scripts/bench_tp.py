@@ -15,16 +15,17 @@ GPUs (one `size_mb` shard per GPU) to device memory with one eager device_put an
 in total, against one GPU alone: when the N links together fall short of N times one link, the host's
 memory bandwidth (or the PCIe switch) caps them and tensor parallelism cannot scale past that.
 
-kvpr's scheduler prices one device of the mesh (plan/cost.py: 1/N of X and K/V over its link, its heads'
-recompute, the all-gather of X over NVLink before recomputing). With --profile auto (the default) each
+kvpr's scheduler prices one device of the mesh (plan/cost.py: 1/N of X and K/V over its link, 1/N of the
+recompute, and the NVLink exchange recomputing needs: X is split by token, so each device recomputes every
+head of its tokens and the devices swap partial softmaxes). With --profile auto (the default) each
 (shape, N) is first profiled on the N-GPU mesh (`plan.profiler.run_profile(tensor_parallel=N)`, quick:
-transfers with every link busy, compute, the all-gather; JSON beside the results) and both policies run
+transfers with every link busy, compute, the collectives; JSON beside the results) and both policies run
 with that profile; each kvpr row reports the split it chose, the predicted step (the last step's record)
-against the measured one, and the predicted all-gather. `hybrid` (HybridServe: weights streamed, each
+against the measured one, and the predicted exchange. `hybrid` (HybridServe: weights streamed, each
 request's blocks split into host KV, host ACT and GPU-resident ACT blocks by its per-device cost model)
 runs under a GPU budget per device (--hybrid-gpu-budget-gb, the 24 GB card of bench_hybrid.py; its GPU-
 resident blocks would otherwise fill the card and nothing would be offloaded); each hybrid row reports
-its blocks of each class and the mini-batches, the predicted step and all-gather against the measured. --sweep-splits also runs kvpr at every forced
+its blocks of each class and the mini-batches, the predicted step and exchange against the measured. --sweep-splits also runs kvpr at every forced
 split (0 .. all extents in use) per N, so the chosen split can be checked against the measured best.
 """
 
@@ -192,11 +193,11 @@ def main(argv=None) -> int:
             line += f", {row['speedup_vs_1']:.2f}x vs 1"
         if row["policy"] == "kvpr":
             line += (f"; split {row['recompute_extents']}/{row['used_extents']} extents recomputed, predicted "
-                     f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (all-gather {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms,"
-                     f" {(row['bytes_gather'] or 0) / 1e6:.1f} MB per GPU) vs measured {row['step_s'] * 1e3:.1f} ms")
+                     f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (exchange {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms,"
+                     f" {(row['bytes_gather'] or 0) / 1e6:.2f} MB per GPU) vs measured {row['step_s'] * 1e3:.1f} ms")
         if row["policy"] == "hybrid" and row.get("blocks"):
             line += (f"; blocks {row['blocks']} in {row['mini_batches']} mini-batches, predicted "
-                     f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (all-gather {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms)"
+                     f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (exchange {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms)"
                      f" vs measured {row['step_s'] * 1e3:.1f} ms")
         print(line, flush=True)
 

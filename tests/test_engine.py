@@ -321,7 +321,7 @@ def test_decoding_compiles_nothing_new_as_the_context_grows(llama, policy):
     assert c.names[snap[20]:] == [], c.names[snap[20]:]
     # each step's programs compile once: the prompt is committed to the device, so the prefill's
     # outputs are committed like a step's and the second step does not compile again
-    assert c.names.count("jit(_choose_tokens)") <= 1 and c.names.count("jit(layer_step)") <= 1
+    assert c.names.count("jit(_choose_tokens)") <= 1 and c.names.count("jit(layer_body)") <= 1
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ from kvoffload.policies import make_policy
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADS = "P(None, 'model')"
 ALONG_H = "P(None, None, 'model')"
+BY_TOKEN = HEADS  # [E, blk, H] split on axis 1: each block's tokens (kvpr, hybrid: sharding.X_TOKEN_SPEC)
 
 
 def run_cases(cases, devices=4, timeout=600):
@@ -39,10 +40,16 @@ def check_equal(res):
     assert res["max_abs"] < 1e-4, (case, res["max_abs"])
     assert res["pool_k"] == [f"{HEADS}@{'device' if case['policy'] == 'full' else 'pinned_host'}"], res
     assert res["tail_k"] == [f"{HEADS}@device"] and res["logits"] == ["P()@device"], res
-    if res["pool_x"]:
-        assert res["pool_x"] == [f"{ALONG_H}@pinned_host"] and res["tail_x"] == [f"{ALONG_H}@device"], res
-    # the step programs compile once: the state keeps its shardings from step to step
-    assert not {"jit(layer_step)", "jit(_choose_tokens)", "jit(_embed)"} & set(res["later_compiles"]), res
+    if res["pool_x"]:  # extents by token (each device recomputes every head of its tokens), tails along H
+        assert res["pool_x"] == [f"{BY_TOKEN}@pinned_host"] and res["tail_x"] == [f"{ALONG_H}@device"], res
+        assert res["describe"]["tensor_parallel"]["x_split"] == "token", res
+    # the step programs compile once: the state keeps its shardings from step to step; with activations split
+    # by token a layer program has no conditional, so it compiles once per set of recomputed extents (at most
+    # once more per extent that comes into use)
+    later = res["later_compiles"]
+    assert not {"jit(_choose_tokens)", "jit(_embed)"} & set(later), res
+    extents = res["describe"]["last_step"]["used_extents"] if res["pool_x"] else 0
+    assert later.count("jit(layer_body)") <= extents, res
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +64,8 @@ def default_runs():
 
 
 def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
-    """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split along
-    H, K/V above it fetched by head) equals `full` on one device; tensor_parallel=3 with 8 query heads is
+    """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split by
+    token, K/V above it fetched by head) equals `full` on one device; tensor_parallel=3 with 8 query heads is
     refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow tests below; a 2-way
     OPT offload run: the two-process test.)"""
     res, _ = default_runs
@@ -70,18 +77,17 @@ def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
 
 
 @pytest.mark.slow  # 12 s: a subprocess with 2 virtual devices
-def test_kvpr_own_split_on_a_2_way_mesh_prices_the_all_gather():
+def test_kvpr_own_split_on_a_2_way_mesh_prices_the_exchange():
     """kvpr with its own split on a 2-way mesh (OPT) equals `full` on one device, and describe() prices the
-    all-gather of the recomputed X."""
+    exchange of partial softmaxes that recomputing by token costs (no X crosses between devices)."""
     res = [None, None] + run_cases([dict(arch="opt", policy="kvpr", tp=2)])
-    # kvpr's own split on a 2-way mesh (the scheduler pricing one device, all-gather included) equals one
-    # device, and describe() gives the all-gather of the recomputed X: each device receives half of each
-    # recomputed token's X (tiny OPT: h 64, fp32) in each of the 2 layers
+    # each device receives, per batch row (3) and layer (2), half of the other device's partial out and lse
+    # over its tokens for every head (tiny OPT: 4 heads of 16, fp32): whatever the number of recomputed tokens
     check_equal(res[2])
     tp, last = res[2]["describe"]["tensor_parallel"], res[2]["describe"]["last_step"]
-    assert tp["devices"] == 2 and tp["recompute_extents"] > 0 and "all-gather" in last["split_reason"], res[2]
-    assert tp["all_gather_bytes_per_step"] == last["recompute_tokens"] * 64 * 4 / 2 * 2 > 0, res[2]
-    assert tp["all_gather_s_per_step"] > 0 and "default, not measured" in tp["all_gather_fit"], res[2]
+    assert tp["devices"] == 2 and tp["recompute_extents"] > 0 and "partial softmaxes" in last["split_reason"], res[2]
+    assert tp["exchange_bytes_per_step"] == 3 * 4 * (16 + 1) * 4 / 2 * 2, res[2]
+    assert tp["exchange_s_per_step"] > 0 and "default, not measured" in tp["collective_fit"], res[2]
 
 
 SLOW_CASES = [dict(arch=a, policy=p, tp=n, opts=o) for a in ("opt", "llama") for n in (2, 4) for p, o in (
@@ -173,9 +179,9 @@ def test_two_processes_equal_one(cases):
 
 def check_hybrid(res, resident=""):
     """check_equal for hybrid: its GPU-resident extents (resident: "k" K/V, "x" activations) live in
-    device memory split like the host ones (K/V by KV head, X along H); the host blocks it moves and
+    device memory split like the host ones (K/V by KV head, X by token); the host blocks it moves and
     recomputes are as `check_equal` wants them."""
-    for key, spec, kind in (("pool_k", HEADS, "k"), ("pool_x", ALONG_H, "x")):
+    for key, spec, kind in (("pool_k", HEADS, "k"), ("pool_x", BY_TOKEN, "x")):
         on_gpu = f"{spec}@device"
         assert (on_gpu in res[key]) == (kind in resident), (key, res)
         res = {**res, key: [s for s in res[key] if s != on_gpu]}
@@ -191,13 +197,15 @@ HYBRID_4_WAY = dict(arch="llama", policy="hybrid", tp=4, opts=dict(act_share=0.5
 
 def check_hybrid_4_way(res):
     """hybrid on a 4-way mesh (GQA LLaMA, weights streamed from pinned host sharded Megatron-style): host KV
-    blocks fetched by head, host ACT blocks split along H and all-gathered before recompute, GPU-resident
-    ACT blocks; tokens equal `full` on one device, and the all-gather of every recomputed block is priced."""
+    blocks fetched by head, host ACT blocks split by token (each device regenerates every head of its
+    tokens), GPU-resident ACT blocks; tokens equal `full` on one device, and the exchange is priced."""
     last = check_hybrid(res, resident="x")
     (mb,) = last["gpu_batches"]
     assert mb["kv_host"] > 0 and mb["act_host"] > 0 and mb["act_gpu"] > 0, res
-    # each device receives 3/4 of each recomputed token's X (tiny GQA llama: h 64, fp32) in each of 2 layers
-    assert last["recompute_tokens"] > 0 and last["bytes_gather"] == last["recompute_tokens"] * 64 * 4 * 3 / 4 * 2, res
+    # per layer (2): 3/4 of the partial softmaxes of 3 rows x 8 heads x (8 + 1) fp32, and the streamed W_K /
+    # W_V shards' all-gather (3/4 of 2 x [64, 4 KV heads x 8] fp32: 12 KB)
+    merge, w_gather = 3 * 8 * 9 * 4 * 3 / 4, 2 * 64 * 32 * 4 * 3 / 4
+    assert last["recompute_tokens"] > 0 and last["bytes_gather"] == (merge + w_gather) * 2, res
 
 
 HYBRID_CASES = [dict(arch=a, policy="hybrid", tp=n, opts=o) for a in ("opt", "llama") for n in (2, 4) for o in (
@@ -218,9 +226,9 @@ def test_hybrid_on_2_and_4_way_meshes():
         mbs = last["gpu_batches"]
         if o.get("mini_batch_gb"):
             assert len(mbs) == 3, res
-        if 0 < o.get("act_share", 0) < 1:  # a mixed split really mixes, and the recomputed X is gathered
+        if 0 < o.get("act_share", 0) < 1:  # a mixed split really mixes, and the exchange is priced
             assert sum(m["act_host"] for m in mbs) > 0 and sum(m["kv_host"] for m in mbs) > 0, res
-            assert last["bytes_gather"] > 0 and res["describe"]["tensor_parallel"]["all_gather_s_per_step"] > 0, res
+            assert last["bytes_gather"] > 0 and res["describe"]["tensor_parallel"]["exchange_s_per_step"] > 0, res
         if o.get("gpu_blocks"):
             assert sum(m["act_gpu" if o["act_share"] > 0 else "kv_gpu"] for m in mbs) > 0, res
 
@@ -263,6 +271,14 @@ def test_hybrid_block_rates_price_one_device_of_the_mesh():
     dense_flops = LayerShape.of(cfg, 4, tensor_parallel=2).dense_flops_tok
     assert two.dense_s == max(cost.dense(batch * dense_flops), w2 / cost.hbm_bw) + allreduce
     assert one.dense_s == max(cost.dense(batch * 2 * dense_flops), w1 / cost.hbm_bw)
+    # X split by token (the pipeline's layout for hybrid): an ACT block regenerates at half the flops with no
+    # gather; the layer's dense time adds the exchange of partial softmaxes and the streamed W_K / W_V's gather
+    wb2 = S.weight_bytes_per_device(cfg, jnp.float32, model.params, 2)
+    tok = BlockRates.of(cost, LayerShape.of(cfg, 4, wb2.per_layer, wb2.kv_per_layer, tensor_parallel=2, x_split="token"),
+                        blk, offload_weights=True, batch=batch)
+    assert tok.x_gather == Linear(0.0, 0.0) and tok.kv_gen == Linear(cost.recompute.intercept, one.kv_gen.slope / 2)
+    exchange = cost.all_gather(batch * 4 * 17 * 4 / 2) + cost.all_gather(wb2.kv_per_layer)
+    assert tok.dense_s == pytest.approx(two.dense_s + exchange) and tok.load_act == two.load_act
     # OPT-13B's shape (bf16, 16-token blocks): an ACT block's GPU time per device is more than half of one
     # device's (the all-gather) and less than it (half the flops), its load exactly half: the balance moves
     from kvoffload.plan.profiler import model_shape
@@ -329,7 +345,7 @@ def check_selection(res):
     if case["policy"] == "clo":
         assert "P('model',)@device" in res["slots"], res  # tau, weights, persistent by head
     assert 0 < res["hit_rate"] < 1, res
-    assert not {"jit(layer_step)", "jit(_choose_tokens)", "jit(_embed)", "jit(speculate_layer)"} & set(res["later_compiles"]), res
+    assert not {"jit(layer_body)", "jit(_choose_tokens)", "jit(_embed)", "jit(speculate_layer)"} & set(res["later_compiles"]), res
 
 
 def check_kernels(res):

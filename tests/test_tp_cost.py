@@ -1,6 +1,7 @@
 """The cost model under tensor parallelism (plan/cost.py, plan/split.py): one device's shape (its heads,
-1/N of X over its link, the all-gather of X before recomputing) on hand-worked OPT-6.7B b64 P512 numbers,
-the split it moves, the all-gather fit in profiles, and the profiler's all-gather on 4 virtual devices."""
+1/N of X over its link, and with X split along H the all-gather of X before recomputing, with X split by
+token the exchange of partial softmaxes) on hand-worked OPT-6.7B b64 P512 numbers, the split it moves, the
+all-gather fit in profiles, and the profiler's all-gather on 4 virtual devices."""
 
 from __future__ import annotations
 
@@ -97,6 +98,51 @@ def test_the_all_gather_moves_the_split():
     plan4 = choose_split(COST, sh4, work(sh4), range(5))
     times = {r: predict_layers(COST, sh4, work(sh4)(r))["step_s"] for r in range(5)}
     assert plan4.r == min(times, key=times.get) == 3
+
+
+def test_x_split_by_token_prices_the_exchange_not_the_gather():
+    """X split by token (kvpr's and hybrid's layout on a mesh): the same PCIe bytes and flops per device, no X
+    received; each recomputing layer exchanges 1/2 of [64, 32 heads, 128 + 1] fp32 partials (528 KB: 2.6 us)
+    and, where weights stream, gathers the other half of W_K / W_V (33.6 MB). The all-recomputed layer then
+    scales 1.99x on 2 devices (1.62x with the all-gather above), and the split keeps all 4 extents."""
+    tok = LayerShape.of(OPT, 2, w_kv=2 * 4096 * 4096 * 2 / 2, tensor_parallel=2, x_split="token")
+    hid = shape(2)
+    assert (tok.x_host_tok, tok.kv_tok, tok.recompute_flops_tok, tok.allreduce_row) == (
+        hid.x_host_tok, hid.kv_tok, hid.recompute_flops_tok, hid.allreduce_row)
+    assert tok.x_gather_tok == 0 and tok.act_merge_row == 32 * 129 * 4 / 2 and tok.w_kv_gather == 4096 * 4096 * 2
+    assert hid.act_merge_row == hid.w_kv_gather == 0 and shape(1) == LayerShape.of(OPT, 2, x_split="token")
+    work = LayerWork(batch=64, recompute_tokens=T, attended_tokens=T)
+    one = predict_layers(COST, shape(1), [dataclasses.replace(work, bytes_x=T * 8192)])
+    two = predict_layers(COST, tok, [dataclasses.replace(work, bytes_x=T * 4096)])
+    assert two["bytes_gather"] == 64 * 32 * 129 * 4 / 2 and two["gather_s"] == pytest.approx(528384 / 200e9)
+    assert one["step_s"] / two["step_s"] == pytest.approx(1.99, abs=0.01)
+    streamed = predict_layers(COST, tok, [dataclasses.replace(work, bytes_x=T * 4096)], offload_weights=True)
+    assert streamed["bytes_gather"] == two["bytes_gather"] + 4096 * 4096 * 2
+    # a layer that recomputes nothing exchanges nothing
+    none = predict_layers(COST, tok, [LayerWork(batch=64, bytes_kv=T * 8192, attended_tokens=T)], offload_weights=True)
+    assert none["gather_s"] == none["bytes_gather"] == 0
+    work_of = lambda r: [extent_work(tok, LAYOUT, 64, 4, r, T + 64)]  # noqa: E731
+    plan = choose_split(COST, tok, work_of, range(5))
+    assert plan.r == 4 and "partial softmaxes" in plan.reason, plan.reason
+    with pytest.raises(ValueError, match="x_split"):
+        LayerShape.of(OPT, 2, tensor_parallel=2, x_split="heads")
+
+
+def test_a_layer_program_pays_one_launch():
+    """Each GPU batch's layer is one program: its parts add their slope terms and the program one intercept,
+    the largest of its parts' (the profile fits each part on its own call, whose launch the program pays once)."""
+    cost = dataclasses.replace(COST, recompute=Linear(2e-4, 1 / 400e12), attention=Linear(3e-4, 1 / 2.5e12),
+                               dense=Linear(1e-4, 1 / 500e12), all_gather=Linear(4e-4, 1 / 200e9))
+    tok = LayerShape.of(OPT, 2, tensor_parallel=2, x_split="token")
+    work = LayerWork(batch=64, recompute_tokens=T, attended_tokens=T, bytes_x=T * 4096)
+    flat, p = predict_layers(COST, tok, [work]), predict_layers(cost, tok, [work])
+    assert flat["launch_s"] == 0 and p["launch_s"] == 4e-4 and p["gpu_s"] == pytest.approx(flat["gpu_s"] + 4e-4)
+    assert p["recompute_s"] == flat["recompute_s"] and p["gather_s"] == flat["gather_s"]
+    # two GPU batches: two programs, two launches; one device without recompute: attention's intercept is the largest
+    assert predict_layers(cost, tok, [work, work])["launch_s"] == 8e-4
+    one = predict_layers(cost, shape(1), [LayerWork(batch=64, bytes_kv=T * 8192, attended_tokens=T)])
+    assert one["launch_s"] == 3e-4 and one["gpu_s"] == pytest.approx(
+        3e-4 + T * 16384 / 2.5e12 + 64 * 2 * (4 * 4096 * 4096 + 2 * 4096 * 16384) / 500e12)
 
 
 def test_profiles_record_the_all_gather_fit(tmp_path):

@@ -25,7 +25,7 @@ def profile_main(argv=None) -> int:
     ap.add_argument("--contexts", default=None, help="attention context lengths, comma separated")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="profile one device of an N-device mesh: transfers with every link busy, its heads' "
-                         "compute, and the all-gather of X (default 1)")
+                         "compute, and the collectives between devices (default 1)")
     args = ap.parse_args(argv)
 
     def nums(s, cast):

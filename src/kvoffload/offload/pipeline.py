@@ -226,9 +226,18 @@ class PoolSources:
     x: tuple
     recompute: Any  # int32 scalar
     prompt_extents: int = 0  # extents [0, p) hold prompt blocks: in use from prefill on (static)
+    # activation extents split by token over a mesh (`attend_pool_by_token`): per extent whether this step
+    # recomputes it (static, so a mesh's layer program has no conditional: an XLA conditional reads its
+    # predicate on the host, and a multi-device launch waits for that read); () on one device
+    token_recompute: tuple = ()
+
+    @property
+    def x_by_token(self) -> bool:
+        return bool(self.token_recompute)
 
 
-jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"], meta_fields=["prompt_extents"])
+jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"],
+                                 meta_fields=["prompt_extents", "token_recompute"])
 
 
 def native_extent(a, dtype):
@@ -240,6 +249,8 @@ def native_extent(a, dtype):
 def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl, attention_impl):
     """Folds every extent of the pool into acc, in order (the default hooks' attention). Returns
     (acc, slots): a policy's attention may update its per-layer slots; this one keeps none."""
+    if src.x_by_token:
+        return attend_pool_by_token(cfg, lp, q, acc, src, tables, recompute_impl, attention_impl), slots
     for e in range(len(src.k)):
         if src.x[e] is None:
             k, v = native_extent(src.k[e], q.dtype), native_extent(src.v[e], q.dtype)
@@ -259,6 +270,54 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
         part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl)
         acc = ops.merge_attention_into(acc, part)
     return acc, slots
+
+
+def attend_pool_by_token(cfg, lp, q, acc, src: PoolSources, tables, recompute_impl, attention_impl):
+    """attend_pool on a mesh whose activation extents are split by token (`sharding.X_TOKEN_SPEC`): the
+    extents this step recomputes (`PoolSources.token_recompute`, static) through `attend_act_by_token`, the
+    others' K/V as there (each device its heads; an extent not in use has an empty table)."""
+    for e in range(len(src.k)):
+        if src.token_recompute[e]:
+            acc = attend_act_by_token(cfg, lp, q, acc, src.x[e], tables.first_pos[e], tables.table[e],
+                                      tables.count[e], recompute_impl, attention_impl)
+        elif src.k[e] is not None:
+            part = ops.paged_decode_attention(q, native_extent(src.k[e], q.dtype), native_extent(src.v[e], q.dtype),
+                                              tables.table[e], tables.count[e], impl=attention_impl)
+            acc = ops.merge_attention_into(acc, part)
+        # else: activations alone, of an extent no request has blocks in: nothing to attend
+    return acc
+
+
+def attend_act_by_token(cfg, lp, q, acc, x_ext, first_pos, table, count, recompute_impl, attention_impl):
+    """acc with the attention over one activation extent folded in, on a mesh where the extent [E, blk, H]
+    is split by token (each device holds blk / N tokens of every block, whole along H): each device
+    recomputes the K/V of every head for its tokens (RoPE at their positions) from W_K / W_V whole (a
+    head-split shard is all-gathered here: streamed weights), attends every query head over them (the
+    paged kernel with blk / N-token blocks), and one all-to-all hands each device the N partial (out, lse)
+    of its heads, which it folds into its part of acc in token order. No X crosses between devices."""
+    from jax.sharding import PartitionSpec as P
+
+    n = S.context_size()
+    kv_only = dataclasses.replace(lp, **{f.name: None for f in dataclasses.fields(lp) if f.name not in S.KV_WEIGHTS})
+    heads = P(None, S.MODEL)
+
+    def local(q, acc, x, first_pos, lp_kv, table, count):
+        x = native_extent(x, q.dtype)
+        t = x.shape[1]
+        positions = first_pos[:, None] + jax.lax.axis_index(S.MODEL) * t + jnp.arange(t, dtype=jnp.int32)[None]
+        k, v = family(cfg).recompute_kv(cfg, lp_kv, x, positions, impl=recompute_impl)
+        o, lse = ops.paged_decode_attention(q, k, v, table, count, impl=attention_impl)
+        # [N, B, heads / N, d + 1]: entry j is device j's partial over its tokens, for this device's heads
+        both = jnp.concatenate([o.astype(jnp.float32), lse[..., None]], -1)
+        parts = jax.lax.all_to_all(both[None], S.MODEL, 2, 0, tiled=True)
+        for j in range(n):
+            acc = ops.merge_attention_into(acc, (parts[j, ..., :-1], parts[j, ..., -1]))
+        return acc
+
+    rep = S.REPLICATED
+    return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                         in_specs=(rep, (heads, heads), S.X_TOKEN_SPEC, rep, rep, rep, rep),
+                         out_specs=(heads, heads), check_vma=False)(q, acc, x_ext, first_pos, kv_only, table, count)
 
 
 def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, attend, options):
@@ -384,6 +443,15 @@ class LayerHooks:
 
     name = "pool"
     kinds = ("kv",)  # what the pool can store (split_store says where)
+    # on a mesh, how activation extents are split: "token" (each device recomputes every head's K/V of its
+    # tokens: `attend_act_by_token`; the extents' K/V are attended whole, by `attend_pool`) or "hidden"
+    # (along H: single X rows readable on every device, for policies that gather rows)
+    x_split = "hidden"
+
+    def recomputes(self, pipe: "LayerPipeline", model) -> bool:
+        """Whether this run may recompute K/V from activation extents (on a token-split mesh each device then
+        keeps W_K / W_V whole when the weights stay on the GPU)."""
+        return "act" in self.kinds
 
     def plan_group(self, pipe: "LayerPipeline", model, group: GroupState) -> GroupPlan:
         return GroupPlan(used_extents=group.used_extents)
@@ -461,9 +529,10 @@ class LayerHooks:
         fetched arrays in place of the extents in use and zero stand-ins for the rest (their tables
         are empty). Built from per-layout templates: this runs once per layer and step."""
         rec = pipe.scalar(plan.recompute_extents)
+        tok = self.token_recompute(pipe, group, plan, layer)
         if not pipe.host_pool:
             return PoolSources(k=group.pool_k[layer], v=group.pool_v[layer], x=group.pool_x[layer], recompute=rec,
-                               prompt_extents=group.layout.prompt_extents)
+                               prompt_extents=group.layout.prompt_extents, token_recompute=tok)
         early, late = fetched
         ks, vs, xs = (list(t) for t in pipe.stand_ins(group, layer))
         ie, il = iter(early), iter(late)
@@ -475,7 +544,25 @@ class LayerHooks:
             elif m == "kv":
                 ks[e], vs[e] = next(il), next(il)
         return PoolSources(k=tuple(ks), v=tuple(vs), x=tuple(xs), recompute=rec,
-                           prompt_extents=group.layout.prompt_extents)
+                           prompt_extents=group.layout.prompt_extents, token_recompute=tok)
+
+    def token_recompute(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int) -> tuple:
+        """On a mesh with activations split by token: per extent whether this step recomputes its K/V from X
+        (fetched X; a device extent's X alone where a request has blocks, or with its K/V below the plan's
+        split), the static form of `attend_pool`'s conditionals. () elsewhere. The layer program compiles once
+        per distinct tuple (a new split, an activation-only extent coming into use)."""
+        if not pipe.x_by_token:
+            return ()
+        lay, xs, ks = group.layout, group.pool_x[layer], group.pool_k[layer]
+        in_use = group.alloc.extents_in_use(lay)
+        modes = plan.extent_modes(pipe, lay) if pipe.host_pool else ("dev",) * lay.num_extents
+        out = []
+        for e, m in enumerate(modes):
+            if m != "dev":
+                out.append(m == "x")
+            else:
+                out.append(xs[e] is not None and bool(in_use[e]) and (ks[e] is None or e < plan.recompute_extents))
+        return tuple(out)
 
     def group_rows(self, pipe: "LayerPipeline", model, lengths, capacity: int, t_pad: int | None = None) -> list:
         """The GPU batches: contiguous row ranges (start, stop) of the batch (default: gpu_batches
@@ -623,6 +710,13 @@ class LayerPipeline:
         self.dev = M.default_device() if self.mesh is None else S.local_device(self.mesh)
         self.rep = self.dev if self.mesh is None else S.replicated(self.mesh)
         self.tables_at = None if self.mesh is None else self.rep  # block tables: uncommitted on one device
+        # activation extents split by token over the mesh (sharding.X_TOKEN_SPEC): each block's tokens in N
+        # equal slices
+        self.x_by_token = self.tp > 1 and hooks.x_split == "token"
+        if self.x_by_token and opts.block_tokens % self.tp:
+            raise S.TensorParallelError(
+                f"{hooks.name} on {self.tp} devices splits each block's {opts.block_tokens} tokens of activations "
+                f"over the devices; block_tokens must be a multiple of tensor_parallel={self.tp}")
         self.host_kind, self.host_note = M.host_memory_kind(self.dev)
         self._sharded_params: dict = {}
         self._cost = None
@@ -681,8 +775,15 @@ class LayerPipeline:
             S.check_divisible(model.config, self.tp)
             on_host = M.on_host(model.params.layers)
             self._sharded_params = {key: S.shard_params(model.params, self.mesh,
-                                                        layers_kind=self.host_kind if on_host else None)}
+                                                        layers_kind=self.host_kind if on_host else None,
+                                                        replicate_kv=self.replicate_kv(model))}
         return self._sharded_params[key]
+
+    def replicate_kv(self, model) -> bool:
+        """Whether each device keeps W_K / W_V whole: token-split activations recomputed from resident weights
+        (streamed weights move their head shard and the layer program all-gathers it: NVLink, not PCIe)."""
+        return (self.x_by_token and not self.opts.offload_weights and not M.on_host(model.params.layers)
+                and self.hooks.recomputes(self, model))
 
     def local(self, values):
         """Small host-made values as the programs take them: as they are on one device (uncommitted), on a
@@ -753,7 +854,8 @@ class LayerPipeline:
         dtype = model.params.layers[0].wk.dtype
         mem = pool_memory(cfg, dtype, layouts, len(lengths), t_pad, host_pool=self.host_pool,
                           offload_weights=o.offload_weights,
-                          weights=S.weight_bytes_per_device(model.config, dtype, model.params, self.tp),
+                          weights=S.weight_bytes_per_device(model.config, dtype, model.params, self.tp,
+                                                            self.replicate_kv(model)),
                           inflight=max(o.sync_depth + 1, 2), resident_layers=self.resident(model),
                           tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
@@ -840,7 +942,7 @@ class LayerPipeline:
                 parts = self.hooks.layer_parts(self, i)
                 keep_tx = keep_x and tail_x and (parts is None or "x" in parts)  # X only where the layer stores it
                 tx = _tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_tx else None
-                if tx is not None and self.mesh is not None:  # split along H, like the X extents it flushes into
+                if tx is not None and self.mesh is not None:  # split along H (a flush moves a block to its extent's split)
                     tx = jax.device_put(tx, S.x_shardings(tx, self.mesh, "device"))
                 gr["tx"].append(tx)
                 pending.append((gr["tk"][-1], pk, pv, px) if o.prefill_chunk_tokens else gr["tk"][-1])
@@ -907,14 +1009,14 @@ class LayerPipeline:
         if self.mesh is None:
             host = M.to_host(pick(True), self.dev) if any(on_host) else pick(True)
             dev = jax.device_put(pick(False), M.device_sharding(self.dev))
-        else:  # K/V by KV head (each device stores and moves its heads' blocks), X along H (offload/sharding.py)
-            kv_s = S.kv_sharding(self.mesh)
+        else:  # K/V by KV head (each device stores and moves its heads' blocks), X by token or along H
+            kv_s, tok = S.kv_sharding(self.mesh), self.x_by_token  # (offload/sharding.py)
             hp, dp = pick(True), pick(False)
             host = (M.to_host(hp[:2 * n], kv_s) + jax.device_put(hp[2 * n:], S.x_shardings(hp[2 * n:], self.mesh,
-                                                                                             self.host_kind))
+                                                                                             self.host_kind, tok))
                     ) if any(on_host) else hp
             dev = (jax.device_put(dp[:2 * n], M.device_sharding(kv_s))
-                   + jax.device_put(dp[2 * n:], S.x_shardings(dp[2 * n:], self.mesh, "device")))
+                   + jax.device_put(dp[2 * n:], S.x_shardings(dp[2 * n:], self.mesh, "device", tok)))
         both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host)]
         return tuple(both[:n]), tuple(both[n:2 * n]), tuple(both[2 * n:]), k_dev
 
@@ -1188,18 +1290,25 @@ class LayerPipeline:
                           gr.alloc.extents_in_use(gr.layout), plan.recompute_extents, attended_tokens(gr))
 
     def shape(self, model):
-        from kvoffload.plan.cost import LayerShape
         key = id(model.params)
         if getattr(self, "_shape_key", None) != key:
-            lp = model.params.layers[0]
-            wb = S.weight_bytes_per_device(model.config, lp.wk.dtype, model.params, self.tp)
             self._shape_key = key
-            # one device's shape: its heads, 1/N of each X (split along H), the all-gather of X it receives
-            self._shape_val = LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer,
-                                            wb.kv_per_layer, host_dtype="int4" if self.int4 else "native",
-                                            int4_group_size=self.opts.int4_group_size, tensor_parallel=self.tp,
-                                            int4_k_quant=self.opts.int4_k_quant, block_tokens=self.opts.block_tokens)
+            # first without whole W_K / W_V: replicate_kv asks the hooks, which may read this shape's bytes per token
+            self._shape_val = self._layer_shape(model, False)
+            if self.replicate_kv(model):
+                self._shape_val = self._layer_shape(model, True)
         return self._shape_val
+
+    def _layer_shape(self, model, replicate_kv: bool):
+        """One device's shape: its heads, 1/N of each X, and what recomputing costs between devices."""
+        from kvoffload.plan.cost import LayerShape
+
+        lp = model.params.layers[0]
+        wb = S.weight_bytes_per_device(model.config, lp.wk.dtype, model.params, self.tp, replicate_kv)
+        return LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer, wb.kv_per_layer,
+                             host_dtype="int4" if self.int4 else "native", int4_group_size=self.opts.int4_group_size,
+                             tensor_parallel=self.tp, int4_k_quant=self.opts.int4_k_quant,
+                             block_tokens=self.opts.block_tokens, x_split="token" if self.x_by_token else "hidden")
 
     def host_form(self, a, key=False):
         """A K (key=True), V or X block / extent as a host pool stores it: int4 (K scaled as int4_k_quant says,

@@ -8,12 +8,18 @@ jitted with sharded inputs.
 
 K/V (GPU tails, pool extents in device or pinned host memory, fetched extents) are sharded by KV head
 (axis 1 of ``[B | E, n_kv, S | blk, d]``): each device stores, moves over its own link and attends only
-its heads' blocks. Activation extents (``[E, blk, H]``, what kvpr recomputes K/V from) hold every
-head's input. They are split along H (``X_SPEC``): each device stores and moves 1/N of every X block
-over its own link, and the layer program all-gathers an extent across the devices (NVLink) before each
-device recomputes its heads' K/V from the whole X. Replicating X instead would need no collective but
-would move the whole X over every link: with N >= 2 an MHA activation (H p bytes) would then cost as much
-PCIe as a device's K/V (2 H p / N), and recomputation could never pay.
+its heads' blocks. Activation extents (``[E, blk, H]``, what kvpr and hybrid recompute K/V from) hold
+every head's input; they are split **by token** (``X_TOKEN_SPEC``: each block's blk tokens in N slices of
+blk / N, every slice whole along H). Each device moves 1/N of every X block over its own link and
+recomputes the K/V of every head for its tokens (W_K / W_V whole on every device: replicated when the
+weights stay on the GPU, all-gathered inside the layer program when they stream), attends all query
+heads over them, and the devices merge their partial softmaxes into each device's heads (one
+reduce-scatter of [B, heads, d] per extent; `pipeline.attend_act_by_token`). No device receives
+another's X. The earlier layout split X along H (``X_SPEC``) and all-gathered it before each recompute:
+(N-1)/N of every recomputed X block over NVLink per device, which held kvpr to 1.38x / 1.66x on 2 / 4
+GPUs. ``X_SPEC`` stays for the GPU tails of X and for the policies that gather single X rows
+(tokenselect store=act), where a row must be readable on every device. Replicating X would move all of it
+over every link: for MHA at N >= 2 as many bytes as a device's K/V, so recomputation could never pay.
 
 Pallas kernels cannot be partitioned by XLA: `per_shard` wraps a kernel call in ``jax.shard_map`` over
 the head axis when a mesh with a ``model`` axis is in context (``jax.set_mesh``, entered by the layer
@@ -40,7 +46,8 @@ COLUMN_BIAS = frozenset({"bq", "bk", "bv", "b1", "b_gate", "b_up"})  # [out]
 ROW = frozenset({"wo", "fc2", "w_down"})  # [in, H]: in split; the product is a partial sum (all-reduce)
 
 KV_SPEC = P(None, MODEL)  # [B | E, n_kv, ...]: by KV head
-X_SPEC = P(None, None, MODEL)  # activation extents [E, blk, H] and tails [b, slots, H]: along H
+X_SPEC = P(None, None, MODEL)  # X tails [b, slots, H] (and tokenselect's row-gathered X extents): along H
+X_TOKEN_SPEC = P(None, MODEL)  # activation extents [E, blk, H] recomputed per device: by token within a block
 REPLICATED = P()
 
 
@@ -136,7 +143,14 @@ def context(mesh: Mesh | None):
 # ---------------------------------------------------------------------------------------------
 
 
-def field_spec(name: str, ndim: int) -> P:
+KV_WEIGHTS = frozenset({"wk", "bk", "wv", "bv"})
+
+
+def field_spec(name: str, ndim: int, replicate_kv: bool = False) -> P:
+    """replicate_kv: W_K, W_V (and biases) whole on every device (token-split activations: each device
+    recomputes every head's K/V of its tokens)."""
+    if replicate_kv and name in KV_WEIGHTS:
+        return REPLICATED
     if name in COLUMN and ndim == 2:
         return P(None, MODEL)
     if name in COLUMN_BIAS and ndim == 1:
@@ -146,30 +160,34 @@ def field_spec(name: str, ndim: int) -> P:
     return REPLICATED
 
 
-def layer_specs(lp):
+def layer_specs(lp, replicate_kv: bool = False):
     """The layer dataclass with a PartitionSpec in place of each weight (None stays None)."""
     return dataclasses.replace(lp, **{f.name: (None if getattr(lp, f.name) is None else
-                                               field_spec(f.name, getattr(lp, f.name).ndim))
+                                               field_spec(f.name, getattr(lp, f.name).ndim, replicate_kv))
                                       for f in dataclasses.fields(lp)})
 
 
-def param_shardings(params, mesh: Mesh, memory_kind: str | None = None, layers_kind: str | None = None):
+def param_shardings(params, mesh: Mesh, memory_kind: str | None = None, layers_kind: str | None = None,
+                    replicate_kv: bool = False):
     """NamedShardings of a whole params pytree: layers Megatron-style (in memory kind layers_kind, e.g.
-    pinned_host for streamed weights), everything else replicated."""
+    pinned_host for streamed weights; W_K / W_V whole with replicate_kv), everything else replicated."""
     rep = jax.tree.map(lambda _: NamedSharding(mesh, REPLICATED, memory_kind=memory_kind),
                        dataclasses.replace(params, layers=()))
     layers = tuple(jax.tree.map(lambda spec: NamedSharding(mesh, spec, memory_kind=layers_kind or memory_kind),
-                                layer_specs(lp), is_leaf=lambda s: isinstance(s, P)) for lp in params.layers)
+                                layer_specs(lp, replicate_kv), is_leaf=lambda s: isinstance(s, P))
+                   for lp in params.layers)
     return dataclasses.replace(rep, layers=layers)
 
 
-def shard_params(params, mesh: Mesh, memory_kind: str | None = None, layers_kind: str | None = None):
+def shard_params(params, mesh: Mesh, memory_kind: str | None = None, layers_kind: str | None = None,
+                 replicate_kv: bool = False):
     """params placed on the mesh (a no-op for arrays already placed so)."""
-    return jax.device_put(params, param_shardings(params, mesh, memory_kind, layers_kind))
+    return jax.device_put(params, param_shardings(params, mesh, memory_kind, layers_kind, replicate_kv))
 
 
-def weight_bytes_per_device(cfg, dtype, params, n: int):
-    """plan.memory.WeightBytes of one device's shard (split fields / n, replicated ones whole)."""
+def weight_bytes_per_device(cfg, dtype, params, n: int, replicate_kv: bool = False):
+    """plan.memory.WeightBytes of one device's shard (split fields / n, replicated ones whole;
+    replicate_kv: W_K / W_V whole, as `shard_params` places them for token-split activations)."""
     from kvoffload.plan.memory import WeightBytes, weight_bytes
 
     if n == 1:
@@ -181,7 +199,7 @@ def weight_bytes_per_device(cfg, dtype, params, n: int):
             a = getattr(lp, f.name)
             if a is None or (fields is not None and f.name not in fields):
                 continue
-            split = field_spec(f.name, a.ndim) != REPLICATED
+            split = field_spec(f.name, a.ndim, replicate_kv) != REPLICATED
             total += a.size * jnp.dtype(a.dtype).itemsize // (n if split else 1)
         return int(total)
 
@@ -227,11 +245,13 @@ def put(values, where):
     return jax.tree.map(one, values)
 
 
-def x_shardings(tree, mesh: Mesh, memory_kind: str | None = None):
+def x_shardings(tree, mesh: Mesh, memory_kind: str | None = None, by_token: bool = False):
     """Shardings of activation arrays (an X extent or tail, or an int4 one's codes and scales): split
-    along the last axis (H) where it divides over the mesh, else replicated."""
+    along the last axis (H), or with by_token along axis 1 (an extent's tokens within each block), where
+    that axis divides over the mesh, else replicated."""
     n = size(mesh)
-    return jax.tree.map(lambda a: NamedSharding(mesh, X_SPEC if a.shape[-1] % n == 0 else REPLICATED,
+    spec, axis = (X_TOKEN_SPEC, 1) if by_token else (X_SPEC, -1)
+    return jax.tree.map(lambda a: NamedSharding(mesh, spec if a.shape[axis] % n == 0 else REPLICATED,
                                                 memory_kind=memory_kind), tree)
 
 
@@ -243,25 +263,28 @@ def to_kind(tree, kind: str):
 
 def constrain_replicated(x):
     """x replicated over the context mesh's 'model' axis (inside a traced program); x itself without one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or MODEL not in mesh.axis_names or mesh.shape[MODEL] == 1:
+    if context_size() == 1:
         return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, REPLICATED))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), REPLICATED))
 
 
 def per_shard(fn, in_specs, out_specs):
     """fn run per shard of the context mesh's 'model' axis (jax.shard_map) when one is in context with
     more than one device, else fn itself. For Pallas kernels: XLA cannot partition a kernel call, so
     each device runs it on its heads. Specs name MODEL for the head axis; arguments given None stay
-    None (in_specs entries for them are ignored)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or MODEL not in mesh.axis_names or mesh.shape[MODEL] == 1:
+    None (in_specs entries for them are ignored). Inside a shard_map over the axis (already per device)
+    it is fn itself."""
+    if context_size() == 1:
         return fn
+    mesh = jax.sharding.get_abstract_mesh()
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def context_size() -> int:
-    """Devices along the context mesh's 'model' axis inside a traced program (1 without one)."""
+    """Devices along the context mesh's 'model' axis inside a traced program: 1 without one, and inside a
+    shard_map over it (each device's own part, where nothing is split further)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty or MODEL not in mesh.axis_names else int(mesh.shape[MODEL])
+    if mesh.empty or MODEL not in mesh.axis_names or MODEL in mesh.manual_axes:
+        return 1
+    return int(mesh.shape[MODEL])
 

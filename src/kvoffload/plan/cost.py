@@ -7,11 +7,14 @@ recomputation + attention + projections and MLP. A step is num_layers such layer
 
 Tensor parallelism over N devices (offload/sharding.py) is priced per device: `LayerShape.of(...,
 tensor_parallel=N)` counts one device's heads (its K/V bytes, recompute and attention are 1/N), its 1/N
-of each activation (X is stored and fetched split along H, each device over its own link), and the
-all-gather of X before recomputation: each device receives the other (N-1)/N of every recomputed
-token's X over NVLink/ICI (`CostModel.all_gather`, on the GPU's time: it runs inside the layer program
-right before the recompute that needs it), and the layer's two all-reduces of [batch, h] on the same
-links (mostly latency at decode; the same for every split).
+of each activation (each device fetches its share over its own link), the layer's two all-reduces of
+[batch, h] (mostly latency at decode; the same for every split), and what recomputing costs between the
+devices, on the GPU's time (`CostModel.all_gather`'s links and fit: it runs inside the layer program).
+With X split by token (``x_split="token"``: kvpr, hybrid) each device recomputes every head of its 1/N
+of the tokens: the same flops, and only each recomputing layer's merge of the partial softmaxes (an
+all-to-all of [batch, heads, d + 1] fp32) plus, for streamed weights, the all-gather of the W_K / W_V
+shards. With X split along H (``"hidden"``) each device receives the other (N-1)/N of every recomputed
+token's X first.
 """
 
 from __future__ import annotations
@@ -198,13 +201,17 @@ class LayerShape:
     kv_host_tok: float | None = None
     # bytes of one token's activation as the host pool stores it (what a fetch of X moves); None: x_tok
     x_host_tok: float | None = None
-    # tensor parallelism: bytes of one recomputed token's X each device receives from the others before
-    # its recompute (the all-gather of X split along H, in the compute dtype: (N-1)/N * h * p); 0 on one device
+    # tensor parallelism, X split along H: bytes of one recomputed token's X each device receives from the
+    # others before its recompute (the all-gather, in the compute dtype: (N-1)/N * h * p); 0 on one device or by token
     x_gather_tok: float = 0.0
     # tensor parallelism: bytes each device receives per batch row in each of the layer's two all-reduces
     # (attention output and MLP down projection, Megatron's row-parallel partial sums: 2 (N-1)/N * h * p)
     allreduce_row: float = 0.0
     tensor_parallel: int = 1  # devices the heads are split over
+    # X split by token: bytes each device receives per batch row when a layer's recomputed partial softmaxes
+    # are merged ((N-1)/N * heads * (d + 1) * 4), and per layer program when streamed W_K / W_V shards are gathered
+    act_merge_row: float = 0.0
+    w_kv_gather: float = 0.0
 
     def __post_init__(self):
         if self.kv_host_tok is None:
@@ -215,23 +222,31 @@ class LayerShape:
     @classmethod
     def of(cls, cfg: ModelConfig, dtype_bytes: int, w_layer: float = 0.0, w_kv: float = 0.0,
            host_dtype: str = "native", int4_group_size: int = 64, tensor_parallel: int = 1,
-           int4_k_quant: str = "token", block_tokens: int = 64) -> "LayerShape":
+           int4_k_quant: str = "token", block_tokens: int = 64, x_split: str = "hidden") -> "LayerShape":
         """cfg: the whole model's config; w_layer, w_kv: one device's weight bytes. With tensor_parallel=N
         the shape is one device's (offload/sharding.py): its n_kv / N heads' K/V (stored, fetched over its
-        own link, attended, recomputed: 1/N of the flops), 1/N of each activation X (split along H) and
-        the (N-1)/N of X it receives in the all-gather before recomputing."""
+        own link, attended, recomputed: 1/N of the flops), 1/N of each activation X, and what recomputing
+        costs between devices: x_split "hidden" (X along H) the (N-1)/N of X each device receives before
+        recomputing; "token" the merge of the partial softmaxes and the W_K / W_V shards' all-gather (the
+        latter paid only where weights stream)."""
         from kvoffload.offload.sharding import device_config
 
+        if x_split not in ("hidden", "token"):
+            raise ValueError(f"x_split must be 'hidden' or 'token', got {x_split!r}")
         n = int(tensor_parallel)
         dev = device_config(cfg, n)
+        by_token = x_split == "token"
+        share = (n - 1) / n
         return cls(x_tok=cfg.hidden_size * dtype_bytes / n, kv_tok=dev.kv_bytes_per_token * dtype_bytes,
                    recompute_flops_tok=recompute_flops_per_token(dev), dense_flops_tok=dense_flops_per_token(dev),
                    w_layer=w_layer, w_kv=w_kv,
                    kv_host_tok=stored_kv_bytes_per_token(dev, dtype_bytes, host_dtype, int4_group_size,
                                                          int4_k_quant, block_tokens),
                    x_host_tok=stored_x_bytes_per_token(cfg, dtype_bytes, host_dtype, int4_group_size) / n,
-                   x_gather_tok=cfg.hidden_size * dtype_bytes * (n - 1) / n,
-                   allreduce_row=2 * cfg.hidden_size * dtype_bytes * (n - 1) / n, tensor_parallel=n)
+                   x_gather_tok=0.0 if by_token else cfg.hidden_size * dtype_bytes * share,
+                   allreduce_row=2 * cfg.hidden_size * dtype_bytes * share, tensor_parallel=n,
+                   act_merge_row=cfg.num_heads * (cfg.head_dim + 1) * 4 * share if by_token else 0.0,
+                   w_kv_gather=w_kv * (n - 1) if by_token else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,25 +266,48 @@ def predict_layers(cost: CostModel, shape: LayerShape, works, *, offload_weights
                    layers: int = 1) -> dict:
     """Times of `layers` decode layers, each doing `works` (one LayerWork per GPU batch): transfers of
     layer i+1 overlap compute of layer i, so a layer costs max(PCIe time, GPU time). Per device (shape:
-    `LayerShape.of`); GPU time includes the all-gather of recomputed X under tensor parallelism."""
+    `LayerShape.of`); GPU time includes what recomputing exchanges between devices under tensor parallelism.
+
+    A GPU batch's layer is one program: its parts (recompute, exchange, attention, projections and MLP,
+    all-reduces) each add their fit's slope term, and the program pays one intercept, the largest of its
+    parts' (``launch_s``). The profile fits each part on its own jitted call, so its intercept is mostly
+    that call's launch; summing them counted ~1 ms per layer the layer program never pays (measured with 4
+    H100s: kvpr's split at 4/4 predicted 87.5 ms per step, run in 67.1)."""
     w_b = shape.w_layer if offload_weights else 0.0
     x_b = sum(w.bytes_x for w in works)
     kv_b = sum(w.bytes_kv for w in works)
     n = sum(w.transfers for w in works) + (2 if offload_weights else 0)
     moved = x_b + kv_b + w_b
     transfer = 0.0 if moved <= 0 else max(1, n) * cost.h2d.intercept + cost.h2d.slope * moved
-    recompute = sum(cost.recompute(w.recompute_tokens * shape.recompute_flops_tok) for w in works)
-    # tensor parallel: each batch's recomputed X is all-gathered inside its layer program before the recompute
-    gather_b = sum(w.recompute_tokens for w in works) * shape.x_gather_tok
-    gather = sum(cost.all_gather(w.recompute_tokens * shape.x_gather_tok) for w in works)
-    attention = sum(cost.attention(w.attended_tokens * shape.kv_tok) for w in works)
-    dense = sum(max(cost.dense(w.batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw) for w in works)
-    # tensor parallel: the layer's two all-reduces of [batch, h] (priced on the all-gather's links and fit)
-    allreduce = sum(2 * cost.all_gather(w.batch * shape.allreduce_row) for w in works)
-    gpu = recompute + gather + attention + dense + allreduce
-    t = {"transfer_s": transfer, "gpu_s": gpu, "recompute_s": recompute, "gather_s": gather, "attention_s": attention,
-         "dense_s": dense, "allreduce_s": allreduce, "bytes_h2d": moved, "bytes_x": x_b, "bytes_kv": kv_b, "bytes_w": w_b,
-         "bytes_gather": gather_b, "layer_s": max(transfer, gpu)}
+    parts = {"recompute_s": 0.0, "gather_s": 0.0, "attention_s": 0.0, "dense_s": 0.0, "allreduce_s": 0.0}
+    launch, gather_b = 0.0, 0.0
+    # tensor parallel, inside each batch's layer program: X split along H is all-gathered before the
+    # recompute; X split by token costs the merge of the partial softmaxes and a streamed W_K / W_V's gather
+    # (each GPU batch's program gathers the layer's shards again)
+    w_gather = shape.w_kv_gather if offload_weights else 0.0
+    for w in works:
+        rec = w.recompute_tokens > 0
+        gathered = (w.recompute_tokens * shape.x_gather_tok + w.batch * shape.act_merge_row + w_gather) if rec else 0.0
+        gather_b += gathered
+        terms = [("recompute_s", cost.recompute, w.recompute_tokens * shape.recompute_flops_tok),
+                 ("gather_s", cost.all_gather, gathered),
+                 ("attention_s", cost.attention, w.attended_tokens * shape.kv_tok),
+                 # the layer's two all-reduces of [batch, h] (priced on the all-gather's links and fit)
+                 ("allreduce_s", cost.all_gather, w.batch * shape.allreduce_row),
+                 ("allreduce_s", cost.all_gather, w.batch * shape.allreduce_row)]
+        intercepts = [0.0]
+        for key, line, x in terms:
+            if x > 0:
+                parts[key] += line.slope * float(x)
+                intercepts.append(line.intercept)
+        dense_x = w.batch * shape.dense_flops_tok
+        if dense_x > 0:
+            parts["dense_s"] += max(cost.dense.slope * dense_x, shape.w_layer / cost.hbm_bw)
+            intercepts.append(cost.dense.intercept)
+        launch += max(intercepts)
+    gpu = sum(parts.values()) + launch
+    t = {"transfer_s": transfer, "gpu_s": gpu, **parts, "launch_s": launch, "bytes_h2d": moved, "bytes_x": x_b,
+         "bytes_kv": kv_b, "bytes_w": w_b, "bytes_gather": gather_b, "layer_s": max(transfer, gpu)}
     out = {k: v * layers for k, v in t.items()}
     out["step_s"] = out.pop("layer_s")
     out["bound"] = "pcie" if transfer >= gpu else "gpu"

@@ -60,15 +60,20 @@ class BlockRates:
         """weight_share: the fraction of layers whose weights stream (resident layers move none); the
         per-layer weight time is its average over the layers.
         shape: one device's (`LayerShape.of(..., tensor_parallel=N)`, as `LayerPipeline.shape` gives it):
-        its heads' K/V per block over its own link, its 1/N of each X, its weight shard; regenerating an
-        ACT block then also all-gathers the block's X over the mesh first, and the layer's two
-        all-reduces of [batch, h] join the dense time (the terms `predict_layers` prices)."""
+        its heads' K/V per block over its own link, its 1/N of each X, its weight shard; the layer's two
+        all-reduces of [batch, h] join the dense time, and so, with X split by token, do the merge of the
+        partial softmaxes and a streamed W_K / W_V's all-gather; with X split along H regenerating an ACT
+        block all-gathers its X first (the terms `predict_layers` prices)."""
         blk = int(block_tokens)
         # loads and host memory at the bytes the host pool stores (int4 host blocks: ~1/4 of bf16's)
         kv_b, act_b = blk * shape.kv_host_tok, blk * shape.x_host_tok
         per_block = lambda line, x: Linear(line.intercept, line.slope * x)  # noqa: E731
         dense = max(cost.dense(batch * shape.dense_flops_tok), shape.w_layer / cost.hbm_bw)
         dense += 2 * cost.all_gather(batch * shape.allreduce_row)  # 0 on one device
+        # X split by token (the pipeline's layout for hybrid on a mesh): each layer merges the devices' partial
+        # softmaxes over its ACT blocks and gathers streamed W_K / W_V shards (0 on one device)
+        dense += cost.all_gather(batch * shape.act_merge_row) + (cost.all_gather(shape.w_kv_gather) if offload_weights
+                                                                  else 0.0)
         gen = per_block(cost.recompute, blk * shape.recompute_flops_tok)
         gather = per_block(cost.all_gather, blk * shape.x_gather_tok) if shape.x_gather_tok > 0 else Linear(0.0, 0.0)
         return cls(block_tokens=blk, load_kv=per_block(cost.h2d, kv_b), load_act=per_block(cost.h2d, act_b),

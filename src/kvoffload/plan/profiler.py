@@ -230,7 +230,9 @@ def run_profile(cfg: ModelConfig, batch: int, dtype="bfloat16", quick: bool = Fa
     reps = 3 if quick else 5
     _log(progress, f"device {dev.device_kind} ({dev.platform}); {M.host_memory_kind(dev)[1]}"
                    + (f"; one of {n} devices (tensor parallel)" if mesh is not None else ""))
-    raw = measure_transfers(sizes_mb, reps, progress, mesh=mesh)
+    # transfers at 5 repetitions even when quick: the PCIe slope comes mostly from the largest size, and on a
+    # 4-GPU H100 host one slow repetition in 3 made a quick profile's 2-GPU fit 27 GB/s where links ran at 50
+    raw = measure_transfers(sizes_mb, max(reps, 5), progress, mesh=mesh)
     # compute on one device at the whole model's shapes: the fits are per flop / byte, which prices a
     # device's heads (1/N of them) as well
     raw.update(measure_compute(cfg, batch, dtype, tokens, contexts, reps=reps, progress=progress))

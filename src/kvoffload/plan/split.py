@@ -6,8 +6,9 @@ the K/V: half the bytes for MHA). The split r recomputes extents [0, r) and fetc
 Transfers of layer i+1 run under layer i's compute, so a layer costs max(PCIe time, GPU time), both
 from the shared cost model (`plan.cost.predict_layers` over the `LayerWork` each r implies). Under
 tensor parallelism the times are one device's (`LayerShape.of(..., tensor_parallel=N)`): its 1/N of X
-and of the K/V over its own link, its heads' recompute, and the all-gather of the recomputed X (GPU
-time), so the split that balances the two sides moves with N. The
+and of the K/V over its own link, its share of the recompute, and what recomputing costs between the
+devices (GPU time: with X split by token the merge of the partial softmaxes, with X split along H the
+all-gather of the recomputed X), so the split that balances the two sides moves with N. The
 candidates are few (the extents in use, plus one), so `choose_split` evaluates every one and keeps the
 fastest, the smallest r on ties.
 
@@ -58,8 +59,9 @@ def choose_split(cost: CostModel, shape: LayerShape, work_of: Callable[[int], Se
                   f"{times[candidates[0]] * 1e3:.3f} ms at {candidates[0]}")
     if shape.tensor_parallel > 1:
         p = preds[best]
+        what = "all-gather of X" if shape.x_gather_tok > 0 else "exchange of partial softmaxes (X split by token)"
         reason += (f" (per device of {shape.tensor_parallel}: transfer {p['transfer_s'] * 1e3:.3f} ms, GPU "
-                   f"{p['gpu_s'] * 1e3:.3f} ms of which all-gather of X {p['bytes_gather'] / 1e6:.1f} MB "
+                   f"{p['gpu_s'] * 1e3:.3f} ms of which {what} {p['bytes_gather'] / 1e6:.4g} MB "
                    f"{p['gather_s'] * 1e3:.3f} ms; {cost.describe_all_gather()})")
     return SplitPlan(best, times[best], reason)
 

@@ -23,9 +23,10 @@ on the GPU while the next transfers run), and some ACT blocks stay on the GPU wh
   accumulator: the same partial sums over the same blocks in the same order as `full` with the same
   GPU batches, so at any split the logits are `full`'s (bit for bit in fp32 where recomputing an
   extent's K/V rounds as the prefill's projection did: MHA on XLA CPU, the real models' shapes).
-* Tensor parallelism (tensor_parallel=N): the shared pipeline's mesh runtime (every extent split by KV head
-  or, X, along H; weight shards streamed); the plan prices one device (`BlockRates.of` on the pipeline's
-  per-device shape: all-gather of X before each recompute included) within its share of the budgets.
+* Tensor parallelism (tensor_parallel=N): the shared pipeline's mesh runtime (K/V extents split by KV head,
+  ACT extents by token: each device regenerates every head of its tokens, `attend_act_by_token`; weight
+  shards streamed); the plan prices one device (`BlockRates.of` on the pipeline's per-device shape) within
+  its share of the budgets.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class HybridPlan:
 class HybridHooks(LayerHooks):
     name = "hybrid"
     kinds = ("kv", "act")
+    x_split = "token"  # on a mesh each device recomputes every head of its ACT blocks' tokens
 
     def __init__(self, act_share=None, gpu_blocks="auto", mini_batch_gb=0.5, host_budget_gb=None, allocation="balance"):
         if act_share is not None and not 0.0 <= float(act_share) <= 1.0:
@@ -110,7 +112,7 @@ class HybridHooks(LayerHooks):
 
         o = pipe.opts
         # the weight shards of every device this process drives (replicated fields once per device)
-        wb = S.weight_bytes_per_device(model.config, dtype, model.params, pipe.tp)
+        wb = S.weight_bytes_per_device(model.config, dtype, model.params, pipe.tp, pipe.replicate_kv(model))
         shards = S.local_size(pipe.mesh)
         if self.host_budget_gb is not None:
             host = self.host_budget_gb * GB

@@ -3,8 +3,9 @@ i+1, the activation extents [0, r) and the K/V extents [r, n) are fetched while 
 extents [0, r) are recomputed on the GPU through the model family's `recompute_kv` and attention runs
 over every extent in order, merged exactly. The scheduler picks r each step from the cost model
 (plan/cost.py: transfer of layer i+1 against compute of layer i), or a forced split point fixes it.
-Tensor-parallel runs price one device (its heads, 1/N of X over its link, the all-gather of X before
-recomputing: plan/split.py), and `describe` reports that all-gather per step.
+Tensor-parallel runs split X by token: each device recomputes every head's K/V of its tokens and the
+devices exchange partial softmaxes (`pipeline.attend_act_by_token`); the scheduler prices one device
+(its heads' K/V, 1/N of X over its link, that exchange: plan/split.py), and `describe` reports it per step.
 
 Stores: ``both`` (X and K/V of every block: r can move every step; twice the host memory) or ``split``
 (X of the extents below the split chosen at prefill, K/V above it: KVPR's memory saving, r fixed).
@@ -28,6 +29,7 @@ STORES = ("both", "split")
 class KVPRHooks(LayerHooks):
     name = "kvpr"
     kinds = ("kv", "act")
+    x_split = "token"  # on a mesh each device recomputes every head of its tokens (no all-gather of X)
 
     def __init__(self, split_point=None, kvpr_store="both"):
         if kvpr_store not in STORES:
@@ -37,6 +39,9 @@ class KVPRHooks(LayerHooks):
         self.split_point = None if split_point is None else int(split_point)
         self.store = kvpr_store
         self._cache: dict = {}
+
+    def recomputes(self, pipe, model) -> bool:
+        return self.split_point is not None or not self.gqa_reason(pipe, model)
 
     def gqa_reason(self, pipe, model):
         from kvoffload.plan.split import no_recompute_reason

@@ -56,13 +56,15 @@ class LayeredPolicy(Policy):
         return self.pipeline.release(state, rows)
 
     def tensor_parallel_summary(self, state=None) -> dict:
-        """On a mesh: its size, the all-gather fit, and what the last step's plan costs each device for the
-        all-gather of recomputed X (predicted, every layer of the step) (kvpr, hybrid)."""
+        """On a mesh: its size, how activations are split, the collective fit, and what the last step's plan
+        costs each device between the devices to recompute (predicted, every layer of the step: the merge of
+        partial softmaxes with X split by token, the all-gather of X split along H) (kvpr, hybrid)."""
         pipe = self.pipeline
-        tp = {"devices": pipe.tp, "all_gather_fit": pipe.cost.describe_all_gather()}
+        tp = {"devices": pipe.tp, "x_split": "token" if pipe.x_by_token else "hidden",
+              "collective_fit": pipe.cost.describe_all_gather()}
         if state is not None and state.records:
             rec = state.records[-1]
-            tp.update(all_gather_bytes_per_step=rec["bytes_gather"], all_gather_s_per_step=rec["predicted_gather_s"],
+            tp.update(exchange_bytes_per_step=rec["bytes_gather"], exchange_s_per_step=rec["predicted_gather_s"],
                       predicted_step_s=rec["predicted_s"], recompute_extents=rec["recompute_extents"],
                       recompute_tokens=rec["recompute_tokens"], used_extents=rec["used_extents"])
         return tp
