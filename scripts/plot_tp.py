@@ -7,7 +7,8 @@ bandwidth puts on a PCIe-bound policy (N x per-GPU GB/s with N links busy / one 
 
 A row's speed-up is against the 1-GPU row of the same workload and policy found in any of the files (the
 scheduler's own split: forced-split sweep rows are left out); say in the caption when those came from different
-machines.
+machines. Where a file holds a forced-split sweep (`--sweep-splits`) at every GPU count of a (workload, policy),
+a dashed curve gives the best measured split at each count against the best at 1 GPU.
 """
 
 import argparse
@@ -24,6 +25,23 @@ def speedups(results: list[dict]) -> dict:
         key = (r["workload"], r["policy"])
         if key in one:
             out.setdefault(key, []).append((r["tp"], r["tokens_per_s"] / one[key]))
+    return out
+
+
+def best_split_speedups(results: list[dict]) -> dict:
+    """{(workload, policy): [(gpus, best throughput at any split / best at 1 GPU)]} where forced-split rows exist
+    at every GPU count of that (workload, policy), the 1-GPU count included."""
+    rows = [r for res in results for r in res["runs"] if r.get("tokens_per_s")]
+    swept = {(r["workload"], r["policy"], r["tp"]) for r in rows if "split_point" in r}
+    best: dict = {}
+    for r in rows:
+        key = (r["workload"], r["policy"], r["tp"])
+        best[key] = max(best.get(key, 0.0), r["tokens_per_s"])
+    out = {}
+    for (wl, pol, n), tps in sorted(best.items(), key=lambda kv: kv[0][2]):
+        counts = {k[2] for k in best if k[:2] == (wl, pol)}
+        if 1 in counts and all((wl, pol, c) in swept for c in counts):
+            out.setdefault((wl, pol), []).append((n, tps / best[(wl, pol, 1)]))
     return out
 
 
@@ -64,6 +82,10 @@ def main(argv=None) -> int:
         ax.plot([n for n, _ in pts], [s for _, s in pts], "o-", label=f"{wl} {pol}")
         for n, s in pts[1:]:
             ax.annotate(f"{s:.2f}x", (n, s), textcoords="offset points", xytext=(6, -4), fontsize=7)
+    for (wl, pol), pts in sorted(best_split_speedups(results).items()):
+        ax.plot([n for n, _ in pts], [s for _, s in pts], "s--", label=f"{wl} {pol}, best measured split")
+        for n, s in pts[1:]:
+            ax.annotate(f"{s:.2f}x", (n, s), textcoords="offset points", xytext=(6, 4), fontsize=7)
     devices = sorted({res.get("device", "?") for res in results})
     ax.set_xticks(sorted({n for pts in curves.values() for n, _ in pts}))
     ax.set_xlabel("GPUs (tensor parallel)")

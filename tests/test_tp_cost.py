@@ -229,5 +229,10 @@ def test_plot_tp_speedups_join_files_and_cap(tmp_path):
         curves = plot.speedups([one, two])
         assert curves == {("w", "offload"): [(1, 1.0), (4, 3.1)], ("w", "kvpr"): [(1, 1.0), (4, 1.6)]}
         assert plot.bandwidth_cap([two, one]) == [(1, 1.0), (4, 3.2)]
+        # the best measured split: only where every GPU count was swept (kvpr at 4 was not)
+        assert plot.best_split_speedups([one, two]) == {}
+        two["runs"].append({"workload": "w", "policy": "kvpr", "tp": 4, "split_point": 8, "tokens_per_s": 300.0})
+        assert plot.best_split_speedups([one, two]) == {("w", "kvpr"): [(1, 1.0), (4, 2.0)]}
+        paths[1].write_text(json.dumps(two))
         out = tmp_path / "tp.png"
         assert plot.main([str(p) for p in paths] + ["--out", str(out)]) == 0 and out.stat().st_size > 10_000
