@@ -7,8 +7,9 @@ is fitted with a line t = a + b * x (x = bytes or flops); the fits (and the raw 
 
 With tensor_parallel=N (a mesh of N devices, offload/sharding.py) the profile is one device's as a
 tensor-parallel run sees it: transfers with all N links busy at once (each device moving its own shard),
-compute (per flop and byte, measured at the whole model's shapes on one device), and the all-gather of an activation split along H (what
-each device receives before recomputing; fitted as `all_gather`, seconds vs bytes received per device).
+compute (per flop and byte, measured at the whole model's shapes on one device), and the all-gather of an activation split along H
+(fitted as `all_gather`, seconds vs bytes received per device: the cost model prices every collective between
+the devices on it, the all-reduces and the exchange of partial softmaxes too).
 On one device the all-gather fit is the platform's default (`plan.cost.DEFAULT_ALL_GATHER`), recorded
 with all_gather_devices 0.
 """
