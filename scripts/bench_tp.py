@@ -6,6 +6,7 @@ alone and with every link active at once. One call; JSON to --out.
     PYTHONPATH=src python scripts/bench_tp.py --tp 1,2 --workloads opt67b --out $OUT
     PYTHONPATH=src python scripts/bench_tp.py --tp 2,4 --workloads opt67b --policies kvpr --sweep-splits --out $OUT
     PYTHONPATH=src python scripts/bench_tp.py --workloads opt13b_col --policies offload,kvpr,hybrid --out $OUT
+    PYTHONPATH=src python scripts/bench_tp.py --processes --profile $OUT --tp 1,2,4 --policies kvpr --out $OUT/proc
 
 Each (workload, policy, N) is `kvoffload.offload.bench.measure` (prefill, warm-up steps, timed steps each
 ending when its tokens are on the host) with tensor_parallel=N: heads, weights and the pinned host pool
@@ -27,6 +28,13 @@ runs under a GPU budget per device (--hybrid-gpu-budget-gb, the 24 GB card of be
 resident blocks would otherwise fill the card and nothing would be offloaded); each hybrid row reports
 its blocks of each class and the mini-batches, the predicted step and exchange against the measured. --sweep-splits also runs kvpr at every forced
 split (0 .. all extents in use) per N, so the chosen split can be checked against the measured best.
+
+--processes runs each N as N processes on this host, one GPU each (`jax.distributed`, the way a multi-host
+user runs it; CUDA_VISIBLE_DEVICES picks each process's GPU), instead of one process driving N GPUs: each GPU
+then has its own host thread for its transfers and launches (one process dispatching to 4 GPUs spent ~1.75 ms
+per layer launching). The parent only starts the processes and joins process 0's JSON (rows tagged
+"processes": N; the 1-GPU row is one process on GPU 0). It needs measured profiles (--profile DIR, e.g. an
+earlier single-process run's --out, or none): the profiler and the bandwidth probe run single-process.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ import argparse
 import gc
 import json
 import os
+import socket
+import subprocess
 import sys
 
 # the pinned host pool of OPT-13B b128 is past XLA's default 64 GB cap (as in the other GPU benchmarks)
@@ -94,10 +104,24 @@ def main(argv=None) -> int:
                     help="hybrid: GPU-resident blocks (auto: as many as the budget holds; 0: every block on the host)")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="kvpr: also time every forced split 0..extents in use at each N (measured best vs chosen)")
+    ap.add_argument("--processes", action="store_true",
+                    help="run each N as N processes, one GPU each (jax.distributed on this host); needs --profile DIR or none")
+    # one process of a --processes run (set by the parent)
+    ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--num-processes", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.processes:
+        return run_processes(args)
 
     import jax
     import jax.numpy as jnp
+
+    if args.coordinator:
+        if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU collectives across processes (the tests)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    lead = jax.process_index() == 0  # under jax.distributed only process 0 writes and prints
 
     from kvoffload.offload.bench import _workloads, make_model, measure
     from kvoffload.plan.profiler import model_shape, run_profile, write_profile
@@ -114,8 +138,9 @@ def main(argv=None) -> int:
     path = os.path.join(out_dir, "bench_tp.json")
 
     def save():
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        if lead:
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1, default=str)
 
     def profile_for(wl, n):
         """The profile JSON kvpr and offload run with at N GPUs (None: the default cost model)."""
@@ -199,9 +224,10 @@ def main(argv=None) -> int:
             line += (f"; blocks {row['blocks']} in {row['mini_batches']} mini-batches, predicted "
                      f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (exchange {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms)"
                      f" vs measured {row['step_s'] * 1e3:.1f} ms")
-        print(line, flush=True)
+        if lead:
+            print(line, flush=True)
 
-    for n in tps:
+    for n in tps if not args.coordinator else ():  # the probe runs single-process
         res["bandwidth"].append(bandwidth(n, args.bw_mb, args.bw_repeats))
         print(f"[bench_tp] h2d {n} GPU(s) at once: {res['bandwidth'][-1]['per_gpu_gb_s']:.1f} GB/s per GPU", flush=True)
         save()
@@ -243,6 +269,69 @@ def main(argv=None) -> int:
                                              "speedup_vs_1", "recompute_extents", "used_extents", "predicted_step_s", "blocks",
                                              "measured_best_split", "error")} for r in res["runs"]], indent=1))
     return 0
+
+
+def run_processes(args) -> int:
+    """--processes: each N of --tp as N processes of this script (one GPU each, jax.distributed with a coordinator
+    on this host; N=1 one process on GPU 0); joins process 0's rows, tagged "processes": N, with the speed-up
+    against the 1-GPU row."""
+    if args.profile == "auto":
+        raise SystemExit("--processes runs with measured profiles: give --profile DIR (an earlier single-process "
+                         "run's --out, whose profile_<shape>_tp<N>.json it reuses) or --profile none")
+    if not args.tp:
+        raise SystemExit("--processes needs --tp (the GPU counts to run, e.g. 1,2,4)")
+    out_dir = args.out or os.environ.get("OUT") or "."
+    os.makedirs(out_dir, exist_ok=True)
+    cpu = os.environ.get("JAX_PLATFORMS") == "cpu"
+    merged = {"mode": "processes", "tp": [int(x) for x in args.tp.split(",")], "bandwidth": [], "profiles": {}, "runs": []}
+    for n in merged["tp"]:
+        sub_out = os.path.join(out_dir, f"processes_{n}")
+        os.makedirs(sub_out, exist_ok=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--tp", str(n), "--workloads", args.workloads, "--policies",
+               args.policies, "--dtype", args.dtype, "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--bw-mb", str(args.bw_mb), "--bw-repeats", str(args.bw_repeats), "--profile", args.profile,
+               "--hybrid-gpu-budget-gb", str(args.hybrid_gpu_budget_gb), "--hybrid-gpu-blocks", args.hybrid_gpu_blocks,
+               "--out", sub_out] + (["--sweep-splits"] if args.sweep_splits else [])
+        if n > 1:
+            with socket.socket() as s:
+                s.bind(("localhost", 0))
+                port = s.getsockname()[1]
+            cmd += ["--coordinator", f"localhost:{port}", "--num-processes", str(n)]
+        procs, logs = [], []
+        for i in range(n):
+            env = dict(os.environ)
+            if cpu:
+                env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = str(i)
+            logs.append(open(os.path.join(sub_out, f"process_{i}.log"), "w"))
+            procs.append(subprocess.Popen(cmd + (["--process-id", str(i)] if n > 1 else []), env=env,
+                                          stdout=None if i == 0 else logs[-1], stderr=logs[-1], text=True))
+        rcs = [p.wait() for p in procs]
+        for f in logs:
+            f.close()
+        if any(rcs):
+            print(f"[bench_tp] {n} processes: exit codes {rcs}; logs in {sub_out}", flush=True)
+            merged["runs"].append({"tp": n, "processes": n, "error": f"exit codes {rcs} (logs: {sub_out})"})
+            continue
+        with open(os.path.join(sub_out, "bench_tp.json")) as f:
+            child = json.load(f)
+        for k in ("device", "platform", "jax", "dtype", "date"):
+            merged.setdefault(k, child.get(k))
+        merged["bandwidth"] += child.get("bandwidth", [])
+        merged["profiles"].update(child.get("profiles", {}))
+        merged["runs"] += [{**r, "processes": n} for r in child["runs"]]
+    base = {(r["workload"], r["policy"]): r["tokens_per_s"] for r in merged["runs"]
+            if r.get("tp") == 1 and "split_point" not in r and r.get("tokens_per_s")}
+    for r in merged["runs"]:
+        key = (r.get("workload"), r.get("policy"))
+        if r.get("tokens_per_s") and key in base and "split_point" not in r:
+            r["speedup_vs_1"] = r["tokens_per_s"] / base[key]
+            print(f"[bench_tp] {key[0]} {key[1]} {r['tp']} process(es): {r['step_s'] * 1e3:.1f} ms/step, "
+                  f"{r['speedup_vs_1']:.2f}x vs 1", flush=True)
+    with open(os.path.join(out_dir, "bench_tp.json"), "w") as f:
+        json.dump(merged, f, indent=1, default=str)
+    return 1 if any("error" in r for r in merged["runs"]) else 0
 
 
 if __name__ == "__main__":

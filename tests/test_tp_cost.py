@@ -206,6 +206,27 @@ def test_bench_tp_reports_the_split_and_its_prediction(tmp_path):
     assert "chose" in out.stdout and "all-gather" in out.stdout
 
 
+@pytest.mark.slow  # 40 s: bench_tp.py --processes, 2 processes of one CPU device each (gloo)
+def test_bench_tp_runs_one_process_per_device(tmp_path):
+    """--processes: N=2 as two processes under jax.distributed (each one device), N=1 as one; the parent joins
+    process 0's rows with the speed-up against the 1-process row; it refuses to profile across processes."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_tp.py")
+    args = [sys.executable, script, "--processes", "--tp", "1,2", "--workloads", "tiny_row", "--policies", "kvpr",
+            "--dtype", "float32", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]
+    refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--profile DIR" in refused.stderr, refused.stderr[-2000:]
+    out = subprocess.run(args + ["--profile", "none"], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_tp.json").read_text())
+    rows = [(r["tp"], r["processes"]) for r in res["runs"]]
+    assert rows == [(1, 1), (2, 2)] and all("error" not in r for r in res["runs"]), res["runs"]
+    two = res["runs"][1]
+    assert two["speedup_vs_1"] == pytest.approx(two["tokens_per_s"] / res["runs"][0]["tokens_per_s"])
+    assert two["used_extents"] > 0 and (tmp_path / "processes_2" / "process_1.log").exists()
+    assert "2 process(es)" in out.stdout
+
+
 def test_plot_tp_speedups_join_files_and_cap(tmp_path):
     """scripts/plot_tp.py: speed-ups against the 1-GPU row of the same (workload, policy) found in any file,
     forced-split sweep rows left out, and the bandwidth cap N * (GB/s per GPU with N busy) / (1 GPU's)."""

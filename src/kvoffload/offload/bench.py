@@ -131,6 +131,12 @@ def _greedy(logits):
 _GREEDY = None
 
 
+def on_host(x):
+    """x as a NumPy array; under jax.distributed a replicated array spanning processes (the greedy tokens of a
+    multi-process mesh) is read from this process's own shard."""
+    return np.asarray(x if getattr(x, "is_fully_addressable", True) else x.addressable_data(0))
+
+
 def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: float | None = None):
     """Prefill, then n_steps greedy decode steps each ending when its tokens are on the host (as a
     generation loop that reads every token). Returns (prefill seconds since t0, per-step seconds,
@@ -138,7 +144,7 @@ def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: f
     t0 = time.perf_counter() if t0 is None else t0
     logits, state = pol.prefill(model, tokens, lengths, capacity)
     nxt = _greedy(logits)
-    np.asarray(nxt)
+    on_host(nxt)
     prefill_s = time.perf_counter() - t0
     times, logits, state, nxt = decode_steps(pol, model, state, nxt, n_steps, logits)
     return prefill_s, times, logits, state, nxt
@@ -152,7 +158,7 @@ def decode_steps(pol, model, state, nxt, n_steps: int, logits=None):
         t = time.perf_counter()
         logits, state = pol.decode_step(model, state, nxt)
         nxt = _greedy(logits)
-        np.asarray(nxt)
+        on_host(nxt)
         times.append(time.perf_counter() - t)
     return times, logits, state, nxt
 
@@ -195,7 +201,7 @@ def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0, len
         for _ in range(back_to_back):
             logits, state = pol.decode_step(model, state, nxt)
             nxt = _greedy(logits)
-        np.asarray(nxt)
+        on_host(nxt)
         res["back_to_back_step_s"] = (time.perf_counter() - t) / back_to_back
     res["plan"] = dict(state.records[-1]) if state.records else None
     res["memory_plan"] = pol.pipeline.memory_plan.describe() if pol.pipeline.memory_plan else None
