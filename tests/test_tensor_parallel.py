@@ -58,22 +58,26 @@ def default_runs():
     shared): the policy runs of test_mesh_runs_equal_one_device_and_bad_splits_are_refused, then the kernel
     case of test_selection_kernels_run_per_device."""
     res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
-                     dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY, dict(kernels=True, tp=4)])
-    assert len(res) == 4, res
-    return res[:3], res[3:]
+                     dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY,
+                     dict(arch="opt", policy="kvpr", tp=2, opts=dict(block_tokens=1)), dict(kernels=True, tp=4)])
+    assert len(res) == 5, res
+    return res[:4], res[4:]
 
 
 def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
     """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split by
     token, K/V above it fetched by head) equals `full` on one device; tensor_parallel=3 with 8 query heads is
-    refused naming the numbers. (Every policy, both families, 2- and 4-way: the slow tests below; a 2-way
-    OPT offload run: the two-process test.)"""
+    refused naming the numbers, and so is kvpr with blocks of 1 token on 2 devices. (Every policy, both
+    families, 2- and 4-way: the slow tests below; a 2-way OPT offload run: the two-process test.)"""
     res, _ = default_runs
     check_equal(res[0])
     assert res[0]["pool_x"], "kvpr with split_point=16 stores activations"
     assert res[1]["error"] == "TensorParallelError"
     assert "query heads 8" in res[1]["message"] and "not divisible by 3" in res[1]["message"], res[1]
     check_hybrid_4_way(res[2])
+    # activations split by token need whole slices of every block
+    assert res[3]["error"] == "TensorParallelError" and "block_tokens must be a multiple of tensor_parallel=2" in \
+        res[3]["message"], res[3]
 
 
 @pytest.mark.slow  # 12 s: a subprocess with 2 virtual devices
