@@ -72,7 +72,7 @@ from kvoffload.offload.pool import (
     write_stored_blocks,
 )
 
-KV_FIELDS = ("wk", "bk", "wv", "bv")
+KV_FIELDS = S.KV_FIELDS
 SCHEDULES = ("row", "column")
 
 
@@ -298,7 +298,7 @@ def attend_act_by_token(cfg, lp, q, acc, x_ext, first_pos, table, count, recompu
     from jax.sharding import PartitionSpec as P
 
     n = S.context_size()
-    kv_only = dataclasses.replace(lp, **{f.name: None for f in dataclasses.fields(lp) if f.name not in S.KV_WEIGHTS})
+    kv_only, _ = split_layer(lp)
     heads = P(None, S.MODEL)
 
     def local(q, acc, x, first_pos, lp_kv, table, count):
@@ -554,15 +554,12 @@ class LayerHooks:
         if not pipe.x_by_token:
             return ()
         lay, xs, ks = group.layout, group.pool_x[layer], group.pool_k[layer]
-        in_use = group.alloc.extents_in_use(lay)
         modes = plan.extent_modes(pipe, lay) if pipe.host_pool else ("dev",) * lay.num_extents
-        out = []
-        for e, m in enumerate(modes):
-            if m != "dev":
-                out.append(m == "x")
-            else:
-                out.append(xs[e] is not None and bool(in_use[e]) and (ks[e] is None or e < plan.recompute_extents))
-        return tuple(out)
+        # which extents hold blocks: only a device extent needs it (a fetched one's mode says)
+        in_use = group.alloc.extents_in_use(lay) if "dev" in modes else None
+        return tuple(m == "x" if m != "dev" else
+                     xs[e] is not None and bool(in_use[e]) and (ks[e] is None or e < plan.recompute_extents)
+                     for e, m in enumerate(modes))
 
     def group_rows(self, pipe: "LayerPipeline", model, lengths, capacity: int, t_pad: int | None = None) -> list:
         """The GPU batches: contiguous row ranges (start, stop) of the batch (default: gpu_batches

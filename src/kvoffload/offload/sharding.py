@@ -143,13 +143,13 @@ def context(mesh: Mesh | None):
 # ---------------------------------------------------------------------------------------------
 
 
-KV_WEIGHTS = frozenset({"wk", "bk", "wv", "bv"})
+KV_FIELDS = ("wk", "bk", "wv", "bv")  # a layer's W_K / W_V and biases (both families)
 
 
 def field_spec(name: str, ndim: int, replicate_kv: bool = False) -> P:
     """replicate_kv: W_K, W_V (and biases) whole on every device (token-split activations: each device
     recomputes every head's K/V of its tokens)."""
-    if replicate_kv and name in KV_WEIGHTS:
+    if replicate_kv and name in KV_FIELDS:
         return REPLICATED
     if name in COLUMN and ndim == 2:
         return P(None, MODEL)

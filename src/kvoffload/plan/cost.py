@@ -293,8 +293,7 @@ def predict_layers(cost: CostModel, shape: LayerShape, works, *, offload_weights
                  ("gather_s", cost.all_gather, gathered),
                  ("attention_s", cost.attention, w.attended_tokens * shape.kv_tok),
                  # the layer's two all-reduces of [batch, h] (priced on the all-gather's links and fit)
-                 ("allreduce_s", cost.all_gather, w.batch * shape.allreduce_row),
-                 ("allreduce_s", cost.all_gather, w.batch * shape.allreduce_row)]
+                 ("allreduce_s", cost.all_gather, 2 * w.batch * shape.allreduce_row)]
         intercepts = [0.0]
         for key, line, x in terms:
             if x > 0:
