@@ -143,6 +143,47 @@ def kernel_case(case):
     return dict(case=case, max_abs=out, shardings=shardings)
 
 
+def transfer_case(case):
+    """memory.transfer of arrays spanning this run's processes (host -> device -> host, split and replicated):
+    the values, the target shardings, and that every copy it issued was a single-device one (no array of
+    the mesh handed to JAX's cross-host transfer path)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kvoffload.offload import memory as M
+    from kvoffload.offload import sharding as S
+
+    mesh = S.make_mesh(jax.device_count())
+    n = mesh.size
+    full = {"split": np.arange(n * 6 * 4, dtype=np.float32).reshape(n * 6, 4) * 0.5 + 1,
+            "kv": np.random.default_rng(3).standard_normal((2, 2 * n, 8, 4)).astype(np.float32),
+            "rep": np.linspace(-1, 1, 12, dtype=np.float32)}
+    specs = {"split": P(S.MODEL), "kv": P(None, S.MODEL), "rep": P()}
+    host = {k: jax.make_array_from_callback(a.shape, NamedSharding(mesh, specs[k], memory_kind="pinned_host"),
+                                            lambda idx, a=a: a[idx]) for k, a in full.items()}
+    targets, real = [], jax.device_put
+
+    def spy(x, device=None, *a, **k):
+        targets.extend(jax.tree.leaves(device, is_leaf=lambda d: isinstance(d, jax.sharding.Sharding)))
+        return real(x, device, *a, **k)
+
+    jax.device_put = spy
+    try:
+        dev = M.transfer(host, jax.tree.map(lambda a: a.sharding.with_memory_kind("device"), host))
+        back = M.transfer(dev, jax.tree.map(lambda a: a.sharding, host))
+    finally:
+        jax.device_put = real
+    out = {"single_device_copies": all(isinstance(t, jax.sharding.SingleDeviceSharding) for t in targets),
+           "copies": len(targets), "fully_addressable": all(a.is_fully_addressable for a in host.values())}
+    for name, tree, kind in (("dev", dev, "device"), ("back", back, "pinned_host")):
+        for k, a in tree.items():
+            ok = a.sharding.memory_kind == kind and a.sharding.spec == specs[k] and a.shape == full[k].shape
+            ok = ok and all(np.array_equal(np.asarray(s.data), full[k][s.index]) for s in a.addressable_shards)
+            out[f"{name}_{k}"] = bool(ok)
+    return dict(case=case, transfer=out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", help="JSON list of {arch, policy, tp, opts}")
@@ -158,7 +199,8 @@ def main():
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
     refs = {}
     for case in json.loads(args.cases):
-        res = kernel_case(case) if case.get("kernels") else run_case(case, refs)
+        res = (kernel_case(case) if case.get("kernels") else transfer_case(case) if case.get("transfer")
+               else run_case(case, refs))
         # device values in a step record (clo's speculative guess rates) as numbers
         print("CASE " + json.dumps(res, default=lambda a: __import__("numpy").asarray(a).tolist()), flush=True)
 

@@ -96,23 +96,49 @@ def pool_slack_bytes() -> int:
     return max(0, _POOL["high"] - _POOL["live"])
 
 
+def transfer(tree, where):
+    """``jax.device_put(tree, where)`` (where: one sharding or a tree of them), asynchronous. Under
+    jax.distributed an array spanning processes whose layout stays (only its memory kind changes) moves as
+    its own shards, one single-device copy each, and is reassembled: device_put would send a committed
+    array of a multi-process mesh down JAX's cross-host transfer path instead."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if all(getattr(a, "is_fully_addressable", True) for a in leaves):
+        return jax.device_put(tree, where)
+    targets = [where] * len(leaves) if isinstance(where, jax.sharding.Sharding) else treedef.flatten_up_to(where)
+    local, src, dst, out = [], [], [], list(leaves)
+    for i, (a, s) in enumerate(zip(leaves, targets)):
+        if (isinstance(a, jax.Array) and not a.is_fully_addressable and isinstance(s, jax.sharding.Sharding)
+                and s.with_memory_kind(a.sharding.memory_kind).is_equivalent_to(a.sharding, a.ndim)):
+            local.append((i, s, len(src)))
+            for shard in a.addressable_shards:
+                src.append(shard.data)
+                dst.append(jax.sharding.SingleDeviceSharding(shard.device, memory_kind=s.memory_kind))
+        else:
+            out[i] = jax.device_put(a, s)
+    moved = jax.device_put(src, dst)
+    for i, s, first in local:
+        n = len(leaves[i].addressable_shards)
+        out[i] = jax.make_array_from_single_device_arrays(leaves[i].shape, s, moved[first:first + n])
+    return jax.tree.unflatten(treedef, out)
+
+
 def to_host(tree, dev=None):
     """Asynchronous copy of a pytree of arrays to the host memory kind (returns at once)."""
-    out = jax.device_put(tree, host_sharding(dev))
+    out = transfer(tree, host_sharding(dev))
     _track(out)
     return out
 
 
 def to_host_like(tree, kind: str):
     """Each array of tree moved to host memory kind `kind` keeping its own sharding (tracked like to_host)."""
-    out = jax.device_put(tree, jax.tree.map(lambda a: a.sharding.with_memory_kind(kind), tree))
+    out = transfer(tree, jax.tree.map(lambda a: a.sharding.with_memory_kind(kind), tree))
     _track(out)
     return out
 
 
 def to_device(tree, dev=None):
     """Asynchronous copy of a pytree of arrays to device memory (returns at once)."""
-    return jax.device_put(tree, device_sharding(dev))
+    return transfer(tree, device_sharding(dev))
 
 
 def memory_kind_of(x) -> str | None:

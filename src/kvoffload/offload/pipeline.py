@@ -940,7 +940,7 @@ class LayerPipeline:
                 keep_tx = keep_x and tail_x and (parts is None or "x" in parts)  # X only where the layer stores it
                 tx = _tail_from_prompt(x, gr["start"], blk, slots, 0) if keep_tx else None
                 if tx is not None and self.mesh is not None:  # split along H (a flush moves a block to its extent's split)
-                    tx = jax.device_put(tx, S.x_shardings(tx, self.mesh, "device"))
+                    tx = M.transfer(tx, S.x_shardings(tx, self.mesh, "device"))
                 gr["tx"].append(tx)
                 pending.append((gr["tk"][-1], pk, pv, px) if o.prefill_chunk_tokens else gr["tk"][-1])
                 if (o.sync_depth or o.prefill_chunk_tokens) and len(pending) > depth:  # bound the device copies alive
@@ -1009,11 +1009,11 @@ class LayerPipeline:
         else:  # K/V by KV head (each device stores and moves its heads' blocks), X by token or along H
             kv_s, tok = S.kv_sharding(self.mesh), self.x_by_token  # (offload/sharding.py)
             hp, dp = pick(True), pick(False)
-            host = (M.to_host(hp[:2 * n], kv_s) + jax.device_put(hp[2 * n:], S.x_shardings(hp[2 * n:], self.mesh,
-                                                                                             self.host_kind, tok))
+            host = (M.to_host(hp[:2 * n], kv_s) + M.transfer(hp[2 * n:], S.x_shardings(hp[2 * n:], self.mesh,
+                                                                                         self.host_kind, tok))
                     ) if any(on_host) else hp
-            dev = (jax.device_put(dp[:2 * n], M.device_sharding(kv_s))
-                   + jax.device_put(dp[2 * n:], S.x_shardings(dp[2 * n:], self.mesh, "device", tok)))
+            dev = (M.transfer(dp[:2 * n], M.device_sharding(kv_s))
+                   + M.transfer(dp[2 * n:], S.x_shardings(dp[2 * n:], self.mesh, "device", tok)))
         both = [hh if h else dd for hh, dd, h in zip(host, dev, on_host)]
         return tuple(both[:n]), tuple(both[n:2 * n]), tuple(both[2 * n:]), k_dev
 

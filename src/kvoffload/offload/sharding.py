@@ -258,7 +258,9 @@ def x_shardings(tree, mesh: Mesh, memory_kind: str | None = None, by_token: bool
 def to_kind(tree, kind: str):
     """Each array moved to memory kind `kind` keeping its own sharding (each device moves only its
     shard over its own link): one eager device_put of the whole tree, as on one device."""
-    return jax.device_put(tree, jax.tree.map(lambda a: a.sharding.with_memory_kind(kind), tree))
+    from kvoffload.offload import memory as M
+
+    return M.transfer(tree, jax.tree.map(lambda a: a.sharding.with_memory_kind(kind), tree))
 
 
 def constrain_replicated(x):
