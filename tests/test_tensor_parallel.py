@@ -59,9 +59,10 @@ def default_runs():
     case of test_selection_kernels_run_per_device."""
     res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
                      dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY,
-                     dict(arch="opt", policy="kvpr", tp=2, opts=dict(block_tokens=1)), dict(kernels=True, tp=4)])
-    assert len(res) == 5, res
-    return res[:4], res[4:]
+                     dict(arch="opt", policy="kvpr", tp=2, opts=dict(block_tokens=1)), KVPR_STREAMED,
+                     dict(kernels=True, tp=4)])
+    assert len(res) == 6, res
+    return res[:5], res[5:]
 
 
 def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
@@ -78,6 +79,9 @@ def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
     # activations split by token need whole slices of every block
     assert res[3]["error"] == "TensorParallelError" and "block_tokens must be a multiple of tensor_parallel=2" in \
         res[3]["message"], res[3]
+    # weights streamed, three GPU batches a layer (column schedule): W_K / W_V gathered once per layer
+    check_equal(res[4])
+    assert res[4]["w_kv_gathers_last_step"] == 2 and res[4]["describe"]["last_step"]["recompute_extents"] > 0, res[4]
 
 
 @pytest.mark.slow  # 12 s: a subprocess with 2 virtual devices
@@ -211,6 +215,11 @@ def check_hybrid(res, resident=""):
     return d["last_step"]
 
 
+# kvpr with weights streamed in the column schedule (three GPU batches' programs per layer, the same weights):
+# the layer's W_K / W_V head shards are gathered whole once per layer and step (2 layers), not per program
+KVPR_STREAMED = dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16, schedule="column", gpu_batches=3,
+                                                                  offload_weights=True))
+
 # in the default test's subprocess above (its llama reference shared): ~7 s
 HYBRID_4_WAY = dict(arch="llama", policy="hybrid", tp=4, opts=dict(act_share=0.5, gpu_blocks=6))
 
@@ -220,6 +229,7 @@ def check_hybrid_4_way(res):
     blocks fetched by head, host ACT blocks split by token (each device regenerates every head of its
     tokens), GPU-resident ACT blocks; tokens equal `full` on one device, and the exchange is priced."""
     last = check_hybrid(res, resident="x")
+    assert res["w_kv_gathers_last_step"] == 2, res  # once per layer
     (mb,) = last["gpu_batches"]
     assert mb["kv_host"] > 0 and mb["act_host"] > 0 and mb["act_gpu"] > 0, res
     # per layer (2): 3/4 of the partial softmaxes of 3 rows x 8 heads x (8 + 1) fp32, and the streamed W_K /

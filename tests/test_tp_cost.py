@@ -128,6 +128,24 @@ def test_x_split_by_token_prices_the_exchange_not_the_gather():
         LayerShape.of(OPT, 2, tensor_parallel=2, x_split="heads")
 
 
+def test_streamed_w_kv_is_gathered_once_per_layer():
+    """Streamed W_K / W_V head shards are gathered whole once per layer (`sharding.gather_whole`, its own
+    program: its bytes and one all-gather intercept once), not in each GPU batch's program: four batches
+    that all recompute pay the 33.6 MB once; a layer where no batch recomputes gathers nothing."""
+    cost = dataclasses.replace(COST, all_gather=Linear(4e-4, 1 / 200e9))
+    tok = LayerShape.of(OPT, 2, w_kv=2 * 4096 * 4096 * 2 / 2, tensor_parallel=2, x_split="token")
+    work = LayerWork(batch=16, recompute_tokens=T // 4, attended_tokens=T // 4, bytes_x=T // 4 * 4096)
+    merge = 16 * 32 * 129 * 4 / 2
+    one, four = (predict_layers(cost, tok, [work] * n, offload_weights=True) for n in (1, 4))
+    w = 4096 * 4096 * 2
+    assert one["bytes_gather"] == w + merge and four["bytes_gather"] == w + 4 * merge
+    assert four["gather_s"] == pytest.approx(cost.all_gather(w) + 4 * merge / 200e9)
+    resident = predict_layers(cost, tok, [work] * 4)
+    assert four["gather_s"] - resident["gather_s"] == pytest.approx(cost.all_gather(w))
+    fetch = LayerWork(batch=16, bytes_kv=T // 4 * 8192, attended_tokens=T // 4)
+    assert predict_layers(cost, tok, [fetch] * 4, offload_weights=True)["bytes_gather"] == 0
+
+
 def test_a_layer_program_pays_one_launch():
     """Each GPU batch's layer is one program: its parts add their slope terms and the program one intercept,
     the largest of its parts' (the profile fits each part on its own call, whose launch the program pays once)."""

@@ -48,9 +48,17 @@ def run_case(case, refs):
                              policy_options={**BASE, **opts} if lossy else BASE, return_logits=True)
     want, want_logits = refs[key]
     out = dict(case=case)
+    from kvoffload.offload import sharding as S
+
+    seen, real_gather = {}, S.gather_whole
+
+    def gather_whole(tree, mesh):  # streamed W_K / W_V gathered whole: counted per step
+        seen["gathers"] = seen.get("gathers", 0) + 1
+        return real_gather(tree, mesh)
+
+    S.gather_whole = gather_whole
     try:
         pol = make_policy(policy, **{**BASE, **opts, "tensor_parallel": n})
-        seen = {}
 
         class Spy:  # records where the state lives after the first step and counts later compilations
             name = policy
@@ -59,7 +67,9 @@ def run_case(case, refs):
                 return pol.prefill(*a)
 
             def decode_step(self, model, state, tokens):
+                seen["gathers"] = 0
                 logits, state = pol.decode_step(model, state, tokens)
+                seen["w_kv_gathers_last_step"] = seen["gathers"]
                 seen["steps"] = seen.get("steps", 0) + 1
                 if seen["steps"] == 2:
                     gr = state.groups[0]
@@ -85,9 +95,11 @@ def run_case(case, refs):
             got, logits = generate(model, PROMPTS, NEW, policy=spy, return_logits=True)
         out.update(tokens_equal=got == want, max_abs=float(np.abs(logits - want_logits).max()),
                    later_compiles=counter.names[seen["compiles_at_2"]:], tokens=got,
-                   **{k: v for k, v in seen.items() if k not in ("steps", "compiles_at_2")})
+                   **{k: v for k, v in seen.items() if k not in ("steps", "compiles_at_2", "gathers")})
     except KVOffloadError as e:
         out.update(error=type(e).__name__, message=str(e))
+    finally:
+        S.gather_whole = real_gather
     return out
 
 

@@ -291,8 +291,9 @@ def attend_pool_by_token(cfg, lp, q, acc, src: PoolSources, tables, recompute_im
 def attend_act_by_token(cfg, lp, q, acc, x_ext, first_pos, table, count, recompute_impl, attention_impl):
     """acc with the attention over one activation extent folded in, on a mesh where the extent [E, blk, H]
     is split by token (each device holds blk / N tokens of every block, whole along H): each device
-    recomputes the K/V of every head for its tokens (RoPE at their positions) from W_K / W_V whole (a
-    head-split shard is all-gathered here: streamed weights), attends every query head over them (the
+    recomputes the K/V of every head for its tokens (RoPE at their positions) from W_K / W_V whole
+    (replicated where weights stay on the GPU, gathered once per layer where they stream: `gathers_kv`),
+    attends every query head over them (the
     paged kernel with blk / N-token blocks), and one all-to-all hands each device the N partial (out, lse)
     of its heads, which it folds into its part of acc in token order. No X crosses between devices."""
     from jax.sharding import PartitionSpec as P
@@ -778,9 +779,17 @@ class LayerPipeline:
 
     def replicate_kv(self, model) -> bool:
         """Whether each device keeps W_K / W_V whole: token-split activations recomputed from resident weights
-        (streamed weights move their head shard and the layer program all-gathers it: NVLink, not PCIe)."""
+        (streamed weights move their head shard, gathered whole once per layer over NVLink: `gathers_kv`)."""
         return (self.x_by_token and not self.opts.offload_weights and not M.on_host(model.params.layers)
                 and self.hooks.recomputes(self, model))
+
+    def gathers_kv(self, groups, plans, layer: int) -> bool:
+        """Whether this step gathers the layer's streamed W_K / W_V head shards whole before its programs: on a
+        mesh with activations split by token, where some GPU batch recomputes an extent of the layer (each
+        device recomputes every head of its tokens). Once per layer: a gather inside the layer program
+        would run again in every GPU batch's program."""
+        return (self.x_by_token and self.opts.offload_weights
+                and any(any(self.hooks.token_recompute(self, gr, pl, layer)) for gr, pl in zip(groups, plans)))
 
     def local(self, values):
         """Small host-made values as the programs take them: as they are on one device (uncommitted), on a
@@ -849,10 +858,11 @@ class LayerPipeline:
 
         cfg, o = self.device_config(model), self.opts
         dtype = model.params.layers[0].wk.dtype
+        wb = S.weight_bytes_per_device(model.config, dtype, model.params, self.tp, self.replicate_kv(model))
+        gathered = self.x_by_token and o.offload_weights and self.hooks.recomputes(self, model)
         mem = pool_memory(cfg, dtype, layouts, len(lengths), t_pad, host_pool=self.host_pool,
-                          offload_weights=o.offload_weights,
-                          weights=S.weight_bytes_per_device(model.config, dtype, model.params, self.tp,
-                                                            self.replicate_kv(model)),
+                          offload_weights=o.offload_weights, weights=wb,
+                          kv_gathered=wb.kv_per_layer * (self.tp - 1) if gathered else 0,
                           inflight=max(o.sync_depth + 1, 2), resident_layers=self.resident(model),
                           tail_slots=tail_slots(lengths, capacity, o.block_tokens),
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
@@ -1078,6 +1088,8 @@ class LayerPipeline:
                 else:
                     weights[i] = [self.to_device(kv), rest]  # W_K / W_V first
                     moved["bytes_w"] += _tree_bytes(layers[i])
+                if self.gathers_kv(groups, plans, i):  # whole on every device, once for all GPU batches
+                    weights[i][0] = S.gather_whole(weights[i][0], self.mesh)
             early, late = self.hooks.fetch(self, groups[g], plans[g], i)
             early_d = self.to_device(early) if early else []
             if o.offload_weights and not isinstance(weights[i][1], tuple):

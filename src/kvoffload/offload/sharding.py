@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -253,6 +254,18 @@ def x_shardings(tree, mesh: Mesh, memory_kind: str | None = None, by_token: bool
     spec, axis = (X_TOKEN_SPEC, 1) if by_token else (X_SPEC, -1)
     return jax.tree.map(lambda a: NamedSharding(mesh, spec if a.shape[axis] % n == 0 else REPLICATED,
                                                 memory_kind=memory_kind), tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _whole_program(where: NamedSharding):
+    return jax.jit(lambda tree: tree, out_shardings=where)
+
+
+def gather_whole(tree, mesh: Mesh):
+    """tree (a streamed layer's W_K / W_V head shards) whole on every device: one all-gather program, run
+    once per layer and step, so that every GPU batch's layer program takes it gathered (inside each program
+    XLA would gather it again: once per program, its extents' gathers merged)."""
+    return _whole_program(replicated(mesh))(tree)
 
 
 def to_kind(tree, kind: str):

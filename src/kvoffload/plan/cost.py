@@ -209,7 +209,7 @@ class LayerShape:
     allreduce_row: float = 0.0
     tensor_parallel: int = 1  # devices the heads are split over
     # X split by token: bytes each device receives per batch row when a layer's recomputed partial softmaxes
-    # are merged ((N-1)/N * heads * (d + 1) * 4), and per layer program when streamed W_K / W_V shards are gathered
+    # are merged ((N-1)/N * heads * (d + 1) * 4), and per layer when streamed W_K / W_V shards are gathered
     act_merge_row: float = 0.0
     w_kv_gather: float = 0.0
 
@@ -282,12 +282,15 @@ def predict_layers(cost: CostModel, shape: LayerShape, works, *, offload_weights
     parts = {"recompute_s": 0.0, "gather_s": 0.0, "attention_s": 0.0, "dense_s": 0.0, "allreduce_s": 0.0}
     launch, gather_b = 0.0, 0.0
     # tensor parallel, inside each batch's layer program: X split along H is all-gathered before the
-    # recompute; X split by token costs the merge of the partial softmaxes and a streamed W_K / W_V's gather
-    # (each GPU batch's program gathers the layer's shards again)
-    w_gather = shape.w_kv_gather if offload_weights else 0.0
+    # recompute; X split by token costs the merge of the partial softmaxes. A streamed W_K / W_V's head
+    # shards are gathered whole once per layer, in a program of their own before the layer's first
+    # (`sharding.gather_whole`): its bytes once, its own launch
+    if offload_weights and shape.w_kv_gather > 0 and any(w.recompute_tokens > 0 for w in works):
+        parts["gather_s"] += cost.all_gather(shape.w_kv_gather)
+        gather_b += shape.w_kv_gather
     for w in works:
         rec = w.recompute_tokens > 0
-        gathered = (w.recompute_tokens * shape.x_gather_tok + w.batch * shape.act_merge_row + w_gather) if rec else 0.0
+        gathered = (w.recompute_tokens * shape.x_gather_tok + w.batch * shape.act_merge_row) if rec else 0.0
         gather_b += gathered
         terms = [("recompute_s", cost.recompute, w.recompute_tokens * shape.recompute_flops_tok),
                  ("gather_s", cost.all_gather, gathered),

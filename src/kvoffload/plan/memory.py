@@ -144,7 +144,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
                 int4_group_size: int = 64, int4_k_quant: str = "token", k_on_device: bool = False, prefill_chunk_tokens: int | None = None,
                 activation_split: int = 1, fetch: bool = True, slots: dict | None = None,
-                layer_parts=None, device_layers=None) -> MemoryPlan:
+                layer_parts=None, device_layers=None, kv_gathered: int = 0) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
@@ -159,6 +159,8 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     layout holds them, or None (all; `LayerHooks.layer_parts`: clo / tokenselect store=act keep X in place
     of V, or of K and V). device_layers: per layer, whether a host pool keeps that layer's K/V extents in
     device memory in the model's dtype (`LayerHooks.device_layer`: clo's all-persistent layers).
+    kv_gathered: the bytes a layer's W_K / W_V gain when their head shards are gathered whole before its
+    programs (streamed weights, activations split by token: `sharding.gather_whole`), per layer in flight.
     prefill_chunk_tokens: the prefill runs each layer in token chunks (the workspace is a chunk's) and
     one layer at a time (its K/V, X and their gathered extents are counted once).
     Tensor parallelism (offload/sharding.py) plans one device: cfg is the config that device sees (its
@@ -236,6 +238,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         "logits": b * cfg.vocab_size * 4 * 2,
         # decoding: `inflight` streamed layers' weights and items' fetched blocks alive at once
         "weights in flight": min(inflight, streamed) * wb.per_layer,
+        "W_K / W_V gathered whole": min(inflight, L) * int(kv_gathered),
         "transfer buffers": inflight * per_layer_fetch if host_pool and fetch else 0,
         "recompute workspace": 2 * rec_ws,
         "dequantize workspace": deq_ws if fetch else 0,
@@ -249,7 +252,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         # row chunks: one chunk's outputs (h, K/V, X) before they are written into the layer's buffers
         + (chunk * t_pad * (cfg.hidden_size * p + cfg.kv_bytes_per_token * p + x_tok) if b > chunk else 0),
     }
-    phase = {"weights in flight": "decode", "transfer buffers": "decode", "recompute workspace": "decode",
+    phase = {"weights in flight": "decode", "W_K / W_V gathered whole": "decode", "transfer buffers": "decode", "recompute workspace": "decode",
              "dequantize workspace": "decode", "prefill weights in flight": "prefill", "prefill workspace": "prefill"}
     kind, note = M.host_memory_kind()
     return MemoryPlan(host=host, gpu=gpu, host_kind=kind, notes=[note], gpu_phase=phase)
