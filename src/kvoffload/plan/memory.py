@@ -252,8 +252,9 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
         # row chunks: one chunk's outputs (h, K/V, X) before they are written into the layer's buffers
         + (chunk * t_pad * (cfg.hidden_size * p + cfg.kv_bytes_per_token * p + x_tok) if b > chunk else 0),
     }
-    phase = {"weights in flight": "decode", "W_K / W_V gathered whole": "decode", "transfer buffers": "decode", "recompute workspace": "decode",
-             "dequantize workspace": "decode", "prefill weights in flight": "prefill", "prefill workspace": "prefill"}
+    phase = {"weights in flight": "decode", "W_K / W_V gathered whole": "decode", "transfer buffers": "decode",
+             "recompute workspace": "decode", "dequantize workspace": "decode", "prefill weights in flight": "prefill",
+             "prefill workspace": "prefill"}
     kind, note = M.host_memory_kind()
     return MemoryPlan(host=host, gpu=gpu, host_kind=kind, notes=[note], gpu_phase=phase)
 
