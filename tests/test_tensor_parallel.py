@@ -79,9 +79,11 @@ def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
     # activations split by token need whole slices of every block
     assert res[3]["error"] == "TensorParallelError" and "block_tokens must be a multiple of tensor_parallel=2" in \
         res[3]["message"], res[3]
-    # weights streamed, three GPU batches a layer (column schedule): W_K / W_V gathered once per layer
+    # weights streamed, three GPU batches a layer (column schedule): W_K / W_V gathered once per layer, and a
+    # layer program recomputing several extents exchanges its partial softmaxes once
     check_equal(res[4])
-    assert res[4]["w_kv_gathers_last_step"] == 2 and res[4]["describe"]["last_step"]["recompute_extents"] > 0, res[4]
+    assert res[4]["w_kv_gathers_last_step"] == 2 and res[4]["describe"]["last_step"]["recompute_extents"] > 1, res[4]
+    assert res[4]["collectives"]["all-to-all"] == 1, res[4]
 
 
 @pytest.mark.slow  # 12 s: a subprocess with 2 virtual devices
@@ -217,8 +219,8 @@ def check_hybrid(res, resident=""):
 
 # kvpr with weights streamed in the column schedule (three GPU batches' programs per layer, the same weights):
 # the layer's W_K / W_V head shards are gathered whole once per layer and step (2 layers), not per program
-KVPR_STREAMED = dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16, schedule="column", gpu_batches=3,
-                                                                  offload_weights=True))
+KVPR_STREAMED = dict(arch="llama", policy="kvpr", tp=4, hlo=True, opts=dict(split_point=10**6, schedule="column",
+                                                                            gpu_batches=3, offload_weights=True))
 
 # in the default test's subprocess above (its llama reference shared): ~7 s
 HYBRID_4_WAY = dict(arch="llama", policy="hybrid", tp=4, opts=dict(act_share=0.5, gpu_blocks=6))

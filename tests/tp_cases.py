@@ -57,6 +57,21 @@ def run_case(case, refs):
         return real_gather(tree, mesh)
 
     S.gather_whole = gather_whole
+    from kvoffload.offload import pipeline as PL
+
+    real_step = PL.layer_step
+
+    def layer_step(*a, **k):  # case "hlo": one layer program's collectives, from a step after the first
+        if case.get("hlo") and seen.get("steps", 0) >= 2 and "collectives" not in seen:
+            import re
+
+            text = real_step.lower(*a, **k).compile().as_text()
+            # the opcode after the result shape (an array's layout "}" or a tuple's ")")
+            seen["collectives"] = {op: len(re.findall(rf"[\]}})] {op}(?:-start)?\(", text))
+                                   for op in ("all-to-all", "all-gather", "all-reduce")}
+        return real_step(*a, **k)
+
+    PL.layer_step = layer_step
     try:
         pol = make_policy(policy, **{**BASE, **opts, "tensor_parallel": n})
 
@@ -99,7 +114,7 @@ def run_case(case, refs):
     except KVOffloadError as e:
         out.update(error=type(e).__name__, message=str(e))
     finally:
-        S.gather_whole = real_gather
+        S.gather_whole, PL.layer_step = real_gather, real_step
     return out
 
 

@@ -274,42 +274,50 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
 
 def attend_pool_by_token(cfg, lp, q, acc, src: PoolSources, tables, recompute_impl, attention_impl):
     """attend_pool on a mesh whose activation extents are split by token (`sharding.X_TOKEN_SPEC`): the
-    extents this step recomputes (`PoolSources.token_recompute`, static) through `attend_act_by_token`, the
-    others' K/V as there (each device its heads; an extent not in use has an empty table)."""
+    extents this step recomputes (`PoolSources.token_recompute`, static) together through
+    `attend_act_by_token` (one exchange for all of them), then the others' K/V as there (each device its
+    heads; an extent not in use has an empty table), in extent order."""
+    rec = [e for e in range(len(src.k)) if src.token_recompute[e]]
+    if rec:
+        pick = lambda field: tuple(field[e] for e in rec)  # noqa: E731
+        acc = attend_act_by_token(cfg, lp, q, acc, pick(src.x), pick(tables.first_pos), pick(tables.table),
+                                  pick(tables.count), recompute_impl, attention_impl)
     for e in range(len(src.k)):
-        if src.token_recompute[e]:
-            acc = attend_act_by_token(cfg, lp, q, acc, src.x[e], tables.first_pos[e], tables.table[e],
-                                      tables.count[e], recompute_impl, attention_impl)
-        elif src.k[e] is not None:
+        if not src.token_recompute[e] and src.k[e] is not None:
             part = ops.paged_decode_attention(q, native_extent(src.k[e], q.dtype), native_extent(src.v[e], q.dtype),
                                               tables.table[e], tables.count[e], impl=attention_impl)
             acc = ops.merge_attention_into(acc, part)
-        # else: activations alone, of an extent no request has blocks in: nothing to attend
+        # else: recomputed above, or activations alone of an extent no request has blocks in: nothing to attend
     return acc
 
 
-def attend_act_by_token(cfg, lp, q, acc, x_ext, first_pos, table, count, recompute_impl, attention_impl):
-    """acc with the attention over one activation extent folded in, on a mesh where the extent [E, blk, H]
-    is split by token (each device holds blk / N tokens of every block, whole along H): each device
+def attend_act_by_token(cfg, lp, q, acc, x_exts, first_pos, tables, counts, recompute_impl, attention_impl):
+    """acc with the attention over activation extents folded in, on a mesh where each extent [E, blk, H] is
+    split by token (each device holds blk / N tokens of every block, whole along H): each device
     recomputes the K/V of every head for its tokens (RoPE at their positions) from W_K / W_V whole
     (replicated where weights stay on the GPU, gathered once per layer where they stream: `gathers_kv`),
-    attends every query head over them (the
-    paged kernel with blk / N-token blocks), and one all-to-all hands each device the N partial (out, lse)
-    of its heads, which it folds into its part of acc in token order. No X crosses between devices."""
+    attends every query head over them extent by extent (the paged kernel with blk / N-token blocks),
+    folds those partials into one, and one all-to-all hands each device the N partial (out, lse) of its
+    heads, which it folds into its part of acc in token order. One exchange per layer program whatever
+    the number of extents (an exchange per extent cost an all-to-all and N folds each: launches, where an
+    N=4 mesh's step is host-bound). No X crosses between devices. x_exts, first_pos, tables, counts: one
+    entry per extent."""
     from jax.sharding import PartitionSpec as P
 
     n = S.context_size()
     kv_only, _ = split_layer(lp)
     heads = P(None, S.MODEL)
 
-    def local(q, acc, x, first_pos, lp_kv, table, count):
-        x = native_extent(x, q.dtype)
-        t = x.shape[1]
-        positions = first_pos[:, None] + jax.lax.axis_index(S.MODEL) * t + jnp.arange(t, dtype=jnp.int32)[None]
-        k, v = family(cfg).recompute_kv(cfg, lp_kv, x, positions, impl=recompute_impl)
-        o, lse = ops.paged_decode_attention(q, k, v, table, count, impl=attention_impl)
+    def local(q, acc, xs, first_pos, lp_kv, tables, counts):
+        mine = ops.empty_attention(q)
+        for x, pos0, table, count in zip(xs, first_pos, tables, counts):
+            x = native_extent(x, q.dtype)
+            t = x.shape[1]
+            positions = pos0[:, None] + jax.lax.axis_index(S.MODEL) * t + jnp.arange(t, dtype=jnp.int32)[None]
+            k, v = family(cfg).recompute_kv(cfg, lp_kv, x, positions, impl=recompute_impl)
+            mine = ops.merge_attention_into(mine, ops.paged_decode_attention(q, k, v, table, count, impl=attention_impl))
         # [N, B, heads / N, d + 1]: entry j is device j's partial over its tokens, for this device's heads
-        both = jnp.concatenate([o.astype(jnp.float32), lse[..., None]], -1)
+        both = jnp.concatenate([mine[0], mine[1][..., None]], -1)
         parts = jax.lax.all_to_all(both[None], S.MODEL, 2, 0, tiled=True)
         for j in range(n):
             acc = ops.merge_attention_into(acc, (parts[j, ..., :-1], parts[j, ..., -1]))
@@ -318,7 +326,8 @@ def attend_act_by_token(cfg, lp, q, acc, x_ext, first_pos, table, count, recompu
     rep = S.REPLICATED
     return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
                          in_specs=(rep, (heads, heads), S.X_TOKEN_SPEC, rep, rep, rep, rep),
-                         out_specs=(heads, heads), check_vma=False)(q, acc, x_ext, first_pos, kv_only, table, count)
+                         out_specs=(heads, heads), check_vma=False)(q, acc, tuple(x_exts), tuple(first_pos), kv_only,
+                                                                    tuple(tables), tuple(counts))
 
 
 def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, attend, options):

@@ -12,9 +12,10 @@ its heads' blocks. Activation extents (``[E, blk, H]``, what kvpr and hybrid rec
 every head's input; they are split **by token** (``X_TOKEN_SPEC``: each block's blk tokens in N slices of
 blk / N, every slice whole along H). Each device moves 1/N of every X block over its own link and
 recomputes the K/V of every head for its tokens (W_K / W_V whole on every device: replicated when the
-weights stay on the GPU, all-gathered inside the layer program when they stream), attends all query
+weights stay on the GPU, gathered once per layer when they stream: `gather_whole`), attends all query
 heads over them, and the devices merge their partial softmaxes into each device's heads (one
-all-to-all of [B, heads, d + 1] fp32 per extent; `pipeline.attend_act_by_token`). No device receives
+all-to-all of [B, heads, d + 1] fp32 per layer program, all its recomputed extents folded first;
+`pipeline.attend_act_by_token`). No device receives
 another's X. The earlier layout split X along H (``X_SPEC``) and all-gathered it before each recompute:
 (N-1)/N of every recomputed X block over NVLink per device, which held kvpr to 1.38x / 1.66x on 2 / 4
 GPUs. ``X_SPEC`` stays for the GPU tails of X and for the policies that gather single X rows
