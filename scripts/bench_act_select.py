@@ -18,6 +18,7 @@ import os
 import sys
 
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # as bench_long_context (it set it on import)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import argparse  # noqa: E402
@@ -25,8 +26,6 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_long_context import _parse_options  # noqa: E402
 
 
 def run_one(model, opts, batch, tokens, warmup, steps):
@@ -79,11 +78,11 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from kvoffload.offload import memory as M
-    from kvoffload.offload.bench import make_model
+    from kvoffload.offload.bench import make_model, parse_options
 
     out_path = args.out or os.path.join(os.environ.get("OUT") or ".", "bench_act_select.json")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    base = {"prefill_chunk_tokens": 8192, **_parse_options(args.option)}
+    base = {"prefill_chunk_tokens": 8192, **parse_options(args.option)}
     model = make_model(args.shape, jnp.dtype(args.dtype), offload_weights=False)
     result = {"shape": args.shape, "tokens": args.tokens, "options": base, "device": M.default_device().device_kind,
               "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "runs": []}

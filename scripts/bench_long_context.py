@@ -36,19 +36,6 @@ import time  # noqa: E402
 DEFAULT_OPTIONS = {"host_dtype": "int4", "prefill_chunk_tokens": 8192}
 
 
-def _parse_options(pairs):
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SystemExit(f"--option takes key=value, got {pair!r}")
-        k, v = pair.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=131072, help="prompt tokens (batch 1)")
@@ -76,7 +63,7 @@ def main(argv=None):
 
     from kvoffload.models import Model
     from kvoffload.offload import memory as M
-    from kvoffload.offload.bench import make_model, timed_decode
+    from kvoffload.offload.bench import make_model, parse_options, timed_decode
     from kvoffload.plan.memory import MemoryPlanError
     from kvoffload.models.transformer import init_params
     from kvoffload.plan.profiler import model_shape
@@ -84,7 +71,7 @@ def main(argv=None):
 
     out_path = args.out or os.path.join(os.environ.get("OUT") or ".", "bench_long_context.json")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    opts = {k: v for k, v in {**DEFAULT_OPTIONS, **_parse_options(args.option)}.items() if v is not None}
+    opts = {k: v for k, v in {**DEFAULT_OPTIONS, **parse_options(args.option)}.items() if v is not None}
     cfg = model_shape(args.shape)
     layers = cfg.num_layers if args.layers is None else min(int(args.layers), cfg.num_layers)
     dev = M.default_device()

@@ -102,6 +102,8 @@ def main(argv=None) -> int:
                          "the free memory")
     ap.add_argument("--hybrid-gpu-blocks", default="auto",
                     help="hybrid: GPU-resident blocks (auto: as many as the budget holds; 0: every block on the host)")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a policy option for every run (value as JSON, else a string), e.g. extent_mb=256")
     ap.add_argument("--sweep-splits", action="store_true",
                     help="kvpr: also time every forced split 0..extents in use at each N (measured best vs chosen)")
     ap.add_argument("--processes", action="store_true",
@@ -111,6 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-processes", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    from kvoffload.offload.bench import parse_options
+
+    options = parse_options(args.option)
     if args.processes:
         return run_processes(args)
 
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
     dtype = jnp.dtype(args.dtype)
     dev = jax.devices()[0]
     res = {"device": dev.device_kind, "platform": dev.platform, "devices": n_dev, "jax": jax.__version__,
-           "dtype": str(dtype), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "tp": tps,
+           "dtype": str(dtype), "options": options, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "tp": tps,
            "bandwidth": [], "profiles": {}, "runs": []}
     path = os.path.join(out_dir, "bench_tp.json")
 
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
     def run_one(name, wl, model, pol, n, extra=None):
         ctx = wl["contexts"][0]
         opts = dict(schedule=wl["schedule"], gpu_batches=wl["gpu_batches"], offload_weights=wl["offload_weights"],
-                    tensor_parallel=n, **(extra or {}))
+                    tensor_parallel=n, **options, **(extra or {}))
         if pol == "kvpr":
             opts["kvpr_store"] = wl["kvpr_store"]
         if pol == "hybrid" and args.hybrid_gpu_budget_gb > 0:
@@ -291,7 +296,8 @@ def run_processes(args) -> int:
                args.policies, "--dtype", args.dtype, "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--bw-mb", str(args.bw_mb), "--bw-repeats", str(args.bw_repeats), "--profile", args.profile,
                "--hybrid-gpu-budget-gb", str(args.hybrid_gpu_budget_gb), "--hybrid-gpu-blocks", args.hybrid_gpu_blocks,
-               "--out", sub_out] + (["--sweep-splits"] if args.sweep_splits else [])
+               "--out", sub_out] + (["--sweep-splits"] if args.sweep_splits else []) + \
+            [x for o in args.option for x in ("--option", o)]
         if n > 1:
             with socket.socket() as s:
                 s.bind(("localhost", 0))

@@ -1,4 +1,4 @@
-"""The decode benchmark's whole path on a tiny shape (CPU; slow: pytest -m slow)."""
+"""The decode benchmark's whole path on a tiny shape (CPU; slow: pytest -m slow), and the benchmarks' --option parser."""
 
 import json
 
@@ -16,3 +16,14 @@ def test_bench_tiny(tmp_path, capsys):
     assert not [r for r in rows if "error" in r]
     assert {r["policy"] for r in rows} == {"full", "offload", "kvpr"}
     assert "kvpr/off" in capsys.readouterr().out
+
+
+def test_parse_options_takes_json_values_else_strings():
+    """The benchmarks' --option KEY=VALUE (bench_tp, bench_long_context, bench_act_select): JSON values, other
+    text kept as a string, a pair without '=' refused by name."""
+    from kvoffload.offload.bench import parse_options
+
+    assert parse_options(["extent_mb=256", "host_dtype=int4", "layer0_full=false", "split=[1, 2]"]) == {
+        "extent_mb": 256, "host_dtype": "int4", "layer0_full": False, "split": [1, 2]}
+    with pytest.raises(SystemExit, match="key=value, got 'extent_mb'"):
+        parse_options(["extent_mb"])

@@ -131,6 +131,20 @@ def _greedy(logits):
 _GREEDY = None
 
 
+def parse_options(pairs) -> dict:
+    """Command-line KEY=VALUE policy options ({key: value}; VALUE parsed as JSON, else kept a string)."""
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"--option takes key=value, got {pair!r}")
+        k, v = pair.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
 def on_host(x):
     """x as a NumPy array; under jax.distributed a replicated array spanning processes (the greedy tokens of a
     multi-process mesh) is read from this process's own shard."""

@@ -11,9 +11,9 @@ of each activation (each device fetches its share over its own link), the layer'
 [batch, h] (mostly latency at decode; the same for every split), and what recomputing costs between the
 devices, on the GPU's time (`CostModel.all_gather`'s links and fit: it runs inside the layer program).
 With X split by token (``x_split="token"``: kvpr, hybrid) each device recomputes every head of its 1/N
-of the tokens: the same flops, and only each recomputing layer's merge of the partial softmaxes (an
-all-to-all of [batch, heads, d + 1] fp32) plus, for streamed weights, the all-gather of the W_K / W_V
-shards. With X split along H (``"hidden"``) each device receives the other (N-1)/N of every recomputed
+of the tokens: the same flops, and only each recomputing layer program's merge of the partial softmaxes
+(one all-to-all of [batch, heads, d + 1] fp32, all its extents folded first) plus, for streamed weights,
+the all-gather of the W_K / W_V shards (once per layer). With X split along H (``"hidden"``) each device receives the other (N-1)/N of every recomputed
 token's X first.
 """
 
