@@ -57,33 +57,31 @@ def default_runs():
     """The default suite's mesh cases in one subprocess (one start of Python and JAX, the tiny models' set-up
     shared): the policy runs of test_mesh_runs_equal_one_device_and_bad_splits_are_refused, then the kernel
     case of test_selection_kernels_run_per_device."""
-    res = run_cases([dict(arch="llama", policy="kvpr", tp=4, opts=dict(split_point=16)),
-                     dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY,
-                     dict(arch="opt", policy="kvpr", tp=2, opts=dict(block_tokens=1)), KVPR_STREAMED,
-                     dict(kernels=True, tp=4)])
-    assert len(res) == 6, res
-    return res[:5], res[5:]
+    res = run_cases([KVPR_STREAMED, dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY,
+                     dict(arch="opt", policy="kvpr", tp=2, opts=dict(block_tokens=1)), dict(kernels=True, tp=4)])
+    assert len(res) == 5, res
+    return res[:4], res[4:]
 
 
 def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
     """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split by
-    token, K/V above it fetched by head) equals `full` on one device; tensor_parallel=3 with 8 query heads is
-    refused naming the numbers, and so is kvpr with blocks of 1 token on 2 devices. (Every policy, both
-    families, 2- and 4-way: the slow tests below; a 2-way OPT offload run: the two-process test.)"""
+    token, K/V above it fetched by head; weights streamed, three GPU batches a layer in the column schedule)
+    equals `full` on one device, gathers W_K / W_V once per layer (not per GPU batch's program) and
+    exchanges the partial softmaxes of a program's recomputed extents once; tensor_parallel=3 with 8 query
+    heads is refused naming the numbers, and so is kvpr with blocks of 1 token on 2 devices. (Every policy,
+    both families, 2- and 4-way: the slow tests below; a 2-way OPT offload run: the two-process test.)"""
     res, _ = default_runs
     check_equal(res[0])
-    assert res[0]["pool_x"], "kvpr with split_point=16 stores activations"
+    assert res[0]["pool_x"], "kvpr with split_point=24 stores activations"
+    last = res[0]["describe"]["last_step"]
+    assert 1 < last["recompute_extents"] < last["used_extents"], last  # some extents recomputed, some fetched
+    assert res[0]["w_kv_gathers_last_step"] == 2 and res[0]["collectives"]["all-to-all"] == 1, res[0]
     assert res[1]["error"] == "TensorParallelError"
     assert "query heads 8" in res[1]["message"] and "not divisible by 3" in res[1]["message"], res[1]
     check_hybrid_4_way(res[2])
     # activations split by token need whole slices of every block
     assert res[3]["error"] == "TensorParallelError" and "block_tokens must be a multiple of tensor_parallel=2" in \
         res[3]["message"], res[3]
-    # weights streamed, three GPU batches a layer (column schedule): W_K / W_V gathered once per layer, and a
-    # layer program recomputing several extents exchanges its partial softmaxes once
-    check_equal(res[4])
-    assert res[4]["w_kv_gathers_last_step"] == 2 and res[4]["describe"]["last_step"]["recompute_extents"] > 1, res[4]
-    assert res[4]["collectives"]["all-to-all"] == 1, res[4]
 
 
 @pytest.mark.slow  # 12 s: a subprocess with 2 virtual devices
@@ -218,8 +216,9 @@ def check_hybrid(res, resident=""):
 
 
 # kvpr with weights streamed in the column schedule (three GPU batches' programs per layer, the same weights):
-# the layer's W_K / W_V head shards are gathered whole once per layer and step (2 layers), not per program
-KVPR_STREAMED = dict(arch="llama", policy="kvpr", tp=4, hlo=True, opts=dict(split_point=10**6, schedule="column",
+# the layer's W_K / W_V head shards are gathered whole once per layer and step (2 layers), not per program;
+# split at 24 tokens: 2 of 4 extents recomputed, the others' K/V fetched
+KVPR_STREAMED = dict(arch="llama", policy="kvpr", tp=4, hlo=True, opts=dict(split_point=24, schedule="column",
                                                                             gpu_batches=3, offload_weights=True))
 
 # in the default test's subprocess above (its llama reference shared): ~7 s
