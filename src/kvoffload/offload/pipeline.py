@@ -566,7 +566,7 @@ class LayerHooks:
         lay, xs, ks = group.layout, group.pool_x[layer], group.pool_k[layer]
         modes = plan.extent_modes(pipe, lay) if pipe.host_pool else ("dev",) * lay.num_extents
         # which extents hold blocks: only a device extent needs it (a fetched one's mode says)
-        in_use = group.alloc.extents_in_use(lay) if "dev" in modes else None
+        in_use = pipe.extents_in_use(group) if "dev" in modes else None
         return tuple(m == "x" if m != "dev" else
                      xs[e] is not None and bool(in_use[e]) and (ks[e] is None or e < plan.recompute_extents)
                      for e, m in enumerate(modes))
@@ -727,6 +727,7 @@ class LayerPipeline:
         self.host_kind, self.host_note = M.host_memory_kind(self.dev)
         self._sharded_params: dict = {}
         self._cost = None
+        self._in_use: dict = {}  # this step's extents_in_use per GPU batch's allocator (`extents_in_use`)
         self._host_layers: dict = {}
         self.memory_plan = None
         self._stand_ins: dict = {}
@@ -752,6 +753,14 @@ class LayerPipeline:
 
             self._templates[key] = tuple(tuple(like(a) for a in p[layer]) for p in (group.pool_k, group.pool_v, group.pool_x))
         return self._templates[key]
+
+    def extents_in_use(self, group: GroupState):
+        """Per extent of group's layout whether a request has blocks there: once per GPU batch and step (the
+        allocator changes only at a step's end, by flush), however many layers and callers ask."""
+        hit = self._in_use.get(id(group.alloc))
+        if hit is None or hit[0] is not group.alloc:  # (the allocator held: an id is never another's here)
+            hit = self._in_use[id(group.alloc)] = (group.alloc, group.alloc.extents_in_use(group.layout))
+        return hit[1]
 
     def scalar(self, n: int):
         if n not in self._scalars:
@@ -1063,6 +1072,7 @@ class LayerPipeline:
 
     def _decode_step(self, model, state: DecodeState, tokens):
         cfg, o = model.config, self.opts
+        self._in_use.clear()  # the last step's allocators
         now = time.perf_counter()
         records = state.records
         if state.step_started is not None and records:
