@@ -129,9 +129,15 @@ def to_host(tree, dev=None):
     return out
 
 
+def to_kind(tree, kind: str):
+    """Each array of tree moved to memory kind `kind` keeping its own sharding (on a mesh each device moves
+    only its shard over its own link): one transfer of the whole tree, as on one device."""
+    return transfer(tree, jax.tree.map(lambda a: a.sharding.with_memory_kind(kind), tree))
+
+
 def to_host_like(tree, kind: str):
-    """Each array of tree moved to host memory kind `kind` keeping its own sharding (tracked like to_host)."""
-    out = transfer(tree, jax.tree.map(lambda a: a.sharding.with_memory_kind(kind), tree))
+    """to_kind into host memory kind `kind`, tracked like to_host."""
+    out = to_kind(tree, kind)
     _track(out)
     return out
 

@@ -817,7 +817,7 @@ class LayerPipeline:
     def to_device(self, tree):
         """An eager move to device memory: on a mesh each array keeps its sharding (each device moves
         its shard over its own link)."""
-        return M.to_device(tree, self.dev) if self.mesh is None else S.to_kind(tree, "device")
+        return M.to_device(tree, self.dev) if self.mesh is None else M.to_kind(tree, "device")
 
     def to_host(self, tree):
         return M.to_host(tree, self.dev) if self.mesh is None else M.to_host_like(tree, self.host_kind or "device")

@@ -269,14 +269,6 @@ def gather_whole(tree, mesh: Mesh):
     return _whole_program(replicated(mesh))(tree)
 
 
-def to_kind(tree, kind: str):
-    """Each array moved to memory kind `kind` keeping its own sharding (each device moves only its
-    shard over its own link): one eager device_put of the whole tree, as on one device."""
-    from kvoffload.offload import memory as M
-
-    return M.transfer(tree, jax.tree.map(lambda a: a.sharding.with_memory_kind(kind), tree))
-
-
 def constrain_replicated(x):
     """x replicated over the context mesh's 'model' axis (inside a traced program); x itself without one."""
     if context_size() == 1:
