@@ -76,6 +76,9 @@ def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
     last = res[0]["describe"]["last_step"]
     assert 1 < last["recompute_extents"] < last["used_extents"], last  # some extents recomputed, some fetched
     assert res[0]["w_kv_gathers_last_step"] == 2 and res[0]["collectives"]["all-to-all"] == 1, res[0]
+    # each gather right before its layer's first program (3 GPU batches): issued with the copies ahead, it
+    # would hold the compute stream until the next layer's weights land
+    assert res[0]["dispatch_order"] == "gLLLgLLL", res[0]
     assert res[1]["error"] == "TensorParallelError"
     assert "query heads 8" in res[1]["message"] and "not divisible by 3" in res[1]["message"], res[1]
     check_hybrid_4_way(res[2])

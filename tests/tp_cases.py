@@ -54,6 +54,7 @@ def run_case(case, refs):
 
     def gather_whole(tree, mesh):  # streamed W_K / W_V gathered whole: counted per step
         seen["gathers"] = seen.get("gathers", 0) + 1
+        seen["order"] = seen.get("order", "") + "g"
         return real_gather(tree, mesh)
 
     S.gather_whole = gather_whole
@@ -70,6 +71,7 @@ def run_case(case, refs):
             text = real_step.lower(*a, **k).as_text()
             seen["collectives"] = {op.replace("_", "-"): len(re.findall(rf"stablehlo\.{op}\b", text))
                                    for op in ("all_to_all", "all_gather", "all_reduce")}
+        seen["order"] = seen.get("order", "") + "L"
         return real_step(*a, **k)
 
     PL.layer_step = layer_step
@@ -83,9 +85,10 @@ def run_case(case, refs):
                 return pol.prefill(*a)
 
             def decode_step(self, model, state, tokens):
-                seen["gathers"] = 0
+                seen["gathers"], seen["order"] = 0, ""
                 logits, state = pol.decode_step(model, state, tokens)
-                seen["w_kv_gathers_last_step"] = seen["gathers"]
+                # the last step's dispatch order: g a W_K / W_V gather, L a layer program
+                seen["w_kv_gathers_last_step"], seen["dispatch_order"] = seen["gathers"], seen["order"]
                 seen["steps"] = seen.get("steps", 0) + 1
                 if seen["steps"] == 2:
                     gr = state.groups[0]
@@ -111,7 +114,7 @@ def run_case(case, refs):
             got, logits = generate(model, PROMPTS, NEW, policy=spy, return_logits=True)
         out.update(tokens_equal=got == want, max_abs=float(np.abs(logits - want_logits).max()),
                    later_compiles=counter.names[seen["compiles_at_2"]:], tokens=got,
-                   **{k: v for k, v in seen.items() if k not in ("steps", "compiles_at_2", "gathers")})
+                   **{k: v for k, v in seen.items() if k not in ("steps", "compiles_at_2", "gathers", "order")})
     except KVOffloadError as e:
         out.update(error=type(e).__name__, message=str(e))
     finally:
