@@ -507,3 +507,28 @@ def test_layers_per_program_runs_consecutive_layers_in_one_program(monkeypatch, 
     assert make_policy("clo", layers_per_program=3, speculative_prefetch=True).pipeline.layers_per_program() == 1
     with pytest.raises(ValueError, match="layers_per_program must be an integer >= 1"):
         make_policy("clo", layers_per_program=0)
+
+
+def test_recompute_workspace_by_token_holds_every_extent_at_once():
+    """The memory plan's recompute workspace, per device of a 4-way mesh: activations split by token are
+    recomputed all at once (`attend_act_by_token`: the extents' X slices joined, every head's K/V of the
+    device's tokens), so the workspace is the sum over a layout's activation extents of their K/V and X; split
+    along H it is the largest single extent's K/V plus that extent's X gathered whole."""
+    import dataclasses
+
+    from kvoffload.offload.sharding import device_config
+
+    cfg = model_shape("opt-6.7b")
+    dev = device_config(cfg, 4)
+    plan = plan_pool(dev, jnp.bfloat16, [np.full(16, 1024)], 1152, extent_mb=8)
+    lay = dataclasses.replace(plan.layouts[0], kv_extents=(0, plan.layouts[0].num_extents),
+                              act_extents=(0, plan.layouts[0].num_extents))
+    assert len(lay.extents_of("act")) > 2
+    kw = dict(host_pool=True, offload_weights=False, activation_split=4)
+    token, hidden = (pool_memory(dev, jnp.bfloat16, [lay], 16, 1024, x_by_token=t, **kw).gpu["recompute workspace"]
+                     for t in (True, False))
+    kv_blk = 64 * dev.kv_bytes_per_token * 2  # all heads of 16 tokens = this device's heads of 64
+    x_blk = 64 * cfg.hidden_size * 2 // 4
+    sizes = [lay.size(e) for e in lay.extents_of("act")]
+    assert token == 2 * sum(sizes) * (kv_blk + x_blk)
+    assert hidden == 2 * max(sizes) * (kv_blk + x_blk * 4)

@@ -159,6 +159,40 @@ def test_two_extents_fold_to_whole_sequence():
     assert np.array_equal(_bits(again[1]), _bits(acc[1]))
 
 
+def test_joined_extents_attend_as_one_call_per_extent():
+    """ops.join_block_tables: three extents laid end to end (their blocks concatenated) and their tables joined
+    give, row by row, extent 0's listed blocks then extent 1's then extent 2's, packed at the front and offset
+    into the joined blocks (stale entries past a row's count never leak in); one paged attention over the
+    joined extents equals one per extent folded in order (kernel, interpret mode), empty rows included."""
+    rng = np.random.default_rng(15)
+    B, n_kv, G, d, blk = 5, 2, 2, 32, 8
+    sizes = (4, 6, 3)
+    ks = [rng.standard_normal((E, n_kv, blk, d)).astype(np.float32) for E in sizes]
+    vs = [rng.standard_normal((E, n_kv, blk, d)).astype(np.float32) for E in sizes]
+    q = jnp.asarray(rng.standard_normal((B, n_kv * G, d)), jnp.float32)
+    # random tables (entries past a row's count are garbage on purpose) and counts, a row with none at all
+    widths = (3, 4, 2)
+    tables = [rng.integers(0, E, (B, M)).astype(np.int32) for E, M in zip(sizes, widths)]
+    counts = [np.array([3, 0, 1, 2, 0]), np.array([4, 2, 0, 1, 0]), np.array([1, 2, 2, 0, 0])]
+    counts = [c.astype(np.int32) for c in counts]
+    table, count = ops.join_block_tables(tables, counts, sizes)
+    offsets = np.cumsum((0,) + sizes[:-1])
+    for b in range(B):
+        want = [int(t[b, j]) + int(o) for t, c, o in zip(tables, counts, offsets) for j in range(c[b])]
+        assert int(count[b]) == len(want)
+        assert np.asarray(table)[b, :len(want)].tolist() == want
+    k_all, v_all = np.concatenate(ks), np.concatenate(vs)
+    one = ops.paged_decode_attention(q, k_all, v_all, table, count, impl="kernel", interpret=True)
+    acc = ops.empty_attention(q)
+    for k, v, t, c in zip(ks, vs, tables, counts):
+        acc = ops.merge_attention_into(acc, ops.paged_decode_attention(q, k, v, t, c, impl="kernel", interpret=True))
+    np.testing.assert_allclose(np.asarray(one[0]), np.asarray(acc[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(one[1]), np.asarray(acc[1]), rtol=1e-5, atol=1e-6)
+    assert np.isneginf(np.asarray(one[1])[4]).all()  # row 4 attends nothing
+    t1, c1 = ops.join_block_tables(tables[:1], counts[:1], sizes[:1])  # one extent: itself
+    assert np.array_equal(np.asarray(t1), tables[0]) and np.array_equal(np.asarray(c1), counts[0])
+
+
 def test_ops_jit_validation_and_empty_table():
     rng = np.random.default_rng(15)
     k, v = _pool(rng, 4, 2, 16, 64)

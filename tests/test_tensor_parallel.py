@@ -66,10 +66,11 @@ def default_runs():
 def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
     """kvpr on a 4-way mesh (GQA LLaMA: X extents below the split recomputed from activations split by
     token, K/V above it fetched by head; weights streamed, three GPU batches a layer in the column schedule)
-    equals `full` on one device, gathers W_K / W_V once per layer (not per GPU batch's program) and
-    exchanges the partial softmaxes of a program's recomputed extents once; tensor_parallel=3 with 8 query
-    heads is refused naming the numbers, and so is kvpr with blocks of 1 token on 2 devices. (Every policy,
-    both families, 2- and 4-way: the slow tests below; a 2-way OPT offload run: the two-process test.)"""
+    equals `full` on one device, gathers W_K / W_V once per layer (not per GPU batch's program), right
+    before the layer's first program, and recomputes, attends and exchanges a program's recomputed extents
+    once (laid end to end); tensor_parallel=3 with 8 query heads is refused naming the numbers, and so is
+    kvpr with blocks of 1 token on 2 devices. (Every policy, both families, 2- and 4-way: the slow tests
+    below; a 2-way OPT offload run: the two-process test.)"""
     res, _ = default_runs
     check_equal(res[0])
     assert res[0]["pool_x"], "kvpr with split_point=24 stores activations"
@@ -79,6 +80,9 @@ def test_mesh_runs_equal_one_device_and_bad_splits_are_refused(default_runs):
     # each gather right before its layer's first program (3 GPU batches): issued with the copies ahead, it
     # would hold the compute stream until the next layer's weights land
     assert res[0]["dispatch_order"] == "gLLLgLLL", res[0]
+    # the recomputed extents laid end to end: one recompute and one paged attention whatever their number
+    calls = res[0]["act_calls"]
+    assert max(c["extents"] for c in calls) > 1 and all(c["paged"] == c["recompute"] == 1 for c in calls), calls
     assert res[1]["error"] == "TensorParallelError"
     assert "query heads 8" in res[1]["message"] and "not divisible by 3" in res[1]["message"], res[1]
     check_hybrid_4_way(res[2])

@@ -71,10 +71,33 @@ def run_case(case, refs):
             text = real_step.lower(*a, **k).as_text()
             seen["collectives"] = {op.replace("_", "-"): len(re.findall(rf"stablehlo\.{op}\b", text))
                                    for op in ("all_to_all", "all_gather", "all_reduce")}
+            # paged attention calls (the reference on the CPU: a private function per call site)
         seen["order"] = seen.get("order", "") + "L"
         return real_step(*a, **k)
 
     PL.layer_step = layer_step
+    from kvoffload import ops
+
+    real_act, real_paged, real_rec = PL.attend_act_by_token, ops.paged_decode_attention, ops.recompute_kv
+
+    def count_in_act(name, fn):
+        def wrapped(*a, **k):
+            if seen.get("act") is not None:
+                seen["act"][-1][name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    def attend_act_by_token(*a, **k):  # per traced call: its paged attentions and recomputes, and its extents
+        seen["act"] = seen.get("act_calls", [])
+        seen["act"].append(dict(extents=len(a[4]), paged=0, recompute=0))
+        try:
+            return real_act(*a, **k)
+        finally:
+            seen["act_calls"], seen["act"] = seen["act"], None
+
+    PL.attend_act_by_token = attend_act_by_token
+    ops.paged_decode_attention = count_in_act("paged", real_paged)
+    ops.recompute_kv = count_in_act("recompute", real_rec)
     try:
         pol = make_policy(policy, **{**BASE, **opts, "tensor_parallel": n})
 
@@ -114,11 +137,12 @@ def run_case(case, refs):
             got, logits = generate(model, PROMPTS, NEW, policy=spy, return_logits=True)
         out.update(tokens_equal=got == want, max_abs=float(np.abs(logits - want_logits).max()),
                    later_compiles=counter.names[seen["compiles_at_2"]:], tokens=got,
-                   **{k: v for k, v in seen.items() if k not in ("steps", "compiles_at_2", "gathers", "order")})
+                   **{k: v for k, v in seen.items() if k not in ("steps", "compiles_at_2", "gathers", "order", "act")})
     except KVOffloadError as e:
         out.update(error=type(e).__name__, message=str(e))
     finally:
         S.gather_whole, PL.layer_step = real_gather, real_step
+        PL.attend_act_by_token, ops.paged_decode_attention, ops.recompute_kv = real_act, real_paged, real_rec
     return out
 
 

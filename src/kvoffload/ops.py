@@ -201,6 +201,34 @@ def paged_decode_attention(q, k_blocks, v_blocks, block_table, num_blocks, *, sc
     return _paged_ref_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale)
 
 
+def join_block_tables(tables, counts, sizes):
+    """One block table over extents laid end to end: extent e's blocks [E_e, ...] concatenated on axis 0 in
+    order (sizes: the E_e). tables [B, M_e], counts [B] per extent (row b attends tables[e][b, :counts[e][b]]).
+    Returns (table [B, sum M_e], count [B]): row b's blocks of extent 0, then extent 1, ..., indices offset into
+    the joined blocks, packed at the front (paged_decode_attention reads a row's first count entries; the
+    rest are 0, never read). One paged attention over the joined extents then attends what one call per
+    extent did, in the same block order."""
+    if len(tables) == 1:
+        return jnp.asarray(tables[0], jnp.int32), jnp.asarray(counts[0], jnp.int32)
+    offsets = [0]
+    for e in sizes[:-1]:
+        offsets.append(offsets[-1] + int(e))
+    tables = [jnp.asarray(t, jnp.int32) for t in tables]
+    counts = [jnp.clip(jnp.asarray(c, jnp.int32), 0, t.shape[1]) for c, t in zip(counts, tables)]
+    rows = tables[0].shape[0]
+    width = sum(t.shape[1] for t in tables)
+    start = jnp.zeros((rows,), jnp.int32)
+    values, dest = [], []
+    for t, c, off in zip(tables, counts, offsets):
+        j = jnp.arange(t.shape[1], dtype=jnp.int32)[None]
+        values.append(t + off)
+        dest.append(jnp.where(j < c[:, None], start[:, None] + j, width))  # past the end: dropped
+        start = start + c
+    joined = jnp.zeros((rows, width), jnp.int32).at[jnp.arange(rows)[:, None], jnp.concatenate(dest, 1)].set(
+        jnp.concatenate(values, 1), mode="drop")
+    return joined, start
+
+
 merge_attention_into = jax.jit(_pa.merge_attention_into)
 empty_attention = jax.jit(_pa.empty_attention)
 

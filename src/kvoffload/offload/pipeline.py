@@ -293,15 +293,15 @@ def attend_pool_by_token(cfg, lp, q, acc, src: PoolSources, tables, recompute_im
 
 def attend_act_by_token(cfg, lp, q, acc, x_exts, first_pos, tables, counts, recompute_impl, attention_impl):
     """acc with the attention over activation extents folded in, on a mesh where each extent [E, blk, H] is
-    split by token (each device holds blk / N tokens of every block, whole along H): each device
-    recomputes the K/V of every head for its tokens (RoPE at their positions) from W_K / W_V whole
-    (replicated where weights stay on the GPU, gathered once per layer where they stream: `gathers_kv`),
-    attends every query head over them extent by extent (the paged kernel with blk / N-token blocks),
-    folds those partials into one, and one all-to-all hands each device the N partial (out, lse) of its
-    heads, which it folds into its part of acc in token order. One exchange per layer program whatever
-    the number of extents (an exchange per extent cost an all-to-all and N folds each: launches, where an
-    N=4 mesh's step is host-bound). No X crosses between devices. x_exts, first_pos, tables, counts: one
-    entry per extent."""
+    split by token (each device holds blk / N tokens of every block, whole along H): each device lays its
+    slices of the extents end to end, recomputes the K/V of every head for its tokens (RoPE at their
+    positions) from W_K / W_V whole (replicated where weights stay on the GPU, gathered once per layer where
+    they stream: `gathers_kv`) and attends every query head over them in one paged kernel call
+    (blk / N-token blocks, the extents' tables joined: `ops.join_block_tables`); one all-to-all hands each
+    device the N partial (out, lse) of its heads, which it folds into its part of acc in token order. One
+    recompute, one attention and one exchange per layer program whatever the number of extents (each per
+    extent cost launches, and an N=4 mesh's step is host-bound). No X crosses between devices. x_exts,
+    first_pos, tables, counts: one entry per extent."""
     from jax.sharding import PartitionSpec as P
 
     n = S.context_size()
@@ -309,15 +309,18 @@ def attend_act_by_token(cfg, lp, q, acc, x_exts, first_pos, tables, counts, reco
     heads = P(None, S.MODEL)
 
     def local(q, acc, xs, first_pos, lp_kv, tables, counts):
-        mine = ops.empty_attention(q)
-        for x, pos0, table, count in zip(xs, first_pos, tables, counts):
-            x = native_extent(x, q.dtype)
-            t = x.shape[1]
-            positions = pos0[:, None] + jax.lax.axis_index(S.MODEL) * t + jnp.arange(t, dtype=jnp.int32)[None]
-            k, v = family(cfg).recompute_kv(cfg, lp_kv, x, positions, impl=recompute_impl)
-            mine = ops.merge_attention_into(mine, ops.paged_decode_attention(q, k, v, table, count, impl=attention_impl))
+        # the extents laid end to end: one recompute and one paged attention for all of them (per extent
+        # each cost a GEMM, the kernel and a fold: launches, which bound an N=4 mesh's step)
+        xs = [native_extent(x, q.dtype) for x in xs]
+        x = xs[0] if len(xs) == 1 else jnp.concatenate(xs, 0)
+        pos0 = first_pos[0] if len(xs) == 1 else jnp.concatenate(first_pos, 0)
+        t = x.shape[1]
+        positions = pos0[:, None] + jax.lax.axis_index(S.MODEL) * t + jnp.arange(t, dtype=jnp.int32)[None]
+        k, v = family(cfg).recompute_kv(cfg, lp_kv, x, positions, impl=recompute_impl)
+        table, count = ops.join_block_tables(tables, counts, [a.shape[0] for a in xs])
+        mine = ops.paged_decode_attention(q, k, v, table, count, impl=attention_impl)
         # [N, B, heads / N, d + 1]: entry j is device j's partial over its tokens, for this device's heads
-        both = jnp.concatenate([mine[0], mine[1][..., None]], -1)
+        both = jnp.concatenate([mine[0].astype(jnp.float32), mine[1][..., None]], -1)
         parts = jax.lax.all_to_all(both[None], S.MODEL, 2, 0, tiled=True)
         for j in range(n):
             acc = ops.merge_attention_into(acc, (parts[j, ..., :-1], parts[j, ..., -1]))
@@ -887,6 +890,7 @@ class LayerPipeline:
                           prefill_workspace_gb=o.prefill_workspace_gb, prefill_chunk_tokens=o.prefill_chunk_tokens,
                           host_dtype=o.host_dtype, int4_group_size=o.int4_group_size, int4_k_quant=o.int4_k_quant,
                           k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp,
+                          x_by_token=self.x_by_token,
                           fetch=self.hooks.fetches_extents(self),
                           layer_parts=[self.hooks.layer_parts(self, i) for i in range(cfg.num_layers)],
                           device_layers=[self.hooks.device_layer(self, i) for i in range(cfg.num_layers)],

@@ -144,7 +144,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
                 tail_x: bool = True, prefill_workspace_gb: float = 2.0, resident_layers: int = 0, host_dtype: str = "native",
                 int4_group_size: int = 64, int4_k_quant: str = "token", k_on_device: bool = False, prefill_chunk_tokens: int | None = None,
                 activation_split: int = 1, fetch: bool = True, slots: dict | None = None,
-                layer_parts=None, device_layers=None, kv_gathered: int = 0) -> MemoryPlan:
+                layer_parts=None, device_layers=None, kv_gathered: int = 0, x_by_token: bool = False) -> MemoryPlan:
     """Bytes a pool run holds: the pool (host or device), the weights, the GPU tails (tail_slots per
     request and layer; default two blocks), the transfer buffers of `inflight` layers and the prefill's
     workspace. host_dtype: how host K/V and activation blocks are stored ("int4": codes + scales,
@@ -165,7 +165,9 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     one layer at a time (its K/V, X and their gathered extents are counted once).
     Tensor parallelism (offload/sharding.py) plans one device: cfg is the config that device sees (its
     heads and MLP width), weights its shard, and activation_split = N: stored activations (pool and tails)
-    are split along H over N devices (a recompute workspace holds a whole gathered X extent)."""
+    are split along H over N devices (a recompute workspace holds a whole gathered X extent); with
+    x_by_token they are split by token instead (`pipeline.attend_act_by_token`: each device recomputes all
+    its tokens' extents at once, their X slices joined, nothing gathered)."""
     from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
     from kvoffload.plan.cost import stored_bytes, stored_x_bytes_per_token
 
@@ -197,7 +199,7 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     n_x = sum(1 for p_ in parts if p_ is None or "x" in p_)
     n_dev_k, n_dev_v = (sum(1 for p_, d_ in zip(parts, dev_layer) if (p_ is None or part in p_) and d_) for part in "kv")
     for lay in layouts:
-        moved = 0
+        moved, joined = 0, 0
         for e in range(lay.num_extents):
             side = pool_h if host_pool and not lay.on_device(e) else pool_d
             k_e, v_e = ((lay.size(e) * k_host_blk(lay), lay.size(e) * v_host_blk(lay)) if side is pool_h
@@ -218,9 +220,12 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
             side["activation blocks"] += n_x * x_e
             if side is pool_h:
                 moved += max(kv_e, x_e)
-            if x_e and fetch:  # K/V recomputed from one activation extent at a time (gathered whole when split)
+            if x_e and fetch and x_by_token:  # every extent's K/V at once, from their X slices joined
+                joined += lay.size(e) * (kv_blk(lay) + x_blk(lay))
+            elif x_e and fetch:  # K/V recomputed from one activation extent at a time (gathered whole when split)
                 rec_ws = max(rec_ws, lay.size(e) * (kv_blk(lay) + (x_blk(lay) * activation_split
                                                                     if activation_split > 1 else 0)))
+        rec_ws = max(rec_ws, joined)
         per_layer_fetch = max(per_layer_fetch, moved)
     host = dict(pool_h) if host_pool else {}
     r = min(int(resident_layers), L) if offload_weights else 0
