@@ -163,7 +163,8 @@ def test_joined_extents_attend_as_one_call_per_extent():
     """ops.join_block_tables: three extents laid end to end (their blocks concatenated) and their tables joined
     give, row by row, extent 0's listed blocks then extent 1's then extent 2's, packed at the front and offset
     into the joined blocks (stale entries past a row's count never leak in); one paged attention over the
-    joined extents equals one per extent folded in order (kernel, interpret mode), empty rows included."""
+    joined extents equals one per extent folded in order, empty rows included (the kernel against this
+    reference: the tests above)."""
     rng = np.random.default_rng(15)
     B, n_kv, G, d, blk = 5, 2, 2, 32, 8
     sizes = (4, 6, 3)
@@ -182,10 +183,10 @@ def test_joined_extents_attend_as_one_call_per_extent():
         assert int(count[b]) == len(want)
         assert np.asarray(table)[b, :len(want)].tolist() == want
     k_all, v_all = np.concatenate(ks), np.concatenate(vs)
-    one = ops.paged_decode_attention(q, k_all, v_all, table, count, impl="kernel", interpret=True)
+    one = ops.paged_decode_attention(q, k_all, v_all, table, count, impl="reference")
     acc = ops.empty_attention(q)
     for k, v, t, c in zip(ks, vs, tables, counts):
-        acc = ops.merge_attention_into(acc, ops.paged_decode_attention(q, k, v, t, c, impl="kernel", interpret=True))
+        acc = ops.merge_attention_into(acc, ops.paged_decode_attention(q, k, v, t, c, impl="reference"))
     np.testing.assert_allclose(np.asarray(one[0]), np.asarray(acc[0]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(one[1]), np.asarray(acc[1]), rtol=1e-5, atol=1e-6)
     assert np.isneginf(np.asarray(one[1])[4]).all()  # row 4 attends nothing
