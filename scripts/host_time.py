@@ -1,0 +1,112 @@
+"""Where a decode step's host time goes (issues 11, 14): per step, the host seconds spent issuing the pipeline's
+transfers (`LayerPipeline.to_device`), dispatching the layer programs (`pipeline.layer_step`) and waiting for the
+device (`jax.block_until_ready`), for any layered policy, shape and tensor-parallel size. Where a step is
+host-bound (kvpr on 4 GPUs, clo at b1), these say which part to cut; the step time alone cannot.
+
+    PYTHONPATH=src python scripts/host_time.py --policy kvpr --tp 4 --option split_point=512 --out $OUT/host.json
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" PYTHONPATH=src python scripts/host_time.py --policy kvpr --tp 4
+
+Random weights in the named shape (`offload.bench.make_model`; timing only), a random prompt of --prompt
+tokens for --batch requests, --warmup steps, then --steps timed steps each ending when its tokens are on the
+host. One JSON line per run on stdout ("HOST_TIME {...}") and, with --out, the same record in a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+
+def main(argv=None) -> dict:
+    from kvoffload.offload.bench import parse_options
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", default="kvpr")
+    ap.add_argument("--shape", default="opt-6.7b", help="a named shape (plan.profiler.model_shape) or config.json")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--offload-weights", action="store_true")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvoffload.offload import pipeline as PL
+    from kvoffload.offload.bench import _greedy, make_model
+    from kvoffload.policies import make_policy
+
+    spent: dict = {}
+
+    def timed(name, fn):
+        def wrapped(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+                spent["calls " + name] = spent.get("calls " + name, 0) + 1
+        return wrapped
+
+    patched = [(PL.LayerPipeline, "to_device"), (PL, "layer_step"), (jax, "block_until_ready")]
+    saved = [getattr(obj, name) for obj, name in patched]
+    for (obj, name), fn in zip(patched, saved):
+        setattr(obj, name, timed({"to_device": "issue transfers", "layer_step": "dispatch layer programs",
+                                  "block_until_ready": "wait"}[name], fn))
+    try:
+        options = parse_options(args.option)
+        if args.offload_weights:
+            options["offload_weights"] = True
+        model = make_model(args.shape, jnp.dtype(args.dtype), bool(options.get("offload_weights")))
+        tokens = jnp.asarray(np.random.default_rng(0).integers(4, model.config.vocab_size - 1,
+                                                                (args.batch, args.prompt)), jnp.int32)
+        lengths = jnp.full((args.batch,), args.prompt, jnp.int32)
+        pol = make_policy(args.policy, tensor_parallel=args.tp, **options)
+        logits, state = pol.prefill(model, tokens, lengths, args.prompt + args.warmup + args.steps + 1)
+        nxt = _greedy(logits)
+        np.asarray(nxt)
+        for _ in range(args.warmup):
+            logits, state = pol.decode_step(model, state, nxt)
+            nxt = _greedy(logits)
+            np.asarray(nxt)
+        spent.clear()
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            logits, state = pol.decode_step(model, state, nxt)
+            nxt = _greedy(logits)
+            np.asarray(nxt)
+            times.append(time.perf_counter() - t)
+    finally:
+        for (obj, name), fn in zip(patched, saved):
+            setattr(obj, name, fn)
+    per_step = {k: (v / args.steps * 1e3 if not k.startswith("calls ") else v / args.steps) for k, v in spent.items()}
+    last = state.records[-1] if getattr(state, "records", None) else {}
+    rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, policy=args.policy, shape=args.shape,
+               batch=args.batch, prompt=args.prompt, tp=args.tp, options=options,
+               xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               step_ms=1e3 * float(np.median(times)), host_ms_per_step={k: v for k, v in per_step.items()
+                                                                          if not k.startswith("calls ")},
+               calls_per_step={k[6:]: v for k, v in per_step.items() if k.startswith("calls ")},
+               recompute_extents=last.get("recompute_extents"), used_extents=last.get("used_extents"))
+    print("HOST_TIME", json.dumps(rec), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=1)
+    return rec
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""scripts/host_time.py (slow: the whole decode path on a tiny shape, ~10-20 s of compilation) and
+scripts/probe_launch_cost.py on the CPU: the records they write."""
+
+import json
+
+import pytest
+
+from script_loader import script_module
+
+
+@pytest.mark.slow
+def test_host_time_splits_a_step_and_restores_what_it_timed(tmp_path):
+    """offload on the tiny OPT shape: per step one layer program per layer, transfers issued for each (a host
+    pool), host milliseconds per part below the step's; the timed functions are the originals afterwards."""
+    import jax
+
+    from kvoffload.offload import pipeline as PL
+
+    before = (PL.layer_step, PL.LayerPipeline.to_device, jax.block_until_ready)
+    with script_module("host_time") as ht:
+        rec = ht.main(["--shape", "tiny-opt", "--batch", "3", "--prompt", "40", "--policy", "offload", "--option",
+                       "block_tokens=8", "--warmup", "1", "--steps", "2", "--out", str(tmp_path / "h.json")])
+    assert (PL.layer_step, PL.LayerPipeline.to_device, jax.block_until_ready) == before
+    assert rec["calls_per_step"]["dispatch layer programs"] == 2  # tiny-opt: 2 layers, one GPU batch
+    assert rec["calls_per_step"]["issue transfers"] >= 2
+    parts = rec["host_ms_per_step"]
+    assert 0 < parts["dispatch layer programs"] < rec["step_ms"] and 0 < parts["issue transfers"] < rec["step_ms"]
+    assert rec["options"] == {"block_tokens": 8} and rec["used_extents"] >= 1
+    assert json.loads((tmp_path / "h.json").read_text())["step_ms"] == rec["step_ms"]
+
+
+def test_probe_launch_cost_reports_per_call_kernel_and_argument_costs(tmp_path):
+    with script_module("probe_launch_cost") as pc:
+        rec = pc.main(["--kernels", "4", "--calls", "3", "--out", str(tmp_path / "p.json")])
+    chain = rec["kernel_chain"]
+    assert set(chain) == {"same buffers", "weights cycling", "weights cycling, output chained"}
+    for r in chain.values():
+        assert r["us_per_call"] > 0 and abs(r["us_per_kernel"] * 4 - r["us_per_call"]) < 1e-6
+    assert list(rec["arguments_us_per_call"]["1 devices"]) == [1, 16, 64]
+    assert json.loads((tmp_path / "p.json").read_text())["kernels"] == 4
