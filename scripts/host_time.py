@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv=None) -> dict:
-    from kvoffload.offload.bench import parse_options
+    from kvoffload.offload.bench import parse_options, write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", default="kvpr")
@@ -102,9 +102,7 @@ def main(argv=None) -> dict:
                recompute_extents=last.get("recompute_extents"), used_extents=last.get("used_extents"))
     print("HOST_TIME", json.dumps(rec), flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
+        write_json(args.out, rec)
     return rec
 
 

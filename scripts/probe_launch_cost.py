@@ -14,9 +14,11 @@ each argument sharded over them. Reported as microseconds per call (and per kern
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 
 def per_call(fn, calls: int) -> float:
@@ -89,6 +91,8 @@ def main(argv=None) -> dict:
 
     import jax
 
+    from kvoffload.offload.bench import write_json
+
     many = min(args.devices or 4, len(jax.devices()))
     rec = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "kernels": args.kernels,
@@ -99,9 +103,7 @@ def main(argv=None) -> dict:
     for where, r in rec["arguments_us_per_call"].items():
         print(f"{where}: " + ", ".join(f"{n} args {us:.1f} us" for n, us in r.items()))
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
+        write_json(args.out, rec)
     return rec
 
 

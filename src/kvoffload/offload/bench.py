@@ -131,6 +131,13 @@ def _greedy(logits):
 _GREEDY = None
 
 
+def write_json(path, record) -> None:
+    """A benchmark's record as indented JSON at path (its folder made as needed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
 def parse_options(pairs) -> dict:
     """Command-line KEY=VALUE policy options ({key: value}; VALUE parsed as JSON, else kept a string)."""
     out = {}
