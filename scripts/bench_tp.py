@@ -14,7 +14,9 @@ split over N GPUs, each moving its heads' blocks over its own link. Throughput =
 speedup = throughput(N) / throughput(1). The bandwidth probe moves a pinned_host array sharded over the N
 GPUs (one `size_mb` shard per GPU) to device memory with one eager device_put and reports GB/s per GPU and
 in total, against one GPU alone: when the N links together fall short of N times one link, the host's
-memory bandwidth (or the PCIe switch) caps them and tensor parallelism cannot scale past that.
+memory bandwidth (or the PCIe switch) caps them and tensor parallelism cannot scale past that. Each row says
+so (`link_terms`): its transfer floor (its step's host->GPU bytes per GPU at the N-link rate) and the links' cap
+on its speed-up, N x rate(N) / rate(1) (4x H100 hosts: ~2.9x at N=4).
 
 kvpr's scheduler prices one device of the mesh (plan/cost.py: 1/N of X and K/V over its link, 1/N of the
 recompute, and the NVLink exchange recomputing needs: X is split by token, so each device recomputes every
@@ -80,6 +82,21 @@ def bandwidth(n: int, size_mb: float, repeats: int) -> dict:
     del host
     gc.collect()
     return {"gpus": n, "shard_mb": size_mb, "seconds": t, "per_gpu_gb_s": per, "total_gb_s": per * n}
+
+
+def link_terms(row: dict, bandwidths) -> dict:
+    """What this host's links allow a row on N GPUs (bandwidths: the `bandwidth` probes): the step's transfer floor
+    (the host->GPU bytes its last step moved, per GPU, at the probe's per-GPU rate with N links busy) and the
+    speed-up over one GPU that a step bound by those bytes can reach, N x rate(N) / rate(1): where the links
+    together fall short of N times one, no policy scales past it on this host."""
+    rate = {b["gpus"]: b["per_gpu_gb_s"] * 1e9 for b in bandwidths}
+    n, out = row["tp"], {}
+    if n in rate and 1 in rate:
+        out["links_cap_vs_1"] = n * rate[n] / rate[1]
+    moved = (row.get("plan") or {}).get("bytes_h2d")
+    if moved and n in rate:
+        out["transfer_floor_s"] = moved / n / rate[n]
+    return out
 
 
 def main(argv=None) -> int:
@@ -221,6 +238,10 @@ def main(argv=None) -> int:
         line += f": {row['step_s'] * 1e3:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s"
         if base and "split_point" not in row:
             line += f", {row['speedup_vs_1']:.2f}x vs 1"
+            if row.get("links_cap_vs_1"):
+                line += f" (the host's links cap {row['links_cap_vs_1']:.2f}x)"
+        if row.get("transfer_floor_s"):
+            line += f", transfer floor {row['transfer_floor_s'] * 1e3:.1f} ms"
         if row["policy"] == "kvpr":
             line += (f"; split {row['recompute_extents']}/{row['used_extents']} extents recomputed, predicted "
                      f"{(row['predicted_step_s'] or 0) * 1e3:.1f} ms (exchange {(row['predicted_gather_s'] or 0) * 1e3:.1f} ms,"
@@ -247,6 +268,7 @@ def main(argv=None) -> int:
                 if row is not None:
                     base = row["tokens_per_s"] if n == 1 else base
                     row["speedup_vs_1"] = row["tokens_per_s"] / base if base else None
+                    row.update(link_terms(row, res["bandwidth"]))
                     save()
                 say(row, base)
                 if pol != "kvpr" or not args.sweep_splits or row is None or not row["used_extents"]:
@@ -258,6 +280,8 @@ def main(argv=None) -> int:
                     if k == row["recompute_extents"]:
                         continue
                     forced = run_one(name, wl, model, pol, n, {"split_point": ctx * k // used})
+                    if forced is not None:
+                        forced.update(link_terms(forced, res["bandwidth"]))
                     say(forced, None)
                     if forced is not None:
                         swept.setdefault(forced["recompute_extents"], (forced["step_s"], forced["predicted_step_s"]))
@@ -271,7 +295,8 @@ def main(argv=None) -> int:
         del model
         gc.collect()
     print(json.dumps([{k: r.get(k) for k in ("workload", "policy", "tp", "split_point", "step_s", "tokens_per_s",
-                                             "speedup_vs_1", "recompute_extents", "used_extents", "predicted_step_s", "blocks",
+                                             "speedup_vs_1", "links_cap_vs_1", "transfer_floor_s", "recompute_extents",
+                                             "used_extents", "predicted_step_s", "blocks",
                                              "measured_best_split", "error")} for r in res["runs"]], indent=1))
     return 0
 

@@ -222,6 +222,8 @@ def test_bench_tp_reports_the_split_and_its_prediction(tmp_path):
         assert set(r["sweep"]) == {str(k) for k in range(r["used_extents"] + 1)} and "measured_best_split" in r
     assert res["profiles"][auto[1]["profile"]]["all_gather_devices"] == 2
     assert "chose" in out.stdout and "all-gather" in out.stdout
+    assert all(r["links_cap_vs_1"] > 0 and r["transfer_floor_s"] > 0 for r in auto), auto
+    assert "the host's links cap" in out.stdout and "transfer floor" in out.stdout
 
 
 @pytest.mark.slow  # 40 s: bench_tp.py --processes, 2 processes of one CPU device each (gloo)
@@ -275,3 +277,20 @@ def test_plot_tp_speedups_join_files_and_cap(tmp_path):
         paths[1].write_text(json.dumps(two))
         out = tmp_path / "tp.png"
         assert plot.main([str(p) for p in paths] + ["--out", str(out)]) == 0 and out.stat().st_size > 10_000
+
+
+def test_bench_tp_rows_carry_the_links_cap_and_transfer_floor():
+    """bench_tp.link_terms: a row on N GPUs gets N x rate(N) / rate(1) (the speed-up a step bound by its bytes can
+    reach on this host) and its step's transfer floor (bytes per GPU at the N-link rate); nothing without probes
+    (the --processes children) or without a plan."""
+    from script_loader import script_module
+
+    probes = [{"gpus": 1, "per_gpu_gb_s": 52.3}, {"gpus": 4, "per_gpu_gb_s": 38.2}]
+    with script_module("bench_tp") as bt:
+        four = bt.link_terms({"tp": 4, "plan": {"bytes_h2d": 52.2e9}}, probes)
+        assert four["links_cap_vs_1"] == pytest.approx(4 * 38.2 / 52.3)
+        assert four["transfer_floor_s"] == pytest.approx(52.2e9 / 4 / 38.2e9)
+        assert bt.link_terms({"tp": 1, "plan": {"bytes_h2d": 8.6e9}}, probes) == {
+            "links_cap_vs_1": 1.0, "transfer_floor_s": pytest.approx(8.6e9 / 52.3e9)}
+        assert bt.link_terms({"tp": 2, "plan": {"bytes_h2d": 1e9}}, probes) == {}
+        assert bt.link_terms({"tp": 4}, []) == {}
