@@ -225,6 +225,7 @@ def main(argv=None) -> int:
             mbs = plan["gpu_batches"]
             row["blocks"] = {k: sum(m.get(k, 0) for m in mbs) for k in ("kv_host", "act_host", "act_gpu", "kv_gpu")}
             row["mini_batches"] = len(mbs)
+        row.update(link_terms(row, res["bandwidth"]))
         res["runs"].append(row)
         save()
         return row
@@ -268,7 +269,6 @@ def main(argv=None) -> int:
                 if row is not None:
                     base = row["tokens_per_s"] if n == 1 else base
                     row["speedup_vs_1"] = row["tokens_per_s"] / base if base else None
-                    row.update(link_terms(row, res["bandwidth"]))
                     save()
                 say(row, base)
                 if pol != "kvpr" or not args.sweep_splits or row is None or not row["used_extents"]:
@@ -280,8 +280,6 @@ def main(argv=None) -> int:
                     if k == row["recompute_extents"]:
                         continue
                     forced = run_one(name, wl, model, pol, n, {"split_point": ctx * k // used})
-                    if forced is not None:
-                        forced.update(link_terms(forced, res["bandwidth"]))
                     say(forced, None)
                     if forced is not None:
                         swept.setdefault(forced["recompute_extents"], (forced["step_s"], forced["predicted_step_s"]))

@@ -14,6 +14,7 @@ host. One JSON line per run on stdout ("HOST_TIME {...}") and, with --out, the s
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -47,7 +48,7 @@ def main(argv=None) -> dict:
     from kvoffload.offload.bench import _greedy, make_model
     from kvoffload.policies import make_policy
 
-    spent: dict = {}
+    spent, calls = collections.Counter(), collections.Counter()  # host seconds and calls by part
 
     def timed(name, fn):
         def wrapped(*a, **k):
@@ -55,8 +56,8 @@ def main(argv=None) -> dict:
             try:
                 return fn(*a, **k)
             finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
-                spent["calls " + name] = spent.get("calls " + name, 0) + 1
+                spent[name] += time.perf_counter() - t
+                calls[name] += 1
         return wrapped
 
     patched = [(PL.LayerPipeline, "to_device"), (PL, "layer_step"), (jax, "block_until_ready")]
@@ -81,6 +82,7 @@ def main(argv=None) -> dict:
             nxt = _greedy(logits)
             np.asarray(nxt)
         spent.clear()
+        calls.clear()
         times = []
         for _ in range(args.steps):
             t = time.perf_counter()
@@ -91,14 +93,13 @@ def main(argv=None) -> dict:
     finally:
         for (obj, name), fn in zip(patched, saved):
             setattr(obj, name, fn)
-    per_step = {k: (v / args.steps * 1e3 if not k.startswith("calls ") else v / args.steps) for k, v in spent.items()}
     last = state.records[-1] if getattr(state, "records", None) else {}
     rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, policy=args.policy, shape=args.shape,
                batch=args.batch, prompt=args.prompt, tp=args.tp, options=options,
                xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               step_ms=1e3 * float(np.median(times)), host_ms_per_step={k: v for k, v in per_step.items()
-                                                                          if not k.startswith("calls ")},
-               calls_per_step={k[6:]: v for k, v in per_step.items() if k.startswith("calls ")},
+               step_ms=1e3 * float(np.median(times)),
+               host_ms_per_step={k: 1e3 * v / args.steps for k, v in spent.items()},
+               calls_per_step={k: v / args.steps for k, v in calls.items()},
                recompute_extents=last.get("recompute_extents"), used_extents=last.get("used_extents"))
     print("HOST_TIME", json.dumps(rec), flush=True)
     if args.out:
