@@ -78,6 +78,7 @@ VARIANTS = {
     "tokenselect_split": ("tokenselect", {"kv": "split"}, "tokenselect"),
     "clo_exact": ("clo", {"retrieval": "exact", "topk_of_context": 0.1}, "clo"),
     "clo_hata": ("clo", {"retrieval": "hata", "topk_of_context": 0.1}, "clo"),
+    "clo_quest": ("clo", {"retrieval": "quest", "topk_of_context": 0.1}, "clo"),
     "clo_exact_int4": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "host_dtype": "int4"}, "clo"),  # issue 13
     # issue 11's "naive top-k offload": the same selection, no cache, no speculative prefetch
     "clo_naive": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
@@ -85,7 +86,8 @@ VARIANTS = {
 }
 DEFAULT_POLICIES = ("full", "tokenselect_gpu", "tokenselect_split", "offload", "clo_exact", "clo_hata")
 COST_RANK = {name: i for i, name in enumerate(
-    ("full", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_naive", "offload"))}
+    ("full", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_quest", "clo_naive",
+     "offload"))}
 GB = 1e9
 
 
@@ -388,10 +390,16 @@ def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict
             split = hooks.split
             # vote over every K row when some head misses; the selected K rows, the V rows (kv=split: over PCIe)
             out[case] = (f * kv_pool + (1 if split else 2) * rows, rows if split else 0)
-        else:  # clo: scoring (exact K or HATA codes), the K rows and the V buffer, fetched rows over PCIe
-            hata = hooks.attend.retrieval == "hata"
-            score = pool_tokens * n_kv * (hooks.hata_bits // 8) if hata else kv_pool
-            fetched = m.get("v_rows_fetched_per_call", 0.0) * row * (2 if hata else 1)
+        else:  # clo: scoring (exact K, HATA codes or Quest pages), the K rows and the V buffer, rows over PCIe
+            retrieval = hooks.attend.retrieval
+            if retrieval == "hata":
+                score = pool_tokens * n_kv * (hooks.hata_bits // 8)
+            elif retrieval == "quest":  # a min and a max key per page (int8: a byte a channel, a scale a page)
+                pages = pool_tokens // hooks.attend.page_size * n_kv
+                score = pages * (2 * cfg.head_dim + 4) if hooks.attend.quest_dtype == "int8" else 2 * kv_pool // hooks.attend.page_size
+            else:
+                score = kv_pool
+            fetched = m.get("v_rows_fetched_per_call", 0.0) * row * (1 if retrieval == "exact" else 2)
             out[case] = (f * score + 2 * rows, fetched)
     return out
 
@@ -464,9 +472,9 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         r["scored_fraction_timed_steps"] = (c1["scored"] - c0["scored"]) / (len(times) * cfg.num_layers * len(state.groups))
         row = cfg.head_dim * jnp.dtype(model.params.layers[0].wk.dtype).itemsize
         if policy == "clo":  # clo's counters: rows of the missed heads (and the guesses')
-            hata = pol.pipeline.hooks.attend.retrieval == "hata"
-            r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * row * (2 if hata else 1) / len(times)
-            r["bytes_rows_note"] = "clo's counters: V rows (and K for hata) of missed heads, guesses included"
+            k_too = pol.pipeline.hooks.attend.retrieval != "exact"  # quest / hata keep K on the host as well
+            r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * row * (2 if k_too else 1) / len(times)
+            r["bytes_rows_note"] = "clo's counters: V rows (and K for quest / hata) of missed heads, guesses included"
         elif pol.pipeline.hooks.split:  # tokenselect kv=split gathers every selected V row each step
             K = state.groups[0].slots[0].indices.shape[-1]
             r["bytes_rows_per_step"] = sum(gr.size for gr in state.groups) * cfg.num_kv_heads * K * row * cfg.num_layers

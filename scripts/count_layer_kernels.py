@@ -76,7 +76,7 @@ def count_dump(dump_dir: str, module_re: str = ".*layer.*") -> list[dict]:
     out = []
     for f in sorted(os.listdir(dump_dir)):
         m = _FILE.match(f)
-        if not m or not pat.fullmatch(m.group(2)):
+        if not m or not pat.search(m.group(2)):  # as XLA matches --xla_dump_hlo_module_re
             continue
         with open(os.path.join(dump_dir, f)) as fh:
             out.append({"module": m.group(2), "id": int(m.group(1)), "file": f, **count_module(fh.read())})

@@ -52,6 +52,29 @@ def test_cpu_smoke_runs_every_part_and_writes_results(tmp_path, capsys):
     assert "| policy | ctx |" in table and "REFUSED" in table and "| full | 256 | 1 |" in table
 
 
+@pytest.mark.slow  # ~15 s on 2 cores
+def test_cpu_smoke_quest_reads_pages_and_keeps_keys_on_the_host(tmp_path):
+    out = tmp_path / "sel.json"
+    opts = [o for v in ("clo_exact", "clo_quest") for o in ("--option", f"{v}:layer0_full=false",
+                                                           "--option", f"{v}:speculative_prefetch=false")]
+    with script_module("bench_selection") as bs:
+        assert bs.main(["--cpu-smoke", "--out", str(out), "--policies", "clo_exact,clo_quest",
+                        "--option", "clo_quest:quest_page_tokens=16", *opts]) == 0
+    runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"] if r["context"] == 256}
+    exact, quest = runs["clo_exact"], runs["clo_quest"]
+    for r in (exact, quest):
+        assert "error" not in r and "attention_error" not in r, r.get("error") or r.get("attention_error")
+    # quest scores a min and a max key per 16-token page (1/8 of the keys' bytes), exact every key
+    fl_e, fl_q = exact["attention"]["floors"]["all_miss"], quest["attention"]["floors"]["all_miss"]
+    assert fl_q["hbm_bytes"] < fl_e["hbm_bytes"]
+    # quest's keys live on the host (exact keeps them on the GPU), and a miss brings K rows with the V rows
+    assert "pool K (GPU)" in exact["state_bytes"] and "pool K (GPU)" not in quest["state_bytes"]
+    assert quest["state_bytes"]["gpu_kv_total"] < exact["state_bytes"]["gpu_kv_total"]
+    row = 16 * 4  # the smoke model's head_dim x fp32
+    assert fl_e["pcie_bytes"] == exact["attention"]["all_miss"]["v_rows_fetched_per_call"] * row > 0
+    assert fl_q["pcie_bytes"] == 2 * quest["attention"]["all_miss"]["v_rows_fetched_per_call"] * row > 0
+
+
 @pytest.mark.parametrize("rate, layers, want", [("0.8", 4, 0.8), ("0.5,1", 3, [0.5, 0.75, 1.0]),
                                                 ("0.1,0.2,0.3", 3, [0.1, 0.2, 0.3])])
 def test_hit_rates_per_layer_resampled_over_depth(rate, layers, want):

@@ -473,15 +473,15 @@ def test_gpu_host_values_gather_under_cond():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("retrieval", ["quest", "hata"])
-def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval):
+@pytest.mark.parametrize("retrieval, quest_dtype", [("quest", "keys"), ("quest", "int8"), ("hata", "keys")])
+def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval, quest_dtype):
     """Everything selected: the retrieval ranks but cannot change what is attended. K lives on the host
     (as V), the plan counts no pool bytes on the GPU, the metadata was written at prefill and the flush."""
     from kvoffload.offload import memory as M
 
     arch, model, want = ref
     pol, got, state = _decode(model, "clo", NEW, retrieval=retrieval, topk_ratio=1.0, fixed_threshold=2.0,
-                              layer0_full=False, quest_page_tokens=4)
+                              layer0_full=False, quest_page_tokens=4, quest_dtype=quest_dtype)
     assert (got.argmax(-1) == want.argmax(-1)).all(), (arch, retrieval)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     gr = state.groups[0]
@@ -498,7 +498,8 @@ def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval)
     # the metadata equals the keys' metadata, block by block (prefill's blocks and the flushed ones)
     for layer, s in enumerate(gr.slots):
         for e, ke in enumerate(gr.pool_k[layer]):
-            want_meta = clo_mod.key_metadata(jnp.asarray(np.asarray(ke)), s.hata_w, retrieval, 4)
+            want_meta = clo_mod.key_metadata(jnp.asarray(np.asarray(ke)), s.hata_w, retrieval, 4, quest_dtype)
+            assert len(s.meta[e]) == len(want_meta) == {"quest": 2, "hata": 1}[retrieval] + (quest_dtype == "int8")
             for got_m, want_m in zip(s.meta[e], want_meta):
                 np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
     n_meta = sum(x.size * x.dtype.itemsize for s in gr.slots for x in jax.tree.leaves(s.meta))
@@ -576,9 +577,46 @@ def test_hata_selection_overlaps_exact_topk():
     assert r_short < r_long
 
 
+def test_quest_int8_pages_bound_every_key_and_stay_close():
+    """int8 Quest pages (one scale per page and head, min rounded down, max up): still an upper bound of every
+    key's q.k in the page, within one quantization step per channel of the exact pages' bound, and a
+    quarter of fp32 pages' bytes (half of bf16's) plus one scale per page."""
+    rng = np.random.default_rng(5)
+    B, H, n_kv, d, E, blk, page = 2, 6, 2, 16, 4, 16, 4
+    q = rng.normal(size=(B, H, d)).astype(np.float32)
+    k = rng.normal(size=(E, n_kv, blk, d)).astype(np.float32)
+    k[0, 0, :page] = 0.0  # an all-zero page
+    k[1, 1, page:2 * page, 3] = 40.0  # a page with one outlier channel: a coarse scale for the rest
+    kmin, kmax = clo_mod.key_metadata(jnp.asarray(k), None, "quest", page)
+    qmin, qmax, scale = clo_mod.key_metadata(jnp.asarray(k), None, "quest", page, "int8")
+    assert qmin.dtype == qmax.dtype == jnp.int8 and scale.shape == (E, n_kv, blk // page)
+    lo, hi = clo_mod.quest_pages((qmin, qmax, scale))
+    assert (np.asarray(lo) <= np.asarray(kmin)).all() and (np.asarray(hi) >= np.asarray(kmax)).all()
+    step = np.asarray(scale)[..., None]
+    assert (np.asarray(kmin) - np.asarray(lo) <= step * (1 + 1e-6)).all()
+    assert (np.asarray(hi) - np.asarray(kmax) <= step * (1 + 1e-6)).all()
+    assert (np.asarray(lo)[0, 0, 0] == 0).all() and (np.asarray(hi)[0, 0, 0] == 0).all()
+    pages = k.reshape(E, n_kv, blk // page, page, d)
+    for b in range(B):
+        qb = jnp.broadcast_to(jnp.asarray(q[b]), (E, H, d))
+        got = np.asarray(clo_mod.quest_bounds(qb, qmin, qmax, scale))  # [E, n_kv, P], the scale after the dots
+        np.testing.assert_allclose(got, np.asarray(clo_mod.quest_bounds(qb, lo, hi)), rtol=1e-5, atol=1e-5)
+        exact_bound = np.asarray(clo_mod.quest_bounds(qb, kmin, kmax))
+        qg = q[b].reshape(n_kv, H // n_kv, d)
+        qk = np.einsum("hgd,ehpsd->ehgps", qg, pages).max(-1).max(2)  # [E, n_kv, P]: the best key's q.k
+        assert (got >= qk - 1e-4).all() and (got >= exact_bound - 1e-4).all()
+        slack = np.abs(qg).sum(-1).max(-1)[None, :, None] * np.asarray(scale)  # one step per channel
+        assert (got - exact_bound <= slack + 1e-4).all()
+    assert qmin.nbytes * 4 == kmin.nbytes
+
+
 def test_quest_hata_options():
     with pytest.raises(CloOptionError, match="quest_page_tokens"):
         make_policy("clo", retrieval="quest", quest_page_tokens=5, block_tokens=16)
+    with pytest.raises(CloOptionError, match="quest_dtype must be one of"):
+        make_policy("clo", retrieval="quest", quest_dtype="fp8")
+    with pytest.raises(CloOptionError, match="needs retrieval=quest"):
+        make_policy("clo", retrieval="exact", quest_dtype="int8")
     with pytest.raises(CloOptionError, match="hata_bits"):
         make_policy("clo", retrieval="hata", hata_bits=100)
     model = tiny_random_model("llama", seed=1)

@@ -357,6 +357,8 @@ SELECTION_CASES = [dict(arch=a, policy=p, tp=n, opts=o) for a, kv in (("opt", 4)
     ("clo", dict(retrieval="hata", hata_bits=32, topk=8, replay_hit_rate=0.5, persistent_heads=[(1, 0)], **SEL)),
     ("tokenselect", dict(token_budget=8, cache_threshold=0.0, **SEL)),
 )] + [dict(arch="llama", policy="clo", tp=2, opts=dict(topk=8, fixed_threshold=0.0, speculative_prefetch=True, **SEL)),
+      dict(arch="llama", policy="clo", tp=2, opts=dict(retrieval="quest", quest_dtype="int8", quest_page_tokens=4,
+                                                       topk=8, fixed_threshold=0.0, **SEL)),
       dict(arch="llama", policy="tokenselect", tp=2, opts=dict(token_budget=8, kv="split", store="act",
                                                                cache_threshold=0.0, **SEL))]
 
@@ -409,7 +411,7 @@ def test_selection_kernels_run_per_device_on_a_2_way_mesh():
     check_kernels(res)
 
 
-@pytest.mark.slow  # ~5 min: 14 cases, each generated on one device and on the mesh
+@pytest.mark.slow  # ~5 min: 15 cases, each generated on one device and on the mesh
 def test_clo_and_tokenselect_on_2_and_4_way_meshes():
     for res in run_cases(SELECTION_CASES, timeout=3000):
         check_selection(res)

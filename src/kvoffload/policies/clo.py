@@ -35,8 +35,10 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
 5. Retrieval (``retrieval``): ``exact`` scores the exact keys (above). ``quest`` and ``hata`` score GPU-side
    metadata of the keys instead, and the keys themselves stay on the host with the values:
    * ``quest``: per page of ``quest_page_tokens`` tokens inside a block (default 16), the channel-wise
-     min and max of the keys (``ops.quest_page_minmax``, stored in the model's dtype: a min / max of keys
-     is one of them). Score of a page per KV head: max over the group of Quest's upper bound
+     min and max of the keys (``ops.quest_page_minmax``), stored in the model's dtype (a min / max of keys
+     is one of them), or with ``quest_dtype="int8"`` as int8 with one scale per page and head, min rounded
+     down and max up so the bound stays an upper bound (``quest_int8``: half of bf16's bytes, so page 32 fits
+     the GPU budget page 16 needs in bf16). Score of a page per KV head: max over the group of Quest's upper bound
      sum_c max(q_c min_c, q_c max_c) (``quest_bounds``, as q+ . max + q- . min: two batched matmuls over
      the extents' blocks, each block against its owner's query); whole pages
      are selected (``choose_tokens`` with page_size = quest_page_tokens).
@@ -139,6 +141,7 @@ from kvoffload.policies.tokenselect import (
 )
 
 RETRIEVALS = ("exact", "quest", "hata")
+QUEST_DTYPES = ("keys", "int8")  # the pages' min / max: in the keys' dtype, or int8 with a scale per page
 SCORING = {"exact": "max over the group of q.k", "quest": "max over the group of the page's Quest bound",
            "hata": "max over the group of bits - hamming(code(q), code(k))"}
 AGGREGATIONS = ("harmonic", "min")
@@ -166,7 +169,8 @@ class CloSlots:
     weights: jax.Array  # [n_kv, G] f32: importance of each query head in the GQA aggregation
     persistent: jax.Array  # [n_kv] bool
     # per extent, the pool's retrieval metadata in block-slot order: quest (min, max) [E, n_kv, blk/page, d]
-    # (model dtype), hata (codes [E, n_kv, blk, r/32] uint32,); () for exact
+    # (model dtype) or, quest_dtype int8, (min, max int8, scale [E, n_kv, blk/page] f32), hata (codes [E, n_kv,
+    # blk, r/32] uint32,); () for exact
     meta: tuple = ()
     hata_w: jax.Array | None = None  # [n_kv, d, r] f32: the layer's HATA projections (hata only)
     k_rows: jax.Array | None = None  # [B, n_kv, K, d]: the selected K rows where K is on the host
@@ -234,29 +238,54 @@ def exact_scores(q, keys, tables, space: TokenSpace | None = None, skip=None):
     return space.per_request(jnp.concatenate(out))
 
 
-def quest_bounds(q, kmin, kmax):
+def quest_bounds(q, kmin, kmax, scale=None):
     """[E, n_kv, P] f32: per page, max over each KV head's query heads of Quest's upper bound
     sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min. q [E, H, d]: each block's owner's query;
-    kmin, kmax [E, n_kv, P, d]."""
+    kmin, kmax [E, n_kv, P, d]; int8 pages (``quest_int8``) with their scale [E, n_kv, P], applied to the
+    page's dot products (a scale per page factors out of the sum over channels: no dequantized copy)."""
     E, H, d = q.shape
     n_kv = kmin.shape[1]
     qg = q.astype(jnp.float32).reshape(E, n_kv, H // n_kv, d)
     hp = jax.lax.Precision.HIGHEST
     s = jnp.einsum("ehgd,ehpd->ehgp", jnp.maximum(qg, 0.0), kmax.astype(jnp.float32), precision=hp) + \
         jnp.einsum("ehgd,ehpd->ehgp", jnp.minimum(qg, 0.0), kmin.astype(jnp.float32), precision=hp)
+    if scale is not None:
+        s = s * scale[:, :, None, :]
     return jnp.max(s, axis=2)
+
+
+def quest_int8(kmin, kmax):
+    """One scale per page and head, (qmin, qmax) int8 [..., P, d] and scale f32 [..., P], with
+    qmin * scale <= kmin and qmax * scale >= kmax channel by channel (min rounded down, max up): the bound
+    over the dequantized pages stays an upper bound of every key's q.k, only looser, by at most one step
+    (the page's largest |key| / 126) per channel."""
+    kmin, kmax = kmin.astype(jnp.float32), kmax.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(kmin), -1), jnp.max(jnp.abs(kmax), -1))
+    scale = jnp.where(amax > 0, amax / 126.0, 1.0)  # 126: |k| / scale stays inside int8 through rounding
+    qmin = jnp.clip(jnp.floor(kmin / scale[..., None]), -127, 127).astype(jnp.int8)
+    qmax = jnp.clip(jnp.ceil(kmax / scale[..., None]), -127, 127).astype(jnp.int8)
+    return qmin, qmax, scale
+
+
+def quest_pages(meta):
+    """(kmin, kmax) of one extent's Quest metadata, either form (keys' dtype, or int8 with its scales): what
+    the int8 pages stand for (``quest_bounds`` scores them without this copy)."""
+    if len(meta) == 3:
+        qmin, qmax, scale = meta
+        return qmin.astype(jnp.float32) * scale[..., None], qmax.astype(jnp.float32) * scale[..., None]
+    return meta
 
 
 def quest_token_scores(q, meta, tables, blk, space: TokenSpace | None = None):
     """[B, n_kv, T] f32 over the token space (default the pool's): each token its page's bound
     (``quest_bounds``, each block against its owner's query); -inf where the request owns no token.
-    meta: per extent (kmin, kmax) [E, n_kv, P, d]."""
+    meta: per extent (kmin, kmax) [E, n_kv, P, d] or their int8 form (``quest_int8``)."""
     space = token_space(tables, blk) if space is None else space
     qb = space.owner_rows(q)
     out, start = [], 0
-    for kmin, kmax in meta:
-        E, P = kmin.shape[0], kmin.shape[2]
-        out.append(jnp.repeat(quest_bounds(qb[start:start + E], kmin, kmax), blk // P, axis=-1))  # [E, n_kv, blk]
+    for m in meta:  # (kmin, kmax) or (qmin, qmax, scale)
+        E, P = m[0].shape[0], m[0].shape[2]
+        out.append(jnp.repeat(quest_bounds(qb[start:start + E], *m), blk // P, axis=-1))  # [E, n_kv, blk]
         start += E
     return space.per_request(jnp.concatenate(out))
 
@@ -282,12 +311,15 @@ def hata_token_scores(q, meta, w, tables, space: TokenSpace | None = None):
     return space.per_request(jnp.concatenate(out))
 
 
-@functools.partial(jax.jit, static_argnames=("retrieval", "page"))
-def key_metadata(k_blocks, w, retrieval, page):
+@functools.partial(jax.jit, static_argnames=("retrieval", "page", "quest_dtype"))
+def key_metadata(k_blocks, w, retrieval, page, quest_dtype="keys"):
     """The retrieval metadata of K blocks [n, n_kv, blk, d] (device memory): quest (min, max)
-    [n, n_kv, blk/page, d] in the keys' dtype, hata (codes [n, n_kv, blk, r/32],)."""
+    [n, n_kv, blk/page, d] in the keys' dtype or (quest_dtype int8) ``quest_int8``'s (min, max, scale),
+    hata (codes [n, n_kv, blk, r/32],)."""
     if retrieval == "quest":
         kmin, kmax = ops.quest_page_minmax(k_blocks, page)
+        if quest_dtype == "int8":
+            return quest_int8(kmin, kmax)
         return kmin.astype(k_blocks.dtype), kmax.astype(k_blocks.dtype)
     from kvoffload.importance.hata import encode_keys
 
@@ -377,6 +409,7 @@ class CloAttend:
     gqa_aggregation: str
     page_size: int = 1  # tokens selected together: 1, quest's page (static_budget of the shared hooks reads it)
     retrieval: str = "exact"
+    quest_dtype: str = "keys"  # quest's page metadata: the keys' dtype or int8 (`quest_int8`)
     speculative: bool = False  # the slots track the rows their buffers hold (CloSlots.held); see `speculate_layer`
     conditionals: bool = True  # skip a layer's selection and gathers under a lax.cond when all hit (`unless_all`)
     topk_method: str = "auto"  # `ops.select_topk`'s method
@@ -644,7 +677,7 @@ class CloHooks(TokenSelectHooks):
         r = self.attend.retrieval
         if r == "exact" or slot.dense:
             return slot
-        new = key_metadata(k_blocks, slot.hata_w, r, self.attend.page_size)
+        new = key_metadata(k_blocks, slot.hata_w, r, self.attend.page_size, self.attend.quest_dtype)
         if pipe.mesh is not None:  # the blocks' metadata split by head like the extent's (write_blocks keeps it)
             new = jax.device_put(new, jax.tree.map(lambda old: old.sharding, slot.meta[extent]))
         written = tuple(write_blocks(old, part, at) for old, part in zip(slot.meta[extent], new))
@@ -726,6 +759,9 @@ class CloHooks(TokenSelectHooks):
         retrieval, page, blk = self.attend.retrieval, self.attend.page_size, layout.block_tokens
 
         def meta_zeros(E):
+            if retrieval == "quest" and self.attend.quest_dtype == "int8":
+                return (*(jnp.zeros((E, n_kv, blk // page, d), jnp.int8) for _ in "mM"),
+                        jnp.zeros((E, n_kv, blk // page), jnp.float32))
             if retrieval == "quest":
                 return tuple(jnp.zeros((E, n_kv, blk // page, d), dtype) for _ in "mM")  # two buffers (donated)
             if retrieval == "hata":
@@ -766,7 +802,7 @@ class CloPolicy(LayeredPolicy):
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
     host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
     int4_k_quant_default = "token"  # rows are gathered one by one (`LayeredPolicy.int4_k_quant_default`)
-    extra_options = ("retrieval", "quest_page_tokens", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
+    extra_options = ("retrieval", "quest_page_tokens", "quest_dtype", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
                      "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch",
                      "store", "replay_hit_rate", "conditionals", "topk_method")
 
@@ -775,7 +811,7 @@ class CloPolicy(LayeredPolicy):
             raise CloOptionError("policy 'clo' keeps the weights on the device; offload_weights is not supported")
         super().__init__(**options)
 
-    def make_hooks(self, retrieval="exact", quest_page_tokens=16, hata_bits=None, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
+    def make_hooks(self, retrieval="exact", quest_page_tokens=16, quest_dtype="keys", hata_bits=None, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="auto",
                    layer0_full=True, speculative_prefetch=False, store="kv", replay_hit_rate=None, conditionals=None,
                    topk_method="auto"):
@@ -785,6 +821,11 @@ class CloPolicy(LayeredPolicy):
         page = int(quest_page_tokens) if retrieval == "quest" else 1
         if page < 1 or blk % page:
             raise CloOptionError(f"quest_page_tokens must divide block_tokens ({blk}), got {quest_page_tokens}")
+        if quest_dtype not in QUEST_DTYPES:
+            raise CloOptionError(f"quest_dtype must be one of {QUEST_DTYPES}, got {quest_dtype!r}")
+        if quest_dtype != "keys" and retrieval != "quest":
+            raise CloOptionError(f"quest_dtype={quest_dtype} sets Quest's page metadata: it needs retrieval=quest, "
+                                 f"got retrieval={retrieval}")
         hata_bits = None if hata_bits is None else int(hata_bits)  # None: the weights' width, else 128
         if hata_bits is not None and (hata_bits < 32 or hata_bits % 32):
             raise CloOptionError(f"hata_bits must be a positive multiple of 32 (packed uint32 words), got {hata_bits}")
@@ -809,7 +850,8 @@ class CloPolicy(LayeredPolicy):
         check_topk_method(topk_method, CloOptionError)
         attend = CloAttend(token_budget=topk, token_ratio=topk_ratio,
                            num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation,
-                           page_size=page, retrieval=retrieval, speculative=bool(speculative_prefetch),
+                           page_size=page, retrieval=retrieval, quest_dtype=quest_dtype,
+                           speculative=bool(speculative_prefetch),
                            conditionals=conditionals, topk_method=topk_method)
         return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),
                         fixed_threshold=None if fixed_threshold is None else float(fixed_threshold),
@@ -827,7 +869,7 @@ class CloPolicy(LayeredPolicy):
              "kv": "split: K on the GPU, V on the host" if a.retrieval == "exact" else
                    "host: K and V on the host, retrieval metadata on the GPU", **h.replay_description()}
         if a.retrieval == "quest":
-            c["quest_page_tokens"] = a.page_size
+            c.update(quest_page_tokens=a.page_size, quest_dtype=a.quest_dtype)
         if a.retrieval == "hata":
             c.update(hata_bits=h.hata_bits, hata_weights=h.chosen.get("hata_source"))
         if h.chosen:
