@@ -396,7 +396,8 @@ def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict
                 score = pool_tokens * n_kv * (hooks.hata_bits // 8)
             elif retrieval == "quest":  # a min and a max key per page (int8: a byte a channel, a scale a page)
                 pages = pool_tokens // hooks.attend.page_size * n_kv
-                score = pages * (2 * cfg.head_dim + 4) if hooks.attend.quest_dtype == "int8" else 2 * kv_pool // hooks.attend.page_size
+                int8 = hooks.attend.quest_dtype == "int8"
+                score = pages * (2 * cfg.head_dim + 4) if int8 else 2 * kv_pool // hooks.attend.page_size
             else:
                 score = kv_pool
             fetched = m.get("v_rows_fetched_per_call", 0.0) * row * (1 if retrieval == "exact" else 2)

@@ -37,8 +37,8 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    * ``quest``: per page of ``quest_page_tokens`` tokens inside a block (default 16), the channel-wise
      min and max of the keys (``ops.quest_page_minmax``), stored in the model's dtype (a min / max of keys
      is one of them), or with ``quest_dtype="int8"`` as int8 with one scale per page and head, min rounded
-     down and max up so the bound stays an upper bound (``quest_int8``: half of bf16's bytes, so page 32 fits
-     the GPU budget page 16 needs in bf16). Score of a page per KV head: max over the group of Quest's upper bound
+     down and max up so the bound stays an upper bound (``quest_int8``: about half of bf16's bytes, so 32-token
+     pages cost the GPU memory of 64-token ones in bf16). Score of a page per KV head: max over the group of Quest's upper bound
      sum_c max(q_c min_c, q_c max_c) (``quest_bounds``, as q+ . max + q- . min: two batched matmuls over
      the extents' blocks, each block against its owner's query); whole pages
      are selected (``choose_tokens`` with page_size = quest_page_tokens).
@@ -258,7 +258,7 @@ def quest_int8(kmin, kmax):
     """One scale per page and head, (qmin, qmax) int8 [..., P, d] and scale f32 [..., P], with
     qmin * scale <= kmin and qmax * scale >= kmax channel by channel (min rounded down, max up): the bound
     over the dequantized pages stays an upper bound of every key's q.k, only looser, by at most one step
-    (the page's largest |key| / 126) per channel."""
+    (the page's largest |key| / 126) per channel. Pages are finite: metadata is taken of whole blocks."""
     kmin, kmax = kmin.astype(jnp.float32), kmax.astype(jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(kmin), -1), jnp.max(jnp.abs(kmax), -1))
     scale = jnp.where(amax > 0, amax / 126.0, 1.0)  # 126: |k| / scale stays inside int8 through rounding
