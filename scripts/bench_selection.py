@@ -400,7 +400,8 @@ def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict
                 score = pages * (2 * cfg.head_dim + 4) if int8 else 2 * kv_pool // hooks.attend.page_size
             else:
                 score = kv_pool
-            fetched = m.get("v_rows_fetched_per_call", 0.0) * row * (1 if retrieval == "exact" else 2)
+            k_too = not hooks.keys_on_device(pol.pipeline)  # quest / hata gather K rows from the host too
+            fetched = m.get("v_rows_fetched_per_call", 0.0) * row * (2 if k_too else 1)
             out[case] = (f * score + 2 * rows, fetched)
     return out
 
@@ -473,7 +474,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         r["scored_fraction_timed_steps"] = (c1["scored"] - c0["scored"]) / (len(times) * cfg.num_layers * len(state.groups))
         row = cfg.head_dim * jnp.dtype(model.params.layers[0].wk.dtype).itemsize
         if policy == "clo":  # clo's counters: rows of the missed heads (and the guesses')
-            k_too = pol.pipeline.hooks.attend.retrieval != "exact"  # quest / hata keep K on the host as well
+            k_too = not pol.pipeline.hooks.keys_on_device(pol.pipeline)  # quest / hata: K on the host too
             r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * row * (2 if k_too else 1) / len(times)
             r["bytes_rows_note"] = "clo's counters: V rows (and K for quest / hata) of missed heads, guesses included"
         elif pol.pipeline.hooks.split:  # tokenselect kv=split gathers every selected V row each step

@@ -267,15 +267,6 @@ def quest_int8(kmin, kmax):
     return qmin, qmax, scale
 
 
-def quest_pages(meta):
-    """(kmin, kmax) of one extent's Quest metadata, either form (keys' dtype, or int8 with its scales): what
-    the int8 pages stand for (``quest_bounds`` scores them without this copy)."""
-    if len(meta) == 3:
-        qmin, qmax, scale = meta
-        return qmin.astype(jnp.float32) * scale[..., None], qmax.astype(jnp.float32) * scale[..., None]
-    return meta
-
-
 def quest_token_scores(q, meta, tables, blk, space: TokenSpace | None = None):
     """[B, n_kv, T] f32 over the token space (default the pool's): each token its page's bound
     (``quest_bounds``, each block against its owner's query); -inf where the request owns no token.
@@ -759,11 +750,10 @@ class CloHooks(TokenSelectHooks):
         retrieval, page, blk = self.attend.retrieval, self.attend.page_size, layout.block_tokens
 
         def meta_zeros(E):
-            if retrieval == "quest" and self.attend.quest_dtype == "int8":
-                return (*(jnp.zeros((E, n_kv, blk // page, d), jnp.int8) for _ in "mM"),
-                        jnp.zeros((E, n_kv, blk // page), jnp.float32))
-            if retrieval == "quest":
-                return tuple(jnp.zeros((E, n_kv, blk // page, d), dtype) for _ in "mM")  # two buffers (donated)
+            if retrieval == "quest":  # two buffers (donated), and int8 pages' scales
+                int8 = self.attend.quest_dtype == "int8"
+                pages = tuple(jnp.zeros((E, n_kv, blk // page, d), jnp.int8 if int8 else dtype) for _ in "mM")
+                return pages + ((jnp.zeros((E, n_kv, blk // page), jnp.float32),) if int8 else ())
             if retrieval == "hata":
                 return (jnp.zeros((E, n_kv, blk, w.shape[-1] // 32), jnp.uint32),)
             return ()
