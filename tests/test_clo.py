@@ -607,6 +607,12 @@ def test_quest_int8_pages_bound_every_key_and_stay_close():
         assert (got >= qk - 1e-4).all() and (got >= exact_bound - 1e-4).all()
         slack = np.abs(qg).sum(-1).max(-1)[None, :, None] * np.asarray(scale)  # one step per channel
         assert (got - exact_bound <= slack + 1e-4).all()
+        # a bf16 model scores in bf16 with f32 sums: the f32 bound of its bf16 query, to the sums' rounding
+        q16 = qb.astype(jnp.bfloat16)
+        got16 = np.asarray(clo_mod.quest_bounds(q16, qmin, qmax, scale))
+        assert got16.dtype == np.float32
+        np.testing.assert_allclose(got16, np.asarray(clo_mod.quest_bounds(q16.astype(jnp.float32), qmin, qmax, scale)),
+                                   rtol=1e-5, atol=1e-4)
     assert qmin.nbytes * 4 == kmin.nbytes
 
 

@@ -56,10 +56,11 @@ def check_equal(res):
 def default_runs():
     """The default suite's mesh cases in one subprocess (one start of Python and JAX, the tiny models' set-up
     shared): the policy runs of test_mesh_runs_equal_one_device_and_bad_splits_are_refused, then the kernel
-    case of test_selection_kernels_run_per_device."""
+    case of test_selection_kernels_run_per_device and the extents of test_default_extents_are_64_mib_per_device."""
     res = run_cases([KVPR_STREAMED, dict(arch="llama", policy="offload", tp=3), HYBRID_4_WAY,
-                     dict(arch="opt", policy="kvpr", tp=2, opts=dict(block_tokens=1)), dict(kernels=True, tp=4)])
-    assert len(res) == 5, res
+                     dict(arch="opt", policy="kvpr", tp=2, opts=dict(block_tokens=1)), dict(kernels=True, tp=4),
+                     dict(extents=True, policy="offload")])
+    assert len(res) == 6, res
     return res[:4], res[4:]
 
 
@@ -399,9 +400,21 @@ def test_selection_kernels_run_per_device(default_runs):
     extents, sparse attention, exact scores with per-head lengths, the top-k) under a 4-way mesh, each device on its heads
     (interpret mode), equal their references and come back split by head (X rows along H). (A 2-way mesh, each
     device on two KV heads: the slow test below.)"""
-    _, (res,) = default_runs
+    _, (res, _) = default_runs
     assert res["case"]["tp"] == 4
     check_kernels(res)
+
+
+def test_default_extents_are_64_mib_per_device(default_runs):
+    """By default an extent holds 64 MiB of K per device of the mesh (each device's copies the size of one
+    GPU's: fewer of them for the host to issue), so a 4-way mesh plans 256 MiB extents; a given extent_mb
+    is kept on any mesh (a mesh's pool planned like one device's)."""
+    _, (_, res) = default_runs
+    ext = res["extents"]
+    assert [ext[f"default_{n}"] for n in (1, 2, 4)] == [64.0, 128.0, 256.0], ext
+    assert [ext[f"given_{n}"] for n in (1, 2, 4)] == [8.0, 8.0, 8.0], ext
+    blocks = ext["plan_blocks"]
+    assert blocks["64"] < blocks["256"] and ext["extent_blocks_4"] == blocks["256"], ext
 
 
 @pytest.mark.slow  # 4 s: the kernels compiled again for the 2-way mesh's shards

@@ -239,6 +239,31 @@ def transfer_case(case):
     return dict(case=case, transfer=out)
 
 
+def extents_case(case):
+    """The pool's default extent size on meshes of 1, 2 and 4 devices (64 MiB of K per device), an explicit
+    extent_mb kept as given, and the layout a 4-way default plans (Llama-3-8B shapes, 4 x 32K prompts: 256 MiB of K a layer)."""
+    import types
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvoffload.plan.memory import plan_pool
+    from kvoffload.plan.profiler import model_shape
+    from kvoffload.policies import make_policy
+
+    out = {}
+    for n in (1, 2, 4):
+        out[f"default_{n}"] = make_policy(case["policy"], tensor_parallel=n).pipeline.extent_mb
+        out[f"given_{n}"] = make_policy(case["policy"], tensor_parallel=n, extent_mb=8).pipeline.extent_mb
+    cfg, lens = model_shape("llama-3-8b"), np.full(4, 32768)
+    pipe = make_policy(case["policy"], tensor_parallel=4).pipeline
+    (lay,) = pipe.hooks.pool_layouts(pipe, types.SimpleNamespace(config=cfg), jnp.bfloat16, [(0, 4)], lens, 32768 + 64)
+    out["extent_blocks_4"] = lay.extent_blocks
+    out["plan_blocks"] = {mb: plan_pool(cfg, jnp.bfloat16, [lens], 32768 + 64, extent_mb=mb).layouts[0].extent_blocks
+                          for mb in (64, 256)}
+    return dict(case=case, extents=out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", help="JSON list of {arch, policy, tp, opts}")
@@ -255,7 +280,7 @@ def main():
     refs = {}
     for case in json.loads(args.cases):
         res = (kernel_case(case) if case.get("kernels") else transfer_case(case) if case.get("transfer")
-               else run_case(case, refs))
+               else extents_case(case) if case.get("extents") else run_case(case, refs))
         # device values in a step record (clo's speculative guess rates) as numbers
         print("CASE " + json.dumps(res, default=lambda a: __import__("numpy").asarray(a).tolist()), flush=True)
 

@@ -590,7 +590,7 @@ class LayerHooks:
         # same blocks as on one device (same split units, same programs over the same blocks), each device
         # moving its heads' share of every extent
         plan = plan_pool(model.config, dtype, [lengths[a:z] for a, z in rows], capacity,
-                         block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb,
+                         block_tokens=pipe.opts.block_tokens, extent_mb=pipe.extent_mb,
                          host_dtype="int4" if pipe.int4 else "native")
         return [self.split_store(pipe, model, lay, lengths[a:z]) for lay, (a, z) in zip(plan.layouts, rows)]
 
@@ -606,6 +606,9 @@ class LayerHooks:
 # ---------------------------------------------------------------------------------------------
 
 
+EXTENT_MB_PER_DEVICE = 64.0  # the default extent: MiB of K per device of the mesh (PipelineOptions.extent_mb)
+
+
 @dataclasses.dataclass
 class PipelineOptions:
     schedule: str = "row"
@@ -614,7 +617,12 @@ class PipelineOptions:
     resident_layers: int = 0
     gpu_batches: int = 1
     block_tokens: int = 64
-    extent_mb: float = 64.0  # about this many MiB of K (or V) per extent, in the model's dtype (plan_pool)
+    # about this many MiB of K (or V) per extent, in the model's dtype (plan_pool). None: EXTENT_MB_PER_DEVICE
+    # on each device of the mesh (64 on one, 256 on four): each device then moves copies of one GPU's size.
+    # With 64 on four H100s kvpr's X moved as 16 copies of 4 MiB a layer and its host spent ~15 ms a step
+    # issuing them; 256 made it 4 copies: 65.5 / 85.5 ms a step against 96.3 (OPT-6.7B b64 P512, fifteenth
+    # session). Give a number to plan a mesh's pool like one device's (same blocks, same bits).
+    extent_mb: float | None = None
     sync_depth: int = 3
     attention_impl: str = "auto"
     # prefill runs a GPU batch in row chunks whose attention / MLP workspace stays under this
@@ -677,7 +685,7 @@ class PipelineOptions:
             raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
         self.block_tokens = int(self.block_tokens)
         self.sync_depth = int(self.sync_depth)
-        self.extent_mb = float(self.extent_mb)
+        self.extent_mb = None if self.extent_mb is None else float(self.extent_mb)
         if isinstance(self.layers_per_program, bool) or int(self.layers_per_program) != self.layers_per_program \
                 or self.layers_per_program < 1:
             raise ValueError(f"layers_per_program must be an integer >= 1, got {self.layers_per_program!r}")
@@ -686,7 +694,7 @@ class PipelineOptions:
             raise ValueError(f"gpu_batches must be >= 1, got {self.gpu_batches}")
         if self.block_tokens < 1 or self.block_tokens & (self.block_tokens - 1):
             raise ValueError(f"block_tokens must be a power of two, got {self.block_tokens}")
-        if self.extent_mb <= 0:
+        if self.extent_mb is not None and self.extent_mb <= 0:
             raise ValueError(f"extent_mb must be > 0, got {self.extent_mb}")
         if self.prefill_attention_impl not in ops.PREFILL_IMPLS:
             raise ValueError(f"prefill_attention_impl must be one of {ops.PREFILL_IMPLS}, "
@@ -717,6 +725,8 @@ class LayerPipeline:
         # placed on (self.rep: replicated there) and a device of it that this process drives
         self.mesh = S.resolve_mesh(opts.tensor_parallel, opts.mesh)
         self.tp = S.size(self.mesh)
+        # MiB of K per extent (`PipelineOptions.extent_mb`; by default EXTENT_MB_PER_DEVICE per device)
+        self.extent_mb = EXTENT_MB_PER_DEVICE * self.tp if opts.extent_mb is None else opts.extent_mb
         self.dev = M.default_device() if self.mesh is None else S.local_device(self.mesh)
         self.rep = self.dev if self.mesh is None else S.replicated(self.mesh)
         self.tables_at = None if self.mesh is None else self.rep  # block tables: uncommitted on one device

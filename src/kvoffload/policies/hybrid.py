@@ -140,7 +140,7 @@ class HybridHooks(LayerHooks):
 
     def _layouts(self, pipe, model, dtype, classes, rows, lengths, capacity):
         return hybrid_layouts(model.config, dtype, [lengths[a:z] for a, z in rows], capacity, classes,
-                              block_tokens=pipe.opts.block_tokens, extent_mb=pipe.opts.extent_mb)
+                              block_tokens=pipe.opts.block_tokens, extent_mb=pipe.extent_mb)
 
     def _plan(self, pipe, model, dtype, lengths, capacity, t_pad=None) -> HybridPlan:
         cfg, o = model.config, pipe.opts
