@@ -60,11 +60,11 @@ def main(argv=None) -> dict:
                 calls[name] += 1
         return wrapped
 
-    patched = [(PL.LayerPipeline, "to_device"), (PL, "layer_step"), (jax, "block_until_ready")]
+    patched = [(PL.LayerPipeline, "to_device"), (PL, "layer_step"), (PL, "layers_step"), (jax, "block_until_ready")]
     saved = [getattr(obj, name) for obj, name in patched]
     for (obj, name), fn in zip(patched, saved):
         setattr(obj, name, timed({"to_device": "issue transfers", "layer_step": "dispatch layer programs",
-                                  "block_until_ready": "wait"}[name], fn))
+                                  "layers_step": "dispatch layer programs", "block_until_ready": "wait"}[name], fn))
     try:
         options = parse_options(args.option)
         if args.offload_weights:
