@@ -586,9 +586,9 @@ class LayerHooks:
         """Each GPU batch's pool layout (default: `plan_pool`'s extents, then `split_store`)."""
         from kvoffload.plan.memory import plan_pool
 
-        # the whole model's config, not one device's: under tensor parallelism the extents then hold the
-        # same blocks as on one device (same split units, same programs over the same blocks), each device
-        # moving its heads' share of every extent
+        # the whole model's config, not one device's: each device moves its heads' share of every extent; with
+        # a given extent_mb the extents hold the same blocks as on one device (same split units, same programs
+        # over the same blocks), by default they are N times one device's (`PipelineOptions.extent_mb`)
         plan = plan_pool(model.config, dtype, [lengths[a:z] for a, z in rows], capacity,
                          block_tokens=pipe.opts.block_tokens, extent_mb=pipe.extent_mb,
                          host_dtype="int4" if pipe.int4 else "native")

@@ -243,11 +243,11 @@ def quest_bounds(q, kmin, kmax, scale=None):
     sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min. q [E, H, d]: each block's owner's query;
     kmin, kmax [E, n_kv, P, d]; int8 pages (``quest_int8``) with their scale [E, n_kv, P], applied to the
     page's dot products (a scale per page factors out of the sum over channels: no dequantized copy).
-    Operands in q's dtype, sums in f32: a bf16 model's bounds are bf16 products (int8 pages are exact in bf16),
-    half the f32 form's time on an H100; an f32 model's are f32 at full precision."""
+    Operands in q's dtype (the model's), sums in f32: a bf16 model's bounds are bf16 products (int8 pages are
+    exact in bf16), half the f32 form's time on an H100; an f32 model's are f32 at full precision."""
     E, H, d = q.shape
     n_kv = kmin.shape[1]
-    dt = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
+    dt = q.dtype
     qg = q.reshape(E, n_kv, H // n_kv, d).astype(dt)
     kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     s = jnp.einsum("ehgd,ehpd->ehgp", jnp.maximum(qg, 0), kmax.astype(dt), **kw) + \
