@@ -1374,7 +1374,7 @@ class LayerPipeline:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"policy": self.hooks.name, "options": {**dataclasses.asdict(dataclasses.replace(self.opts, mesh=None)),
-                                                              "mesh": str(self.opts.mesh)},
+                                                              "mesh": str(self.opts.mesh), "extent_mb": self.extent_mb},
                        "cost_model": self.cost.to_json(), "steps": list(records)}, f, indent=1, default=str)
 
 

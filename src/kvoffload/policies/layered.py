@@ -72,7 +72,7 @@ class LayeredPolicy(Policy):
     def describe(self, state=None) -> dict:
         o = self.options
         d = {"policy": self.name, "schedule": o.schedule, "offload_weights": o.offload_weights,
-             "gpu_batches": o.gpu_batches, "block_tokens": o.block_tokens,
+             "gpu_batches": o.gpu_batches, "block_tokens": o.block_tokens, "extent_mb": self.pipeline.extent_mb,
              "pool": "pinned host" if self.host_pool else "device", "host_memory": self.pipeline.host_note,
              "host_dtype": o.host_dtype if self.host_pool else "native",
              "cost_model": self.pipeline.cost.source,
