@@ -247,11 +247,10 @@ def quest_bounds(q, kmin, kmax, scale=None):
     exact in bf16), half the f32 form's time on an H100; an f32 model's are f32 at full precision."""
     E, H, d = q.shape
     n_kv = kmin.shape[1]
-    dt = q.dtype
-    qg = q.reshape(E, n_kv, H // n_kv, d).astype(dt)
+    qg = q.reshape(E, n_kv, H // n_kv, d)
     kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
-    s = jnp.einsum("ehgd,ehpd->ehgp", jnp.maximum(qg, 0), kmax.astype(dt), **kw) + \
-        jnp.einsum("ehgd,ehpd->ehgp", jnp.minimum(qg, 0), kmin.astype(dt), **kw)
+    s = jnp.einsum("ehgd,ehpd->ehgp", jnp.maximum(qg, 0), kmax.astype(q.dtype), **kw) + \
+        jnp.einsum("ehgd,ehpd->ehgp", jnp.minimum(qg, 0), kmin.astype(q.dtype), **kw)
     if scale is not None:
         s = s * scale[:, :, None, :]
     return jnp.max(s, axis=2)
