@@ -83,10 +83,13 @@ def main(argv=None) -> dict:
             np.asarray(nxt)
         spent.clear()
         calls.clear()
-        times = []
+        times, issued, dispatch = [], [], []
         for _ in range(args.steps):
+            before = spent["dispatch layer programs"]
             t = time.perf_counter()
             logits, state = pol.decode_step(model, state, nxt)
+            issued.append(time.perf_counter() - t)  # the host is done with the step: all of it dispatched
+            dispatch.append(spent["dispatch layer programs"] - before)
             nxt = _greedy(logits)
             np.asarray(nxt)
             times.append(time.perf_counter() - t)
@@ -99,6 +102,10 @@ def main(argv=None) -> dict:
                xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                step_ms=1e3 * float(np.median(times)),
                host_ms_per_step={k: 1e3 * v / args.steps for k, v in spent.items()},
+               # per step: wall, the host's share (decode_step returned: every program dispatched; a step whose
+               # wall is barely above it is host-bound) and the layer programs' dispatch within it
+               step_ms_each=[1e3 * x for x in times], issued_ms_each=[1e3 * x for x in issued],
+               dispatch_ms_each=[1e3 * x for x in dispatch],
                calls_per_step={k: v / args.steps for k, v in calls.items()},
                recompute_extents=last.get("recompute_extents"), used_extents=last.get("used_extents"))
     print("HOST_TIME", json.dumps(rec), flush=True)

@@ -26,6 +26,9 @@ def test_host_time_splits_a_step_and_restores_what_it_timed(tmp_path):
     parts = rec["host_ms_per_step"]
     assert 0 < parts["dispatch layer programs"] < rec["step_ms"] and 0 < parts["issue transfers"] < rec["step_ms"]
     assert rec["options"] == {"block_tokens": 8} and rec["used_extents"] >= 1
+    # per step: the host's share (every program dispatched) within the step, the layer dispatch within that
+    each = list(zip(rec["step_ms_each"], rec["issued_ms_each"], rec["dispatch_ms_each"]))
+    assert len(each) == 2 and all(0 < d <= i <= s for s, i, d in each)
     assert json.loads((tmp_path / "h.json").read_text())["step_ms"] == rec["step_ms"]
 
 

@@ -172,6 +172,20 @@ def _logits(cfg, params, h):
     return family(cfg).logits(cfg, params, h)
 
 
+# A decode step's work outside its layer programs, one program each: an eager slice or add is a dispatch of
+# its own (~30 us of host on an H100 host), and a host-bound step (clo at b1) pays every one of them.
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _decode_inputs(cfg, params, tokens, prompt_lens, n_gen):
+    """(h [B, 1, H], positions [B, 1]) of a decode step's new tokens [B]."""
+    positions = (prompt_lens + n_gen)[:, None]
+    return family(cfg).embed(cfg, params, tokens[:, None], positions), positions
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _decode_logits(cfg, params, h):
+    return family(cfg).logits(cfg, params, h[:, 0])
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens", "attention_impl"))
 def _layer_prefill(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl="reference"):
     if chunk_tokens:  # token chunks: a chunk's workspace, not the whole prompt's
@@ -376,8 +390,9 @@ def program_key(tree):
     """What decides a layer program's compilation: the tree's structure and every leaf's shape, dtype and memory
     kind. Consecutive layers with equal keys can share one `layers_step` program."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a).__name__)),
-                           getattr(getattr(a, "sharding", None), "memory_kind", None)) for a in leaves)
+    # the dtype objects themselves (hashable): str(dtype) cost ~150 us a clo layer, ~5 ms a 32-layer step (CPU)
+    return treedef, tuple((a.shape, a.dtype, a.sharding.memory_kind) if isinstance(a, jax.Array) else
+                          (getattr(a, "shape", None), getattr(a, "dtype", type(a))) for a in leaves)
 
 
 def distinct_arrays(tree):
@@ -1099,10 +1114,10 @@ class LayerPipeline:
         hs = []
         positions = []
         for gr in groups:
-            pos = (gr.prompt_lens + gr.n_gen)[:, None]
-            positions.append(pos)
             rows_tokens = tokens if len(groups) == 1 else tokens[gr.rows[0]:gr.rows[1]]
-            hs.append(_embed(cfg, fam_params, rows_tokens[:, None], pos))
+            h, pos = _decode_inputs(cfg, fam_params, rows_tokens, gr.prompt_lens, gr.n_gen)
+            hs.append(h)
+            positions.append(pos)
         tails = [dict(k=list(gr.tail_k), v=list(gr.tail_v), x=list(gr.tail_x), slots=list(gr.slots)) for gr in groups]
         items = self._items(cfg.num_layers, len(groups))
         weights: dict = {}
@@ -1119,6 +1134,9 @@ class LayerPipeline:
 
         def issue(n):
             i, g = items[n]
+            if not moves:
+                fetched[n] = ([], [])
+                return
             if o.offload_weights and i not in weights:
                 kv, rest = split_layer(layers[i])
                 if i < resident:  # in GPU memory already
@@ -1141,6 +1159,9 @@ class LayerPipeline:
         # a device pool moves nothing, nor does a host pool read in place (clo, tokenselect kv=split: the layer
         # programs gather selected rows themselves): no transfer buffers to bound, the host never waits in the step
         fetches = self.fetches()
+        # nothing to move (a device pool, a host pool read in place; weights on the GPU): the hooks' fetch
+        # lists are empty, so `issue` skips asking for them (Python per layer on a host-bound step's path)
+        moves = fetches or o.offload_weights
         fuse = self.layers_per_program()
         pending: dict = {g: [] for g in range(len(groups))}  # fused: (layer, weights, sources) not yet run
         pending_key: dict = {}
@@ -1151,13 +1172,12 @@ class LayerPipeline:
             if not batch:
                 return
             idx = [b[0] for b in batch]
-            with jax.named_scope(f"layers{idx[0]}-{idx[-1]}"):
-                hs[g], ks, vs, xs, sls = layers_step(
-                    cfg, tuple(b[1] for b in batch), hs[g], positions[g], tuple(tl["k"][i] for i in idx),
-                    tuple(tl["v"][i] for i in idx), tuple(tl["x"][i] for i in idx), gr.tail_len,
-                    tuple(b[2] for b in batch), gr.tables,
-                    tuple(tl["slots"][i] if tl["slots"] else None for i in idx), self.hooks.attend,
-                    (o.recompute_impl, o.attention_impl))
+            hs[g], ks, vs, xs, sls = layers_step(
+                cfg, tuple(b[1] for b in batch), hs[g], positions[g], tuple(tl["k"][i] for i in idx),
+                tuple(tl["v"][i] for i in idx), tuple(tl["x"][i] for i in idx), gr.tail_len,
+                tuple(b[2] for b in batch), gr.tables,
+                tuple(tl["slots"][i] if tl["slots"] else None for i in idx), self.hooks.attend,
+                (o.recompute_impl, o.attention_impl))
             for j, i in enumerate(idx):
                 tl["k"][i], tl["v"][i], tl["x"][i] = ks[j], vs[j], xs[j]
                 if tl["slots"]:
@@ -1203,17 +1223,17 @@ class LayerPipeline:
                 pending_key[g] = key
                 del src, f
                 continue
-            with jax.named_scope(f"layer{i}"):
-                if tl["slots"] and i + 1 < cfg.num_layers:  # dispatched before layer i's program, from its input
-                    tl["slots"][i + 1] = self.hooks.speculate(self, model, gr, i + 1, hs[g], positions[g],
-                                                              tl["slots"][i + 1])
-                src = self.hooks.sources(self, gr, plans[g], i, f)
-                slot = tl["slots"][i] if tl["slots"] else None
-                hs[g], tl["k"][i], tl["v"][i], tl["x"][i], slot = layer_step(
-                    cfg, lp, hs[g], positions[g], tl["k"][i], tl["v"][i], tl["x"][i], gr.tail_len, src, gr.tables,
-                    slot, self.hooks.attend, (o.recompute_impl, o.attention_impl))
-                if tl["slots"]:
-                    tl["slots"][i] = slot
+            # (no named scope per layer: every layer runs one cached executable, traced once)
+            if tl["slots"] and i + 1 < cfg.num_layers:  # dispatched before layer i's program, from its input
+                tl["slots"][i + 1] = self.hooks.speculate(self, model, gr, i + 1, hs[g], positions[g],
+                                                          tl["slots"][i + 1])
+            src = self.hooks.sources(self, gr, plans[g], i, f)
+            slot = tl["slots"][i] if tl["slots"] else None
+            hs[g], tl["k"][i], tl["v"][i], tl["x"][i], slot = layer_step(
+                cfg, lp, hs[g], positions[g], tl["k"][i], tl["v"][i], tl["x"][i], gr.tail_len, src, gr.tables,
+                slot, self.hooks.attend, (o.recompute_impl, o.attention_impl))
+            if tl["slots"]:
+                tl["slots"][i] = slot
             del src
             done_h.append(hs[g])
             if sync_depth:
@@ -1227,7 +1247,7 @@ class LayerPipeline:
         for g in pending:
             run_pending(g)
         moved.update(lookahead_items=lookahead)
-        logits = [_logits(cfg, fam_params, h[:, 0]) for h in hs]
+        logits = [_decode_logits(cfg, fam_params, h) for h in hs]
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
         new_groups, d2h = [], 0
         for gr, tl in zip(groups, tails):
