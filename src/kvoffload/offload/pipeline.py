@@ -677,9 +677,10 @@ class PipelineOptions:
     # decode up to this many consecutive layers in one program where the step issues no transfers (a device
     # pool, or a host pool read in place: clo, tokenselect kv=split; no offloaded weights, no speculative
     # prefetch) and the layers' programs have the same shapes: one host call per group of layers instead of
-    # one per layer. Elsewhere 1. Default 1: on an H100 at 128K, 8 per program changed no policy's step beyond
-    # the run-to-run swing (the host's time looks per kernel, not per call); bit-equal on the CPU, same tokens
-    # on a GPU (XLA fuses a multi-layer program differently).
+    # one per layer. Elsewhere 1. Default 1: on an H100 at 128K, 2-8 per program changed no policy's step beyond
+    # the run-to-run swing and 32 doubled it (the host's time is per kernel and leaf, not per call, and a
+    # layer per call overlaps its host work with the previous layer's GPU work); bit-equal on the CPU, same
+    # tokens on a GPU (XLA fuses a multi-layer program differently).
     layers_per_program: int = 1
 
     def __post_init__(self):
