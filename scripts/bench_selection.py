@@ -461,10 +461,13 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
                                                             capacity, args.warmup)
     del tokens
     c0 = counters(state)
-    times, _, state, nxt = decode_steps(pol, model, state, nxt, args.steps)
+    issued = []
+    times, _, state, nxt = decode_steps(pol, model, state, nxt, args.steps, issued=issued)
     c1 = counters(state)
+    # the host's share of each step: a step ending within ~1 ms of its last dispatch is host-bound
     r.update(prefill_random_kv_s=prefill_s, warmup_step_times_s=warm, step_times_s=times,
-             step_s=float(np.median(times)))
+             step_s=float(np.median(times)), host_issued_s=issued,
+             host_slack_s=float(np.median(np.subtract(times, issued))))
     recs = state.records[-len(times):]
     r["bytes_h2d_per_step"] = float(np.mean([x.get("bytes_h2d", 0) for x in recs]))  # whole extents fetched
     if c1 is not None:

@@ -27,6 +27,9 @@ def test_cpu_smoke_runs_every_part_and_writes_results(tmp_path, capsys):
         r = runs[v, 256]
         assert "error" not in r and "attention_error" not in r, r.get("error") or r.get("attention_error")
         assert r["step_s"] > 0 and len(r["step_times_s"]) == 1 and r["memory_plan"]["gpu_kv_bytes"] > 0
+        # the host's share of the step: dispatched before the step ended
+        assert len(r["host_issued_s"]) == 1 and 0 < r["host_issued_s"][0] <= r["step_times_s"][0]
+        assert r["host_slack_s"] == r["step_times_s"][0] - r["host_issued_s"][0]
         a = r["attention"]
         assert a["replayed"]["s_per_call"] > 0 and a["floors"]["replayed"]["floor_s"] > 0
         assert a["method"] == ("calls" if v in ("tokenselect_split", "clo_exact") else "scan")

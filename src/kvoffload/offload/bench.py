@@ -171,13 +171,16 @@ def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: f
     return prefill_s, times, logits, state, nxt
 
 
-def decode_steps(pol, model, state, nxt, n_steps: int, logits=None):
+def decode_steps(pol, model, state, nxt, n_steps: int, logits=None, issued: list | None = None):
     """n_steps greedy decode steps from state and the tokens nxt, each ending when its tokens are on the
-    host. Returns (per-step seconds, the last logits, state, the last tokens)."""
+    host. Returns (per-step seconds, the last logits, state, the last tokens). issued (a list): per step, the
+    seconds until decode_step returned, every program dispatched (a step ending right after is host-bound)."""
     times = []
     for _ in range(n_steps):
         t = time.perf_counter()
         logits, state = pol.decode_step(model, state, nxt)
+        if issued is not None:
+            issued.append(time.perf_counter() - t)
         nxt = _greedy(logits)
         on_host(nxt)
         times.append(time.perf_counter() - t)
