@@ -492,7 +492,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
             r["speculative_prefetch"] = {k: v for k, v in sel["speculative_prefetch"].items()
                                          if k != "guess_hit_rate_per_layer"}
     if args.trace:  # one more step under the profiler (scripts/trace_summary.py reads it)
-        path = os.path.join(args.trace, f"{variant}_{ctx}_{batch}")
+        path = fresh_dir(os.path.join(args.trace, f"{variant}_{ctx}_{batch}"))
         with jax.profiler.trace(path):
             _, _, state, nxt = decode_steps(pol, model, state, nxt, 1)
         r["trace_dir"] = path
@@ -523,6 +523,16 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     del state, nxt, pol
     gc.collect()
     return r
+
+
+def fresh_dir(path: str) -> str:
+    """path, or path_2, path_3, ... where path is taken: a second run of one variant into the same --trace
+    folder must not mix its trace files with the first's (the trace summary reads every file of a folder)."""
+    n, out = 1, path
+    while os.path.exists(out):
+        n += 1
+        out = f"{path}_{n}"
+    return out
 
 
 def plan_json(plan):

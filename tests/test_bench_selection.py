@@ -4,6 +4,7 @@ policies that covers every path of the script (device pool, whole-extent fetches
 counters); clo without layer 0 kept whole and without speculation, so one layer program compiles."""
 
 import json
+import os
 
 import pytest
 from script_loader import script_module
@@ -163,3 +164,15 @@ def test_selection_kernel_sweep_smoke_times_and_checks_every_kernel(tmp_path):
     assert all(r["equals_sort"] for r in rows if "equals_sort" in r)
     assert all(r["matches_reference"] for r in rows if r["kind"] == "scores")
     assert all(r["us_per_call"] > 0 for r in rows)
+
+
+def test_trace_folders_are_fresh_per_run(tmp_path):
+    """Two runs of one variant traced into one --trace folder get two folders (not one with both traces)."""
+    with script_module("bench_selection") as bs:
+        first = bs.fresh_dir(str(tmp_path / "clo_quest_131072_1"))
+        os.makedirs(first)
+        second = bs.fresh_dir(str(tmp_path / "clo_quest_131072_1"))
+        os.makedirs(second)
+        third = bs.fresh_dir(str(tmp_path / "clo_quest_131072_1"))
+    assert [os.path.basename(p) for p in (first, second, third)] == [
+        "clo_quest_131072_1", "clo_quest_131072_1_2", "clo_quest_131072_1_3"]
