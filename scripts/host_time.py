@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from kvoffload.offload import pipeline as PL
-    from kvoffload.offload.bench import _greedy, make_model
+    from kvoffload.offload.bench import _greedy, decode_steps, make_model, on_host
     from kvoffload.policies import make_policy
 
     spent, calls = collections.Counter(), collections.Counter()  # host seconds and calls by part
@@ -76,23 +76,16 @@ def main(argv=None) -> dict:
         pol = make_policy(args.policy, tensor_parallel=args.tp, **options)
         logits, state = pol.prefill(model, tokens, lengths, args.prompt + args.warmup + args.steps + 1)
         nxt = _greedy(logits)
-        np.asarray(nxt)
-        for _ in range(args.warmup):
-            logits, state = pol.decode_step(model, state, nxt)
-            nxt = _greedy(logits)
-            np.asarray(nxt)
+        on_host(nxt)
+        _, _, state, nxt = decode_steps(pol, model, state, nxt, args.warmup)
         spent.clear()
         calls.clear()
-        times, issued, dispatch = [], [], []
-        for _ in range(args.steps):
+        times, issued, dispatch = [], [], []  # issued: the host done with the step, every program dispatched
+        for _ in range(args.steps):  # one step a call: the layer programs' dispatch time is read between steps
             before = spent["dispatch layer programs"]
-            t = time.perf_counter()
-            logits, state = pol.decode_step(model, state, nxt)
-            issued.append(time.perf_counter() - t)  # the host is done with the step: all of it dispatched
+            step, _, state, nxt = decode_steps(pol, model, state, nxt, 1, issued=issued)
+            times += step
             dispatch.append(spent["dispatch layer programs"] - before)
-            nxt = _greedy(logits)
-            np.asarray(nxt)
-            times.append(time.perf_counter() - t)
     finally:
         for (obj, name), fn in zip(patched, saved):
             setattr(obj, name, fn)

@@ -1185,7 +1185,7 @@ class LayerPipeline:
                     tl["slots"][i] = sls[j]
             pending[g] = []
 
-        sync_depth = o.sync_depth if fetches or o.offload_weights else 0
+        sync_depth = o.sync_depth if moves else 0
         # XLA starts a host->GPU copy only after every program dispatched before it (its allocator is
         # synchronised with the compute stream), so a copy overlaps only programs dispatched after it:
         # item n+k's copies are issued before item n's program, k = lookahead. With k = 1 a layer's first
