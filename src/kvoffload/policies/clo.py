@@ -264,9 +264,13 @@ def quest_int8(kmin, kmax):
     kmin, kmax = kmin.astype(jnp.float32), kmax.astype(jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(kmin), -1), jnp.max(jnp.abs(kmax), -1))
     scale = jnp.where(amax > 0, amax / 126.0, 1.0)  # 126: |k| / scale stays inside int8 through rounding
-    qmin = jnp.clip(jnp.floor(kmin / scale[..., None]), -127, 127).astype(jnp.int8)
-    qmax = jnp.clip(jnp.ceil(kmax / scale[..., None]), -127, 127).astype(jnp.int8)
-    return qmin, qmax, scale
+    s = scale[..., None]
+    qmin, qmax = jnp.floor(kmin / s), jnp.ceil(kmax / s)
+    # a GPU's division may land just past an integer (kmin / scale = -126 exactly gave -126.00001 -> -127 on an
+    # H200): step back where the next integer still bounds, so the dequantized pages stay within one step
+    qmin = jnp.where((qmin + 1) * s <= kmin, qmin + 1, qmin)
+    qmax = jnp.where((qmax - 1) * s >= kmax, qmax - 1, qmax)
+    return jnp.clip(qmin, -127, 127).astype(jnp.int8), jnp.clip(qmax, -127, 127).astype(jnp.int8), scale
 
 
 def quest_token_scores(q, meta, tables, blk, space: TokenSpace | None = None):
