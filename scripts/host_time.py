@@ -41,12 +41,10 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from kvoffload.offload import pipeline as PL
-    from kvoffload.offload.bench import _greedy, decode_steps, make_model, on_host
-    from kvoffload.policies import make_policy
+    from kvoffload.offload.bench import decode_steps, random_prompt_state
 
     spent, calls = collections.Counter(), collections.Counter()  # host seconds and calls by part
 
@@ -69,14 +67,8 @@ def main(argv=None) -> dict:
         options = parse_options(args.option)
         if args.offload_weights:
             options["offload_weights"] = True
-        model = make_model(args.shape, jnp.dtype(args.dtype), bool(options.get("offload_weights")))
-        tokens = jnp.asarray(np.random.default_rng(0).integers(4, model.config.vocab_size - 1,
-                                                                (args.batch, args.prompt)), jnp.int32)
-        lengths = jnp.full((args.batch,), args.prompt, jnp.int32)
-        pol = make_policy(args.policy, tensor_parallel=args.tp, **options)
-        logits, state = pol.prefill(model, tokens, lengths, args.prompt + args.warmup + args.steps + 1)
-        nxt = _greedy(logits)
-        on_host(nxt)
+        model, pol, state, nxt = random_prompt_state(args.shape, args.policy, options, args.batch, args.prompt,
+                                                     args.warmup + args.steps, args.dtype, args.tp)
         _, _, state, nxt = decode_steps(pol, model, state, nxt, args.warmup)
         spent.clear()
         calls.clear()

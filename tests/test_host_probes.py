@@ -41,3 +41,28 @@ def test_probe_launch_cost_reports_per_call_kernel_and_argument_costs(tmp_path):
         assert r["us_per_call"] > 0 and abs(r["us_per_kernel"] * 4 - r["us_per_call"]) < 1e-6
     assert list(rec["arguments_us_per_call"]["1 devices"]) == [1, 16, 64]
     assert json.loads((tmp_path / "p.json").read_text())["kernels"] == 4
+
+
+TINY_LLAMA = dict(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+@pytest.mark.slow
+def test_probe_layer_call_times_the_real_layer_program_with_and_without_the_slot_split(tmp_path):
+    """clo Quest int8 on a 3-layer tiny Llama: both variants timed in interleaved blocks; splitting off the
+    slots' read-only part (tau, weights, persistent, the Quest pages) leaves the arguments as they were and
+    takes those leaves out of the outputs."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY_LLAMA))
+    with script_module("probe_layer_call") as pl:
+        rec = pl.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=quest", "--option", "topk=80",
+                       "--option", "block_tokens=16", "--option", "quest_dtype=int8", "--calls", "4", "--rounds",
+                       "2", "--out", str(tmp_path / "c.json")])
+    split, whole = rec["variants"]["as run"], rec["variants"]["whole slots"]
+    assert len(split["host_us_each"]) == len(whole["host_us_each"]) == 2
+    assert all(0 < v[k] for v in (split, whole) for k in ("host_us_min", "block_us_median"))
+    assert split["arguments"] == whole["arguments"]
+    # tau, weights, persistent and, per extent, the int8 pages (min, max, scale) are no longer returned
+    assert whole["outputs"] - split["outputs"] >= 3 + 3
+    assert json.loads((tmp_path / "c.json").read_text())["variants"]["as run"]["outputs"] == split["outputs"]

@@ -171,6 +171,24 @@ def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: f
     return prefill_s, times, logits, state, nxt
 
 
+def random_prompt_state(shape: str, policy: str, options: dict, batch: int, prompt: int, extra_tokens: int,
+                        dtype="bfloat16", tensor_parallel: int = 1, seed: int = 0):
+    """(model, policy, state, next tokens): random weights in the named shape (`make_model`), `policy` with
+    `options` prefilled with a random prompt of `prompt` tokens per request, room for `extra_tokens` more."""
+    import jax.numpy as jnp
+
+    from kvoffload.policies import make_policy
+
+    model = make_model(shape, jnp.dtype(dtype), bool(options.get("offload_weights")))
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(4, model.config.vocab_size - 1, (batch, prompt)),
+                         jnp.int32)
+    pol = make_policy(policy, tensor_parallel=tensor_parallel, **options)
+    logits, state = pol.prefill(model, tokens, jnp.full((batch,), prompt, jnp.int32), prompt + extra_tokens + 1)
+    nxt = _greedy(logits)
+    on_host(nxt)
+    return model, pol, state, nxt
+
+
 def decode_steps(pol, model, state, nxt, n_steps: int, logits=None, issued: list | None = None):
     """n_steps greedy decode steps from state and the tokens nxt, each ending when its tokens are on the
     host. Returns (per-step seconds, the last logits, state, the last tokens). issued (a list): per step, the

@@ -1,0 +1,143 @@
+"""The host's cost of one decode step's layer program calls, with the real program and buffers (issue 11), in
+variants interleaved in one process, so that the lent host's CPU speed, which moves by 2x for seconds at a time
+(BENCHMARKS, seventeenth session), falls on every variant alike.
+
+    PYTHONPATH=src python scripts/probe_layer_call.py --shape llama-3-8b --prompt 131072 --policy clo \\
+        --option retrieval=quest --option quest_dtype=int8 --option topk=13107 --option replay_hit_rate=0.86 \\
+        --out $OUT/layer_call.json
+
+One decode step is run with `pipeline.layer_step` watched, to take each layer's arguments; then the layers
+1..L-1 are called again and again in order, as a step does (each call another layer's weights and slots), in
+blocks of --calls, without waiting between calls: the time until the last call returns is the host's (the
+device runs behind), and the time until its result is ready the block's. Variants:
+
+- ``as run``: as the pipeline calls it (with the policy's `split_slots`, the slots' read-only part neither
+  donated nor returned);
+- ``whole slots``: every slot field donated and returned (what the pipeline did before the split).
+
+Policies without a split run ``as run`` only. Reported per variant: host us per call (median and min over
+--rounds blocks), block us per call, and the layer program's argument and output leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+
+def main(argv=None) -> dict:
+    from kvoffload.offload.bench import parse_options, write_json
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", default="clo")
+    ap.add_argument("--shape", default="llama-3-8b", help="a named shape (plan.profiler.model_shape) or config.json")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option")
+    ap.add_argument("--calls", type=int, default=93, help="calls per block (default: three rounds of 31 layers)")
+    ap.add_argument("--rounds", type=int, default=8, help="blocks per variant, interleaved")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from kvoffload.offload import pipeline as PL
+    from kvoffload.offload.bench import decode_steps, random_prompt_state
+
+    options = parse_options(args.option)
+    model, pol, state, nxt = random_prompt_state(args.shape, args.policy, options, args.batch, args.prompt,
+                                                 3, args.dtype)  # two warm-up steps and the watched one
+    _, _, state, nxt = decode_steps(pol, model, state, nxt, 2)  # compiled, warm
+
+    calls = []
+    real = PL.layer_step
+
+    def watched(*a):
+        calls.append(a)
+        return real(*a)
+
+    PL.layer_step = watched
+    try:
+        _, state = pol.decode_step(model, state, nxt)
+    finally:
+        PL.layer_step = real
+    if len(state.groups) != 1:
+        raise SystemExit("probe_layer_call takes one GPU batch (its layers' buffers are read from groups[0])")
+    gr = state.groups[0]
+    L = model.config.num_layers
+    if len(calls) != L:
+        raise SystemExit(f"expected one layer_step call per layer ({L}), saw {len(calls)} (layers_per_program?)")
+    # what a call reads and does not donate comes from the watched step; the donated tails and slots are the
+    # state's (the watched step's were consumed by it)
+    live = {i: dict(k=gr.tail_k[i], v=gr.tail_v[i], x=gr.tail_x[i], slots=gr.slots[i] if gr.slots else None)
+            for i in range(L)}
+    attend = calls[1][12]
+    has_split = getattr(attend, "split_slots", None) is not None
+    layers = list(range(1, L)) if L > 1 else [0]
+
+    def block(split: bool):
+        t0 = time.perf_counter()
+        last = None
+        for n in range(args.calls):
+            i = layers[n % len(layers)]
+            (cfg, lp, h, pos, _, _, _, tail_len, src, tables, _, _, _, opts) = calls[i]
+            cur = live[i]
+            slot, fixed = PL.split_slots(attend, cur["slots"]) if split else (cur["slots"], None)
+            _, cur["k"], cur["v"], cur["x"], slot = PL.layer_step(cfg, lp, h, pos, cur["k"], cur["v"], cur["x"],
+                                                                  tail_len, src, tables, slot, fixed, attend, opts)
+            cur["slots"] = PL.join_slots(attend, slot, fixed)
+            last = slot
+        t_host = time.perf_counter() - t0
+        jax.block_until_ready(last)
+        return t_host / args.calls, (time.perf_counter() - t0) / args.calls
+
+    variants = {"as run": has_split, "whole slots": False} if has_split else {"as run": False}
+    for split in variants.values():  # compile each variant before timing
+        block(split)
+    times = {name: ([], []) for name in variants}
+    for _ in range(args.rounds):
+        for name, split in variants.items():
+            host, whole = block(split)
+            times[name][0].append(host)
+            times[name][1].append(whole)
+
+    def leaves(split: bool):
+        i = layers[0]
+        slot, fixed = PL.split_slots(attend, live[i]["slots"]) if split else (live[i]["slots"], None)
+        c = calls[i]
+        ins = jax.tree.leaves((c[1], c[2], c[3], live[i]["k"], live[i]["v"], live[i]["x"], c[7], c[8], c[9], slot,
+                               fixed))
+        outs = 1 + len(jax.tree.leaves((live[i]["k"], live[i]["v"], live[i]["x"], slot)))
+        return len(ins), outs
+
+    rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, policy=args.policy, shape=args.shape,
+               batch=args.batch, prompt=args.prompt, options=options, calls_per_block=args.calls,
+               rounds=args.rounds, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), variants={})
+    for name, split in variants.items():
+        host, whole = (np.array(t) * 1e6 for t in times[name])
+        n_in, n_out = leaves(split)
+        rec["variants"][name] = dict(host_us_median=float(np.median(host)), host_us_min=float(host.min()),
+                                     block_us_median=float(np.median(whole)), host_us_each=host.tolist(),
+                                     arguments=n_in, outputs=n_out)
+    print(f"device {rec['device']} | jax {rec['jax']} | {args.policy} {args.shape} b{args.batch} ctx {args.prompt}")
+    print("| variant | host us/call (median) | min | block us/call | arguments | outputs |")
+    print("|---|--:|--:|--:|--:|--:|")
+    for name, v in rec["variants"].items():
+        print(f"| {name} | {v['host_us_median']:.1f} | {v['host_us_min']:.1f} | {v['block_us_median']:.1f} | "
+              f"{v['arguments']} | {v['outputs']} |")
+    print("PROBE_LAYER_CALL", json.dumps({k: v for k, v in rec.items() if k != "variants"}), flush=True)
+    if args.out:
+        write_json(args.out, rec)
+    return rec
+
+
+if __name__ == "__main__":
+    main()
