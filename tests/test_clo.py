@@ -1034,3 +1034,33 @@ def test_topk_method_auto_resolves_by_row_length_and_backend():
         tk.resolve_topk_method("heap", 8)
     # that every method gives the sort's indices: test_kernels.py (test_top_count_ascending_methods_against_numpy
     # for radix, test_kernel_interpret's select_rows cases for the Pallas kernels)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_split_slots_takes_out_the_read_only_fields_and_join_restores_them(replay):
+    """The layer program's undonated part (`CloAttend.split_slots`): the reuse rule, the retrieval metadata
+    and, in a replayed run, the draw's rate and key; joined back, the slots are leaf for leaf the same
+    objects, and the input slots are untouched."""
+    from kvoffload.policies.tokenselect import ReplayDraw
+
+    a = lambda *s: jnp.asarray(np.random.default_rng(len(s)).normal(size=s), jnp.float32)  # noqa: E731
+    draw = ReplayDraw(rate=a(), key=jnp.zeros((2,), jnp.uint32), rule_hits=a(1, 2)) if replay else None
+    sel = SelectionCache(query=a(1, 4, 8), indices=a(1, 2, 5), num_valid=a(1, 2), pool_tokens=a(1), hits=a(1, 2),
+                         steps=a(1), scored=a(), replay=draw)
+    meta = tuple((a(3, 2, 2, 8), a(3, 2, 2, 8), a(3, 2, 2)) for _ in range(2))
+    slots = CloSlots(selection=sel, v_rows=a(1, 2, 5, 8), v_rows_fetched=a(1, 2), tau=a(2), weights=a(2, 2),
+                     persistent=jnp.zeros((2,), bool), meta=meta, k_rows=a(1, 2, 5, 8))
+    attend = CloAttend(None, 0.5, 1, 1, "harmonic")
+    before = jax.tree.leaves(slots)
+    moving, fixed = attend.split_slots(slots)
+    fixed_ids = {id(x) for x in jax.tree.leaves(fixed)}
+    assert moving.tau is None and moving.meta is None and moving.persistent is None
+    assert fixed_ids == {id(x) for x in [slots.tau, slots.weights, slots.persistent, *jax.tree.leaves(meta)]
+                         + ([draw.rate, draw.key] if replay else [])}
+    assert not fixed_ids & {id(x) for x in jax.tree.leaves(moving)}
+    assert len(jax.tree.leaves(moving)) + len(jax.tree.leaves(fixed)) == len(before)
+    joined = attend.join_slots(moving, fixed)
+    assert jax.tree.structure(joined) == jax.tree.structure(slots)
+    assert all(x is y for x, y in zip(jax.tree.leaves(joined), before))
+    assert all(x is y for x, y in zip(jax.tree.leaves(slots), before))  # the input slots unchanged
+    assert (joined.selection.replay is None) == (not replay)

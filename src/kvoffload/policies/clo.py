@@ -399,6 +399,16 @@ def refill_rows(held, held_valid, buffers, want, want_valid, sources, blk):
 # metadata (written by `CloHooks.keys_written` between steps) and HATA's projections
 FIXED_SLOT_FIELDS = ("tau", "weights", "persistent", "meta", "hata_w")
 _NO_FIXED = {f: None for f in FIXED_SLOT_FIELDS}
+_NO_DRAW = {"rate": None, "key": None}
+
+
+def _with(obj, fields: dict):
+    """A copy of the frozen dataclass obj with `fields` replaced, without running its __init__ (host side, per
+    layer call)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(fields)
+    return new
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,15 +432,21 @@ class CloAttend:
         second part undonated and does not return it (`pipeline.layer_step`). Per call on the host, so the
         instances are made without `dataclasses.replace` (~9 us a call against ~1.5)."""
         d = slots.__dict__
-        moving = object.__new__(CloSlots)
-        moving.__dict__.update(d)
-        moving.__dict__.update(_NO_FIXED)
-        return moving, tuple(d[f] for f in FIXED_SLOT_FIELDS)
+        moving = _with(slots, _NO_FIXED)
+        fixed = tuple(d[f] for f in FIXED_SLOT_FIELDS)
+        replay = d["selection"].replay
+        if replay is not None:  # a replayed run's draw: its rate and key are fixed too
+            moving.__dict__["selection"] = _with(d["selection"], {"replay": _with(replay, _NO_DRAW)})
+            fixed += (replay.rate, replay.key)
+        return moving, fixed
 
     def join_slots(self, moving: CloSlots, fixed: tuple) -> CloSlots:
-        slots = object.__new__(CloSlots)
-        slots.__dict__.update(moving.__dict__)
-        slots.__dict__.update(zip(FIXED_SLOT_FIELDS, fixed))
+        n = len(FIXED_SLOT_FIELDS)
+        slots = _with(moving, dict(zip(FIXED_SLOT_FIELDS, fixed[:n])))
+        if len(fixed) > n:
+            sel = moving.selection
+            draw = _with(sel.replay, dict(rate=fixed[n], key=fixed[n + 1]))
+            slots.__dict__["selection"] = _with(sel, {"replay": draw})
         return slots
 
     def selection_rule(self, q, src, tables, slots: CloSlots):
