@@ -24,17 +24,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv=None) -> dict:
-    from kvoffload.offload.bench import parse_options, write_json
+    from kvoffload.offload.bench import add_random_prompt_args, parse_options, write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="kvpr")
-    ap.add_argument("--shape", default="opt-6.7b", help="a named shape (plan.profiler.model_shape) or config.json")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=512)
+    add_random_prompt_args(ap, policy="kvpr", shape="opt-6.7b", batch=64, prompt=512)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--offload-weights", action="store_true")
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None)

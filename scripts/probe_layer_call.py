@@ -31,15 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv=None) -> dict:
-    from kvoffload.offload.bench import parse_options, write_json
+    from kvoffload.offload.bench import add_random_prompt_args, parse_options, write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="clo")
-    ap.add_argument("--shape", default="llama-3-8b", help="a named shape (plan.profiler.model_shape) or config.json")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt", type=int, default=8192)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option")
+    add_random_prompt_args(ap, policy="clo", shape="llama-3-8b", batch=1, prompt=8192)
     ap.add_argument("--calls", type=int, default=93, help="calls per block (default: three rounds of 31 layers)")
     ap.add_argument("--rounds", type=int, default=8, help="blocks per variant, interleaved")
     ap.add_argument("--out", default=None)

@@ -171,6 +171,17 @@ def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: f
     return prefill_s, times, logits, state, nxt
 
 
+def add_random_prompt_args(ap, policy: str, shape: str, batch: int, prompt: int) -> None:
+    """The command-line arguments of `random_prompt_state` (--policy, --shape, --batch, --prompt, --dtype,
+    --option KEY=VALUE, repeated) with these defaults."""
+    ap.add_argument("--policy", default=policy)
+    ap.add_argument("--shape", default=shape, help="a named shape (plan.profiler.model_shape) or config.json")
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--prompt", type=int, default=prompt)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option")
+
+
 def random_prompt_state(shape: str, policy: str, options: dict, batch: int, prompt: int, extra_tokens: int,
                         dtype="bfloat16", tensor_parallel: int = 1, seed: int = 0):
     """(model, policy, state, next tokens): random weights in the named shape (`make_model`), `policy` with
