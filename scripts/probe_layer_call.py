@@ -13,9 +13,11 @@ device runs behind), and the time until its result is ready the block's. Variant
 
 - ``as run``: as the pipeline calls it (with the policy's `split_slots`, the slots' read-only part neither
   donated nor returned);
-- ``whole slots``: every slot field donated and returned (what the pipeline did before the split).
+- ``whole slots``: every slot field donated and returned (what the pipeline did before the split);
+- ``one layer``: as run, but layer 1 every call: no buffer of the program changes between calls but the hidden
+  state, so XLA need not re-point its CUDA graph at another layer's buffers (the share of that update).
 
-Policies without a split run ``as run`` only. Reported per variant: host us per call (median and min over
+Policies without a split skip ``whole slots``. Reported per variant: host us per call (median and min over
 --rounds blocks), block us per call, and the layer program's argument and output leaves.
 """
 
@@ -77,11 +79,11 @@ def main(argv=None) -> dict:
     has_split = getattr(attend, "split_slots", None) is not None
     layers = list(range(1, L)) if L > 1 else [0]
 
-    def block(split: bool):
+    def block(split: bool, cycle: list):
         t0 = time.perf_counter()
         last = None
         for n in range(args.calls):
-            i = layers[n % len(layers)]
+            i = cycle[n % len(cycle)]
             (cfg, lp, h, pos, _, _, _, tail_len, src, tables, _, _, _, opts) = calls[i]
             cur = live[i]
             slot, fixed = PL.split_slots(attend, cur["slots"]) if split else (cur["slots"], None)
@@ -93,13 +95,16 @@ def main(argv=None) -> dict:
         jax.block_until_ready(last)
         return t_host / args.calls, (time.perf_counter() - t0) / args.calls
 
-    variants = {"as run": has_split, "whole slots": False} if has_split else {"as run": False}
-    for split in variants.values():  # compile each variant before timing
-        block(split)
+    variants = {"as run": (has_split, layers)}
+    if has_split:
+        variants["whole slots"] = (False, layers)
+    variants["one layer"] = (has_split, layers[:1])
+    for split, cycle in variants.values():  # compile each variant before timing
+        block(split, cycle)
     times = {name: ([], []) for name in variants}
     for _ in range(args.rounds):
-        for name, split in variants.items():
-            host, whole = block(split)
+        for name, (split, cycle) in variants.items():
+            host, whole = block(split, cycle)
             times[name][0].append(host)
             times[name][1].append(whole)
 
@@ -116,7 +121,7 @@ def main(argv=None) -> dict:
                batch=args.batch, prompt=args.prompt, options=options, calls_per_block=args.calls,
                rounds=args.rounds, xla_flags=os.environ.get("XLA_FLAGS", ""),
                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), variants={})
-    for name, split in variants.items():
+    for name, (split, _) in variants.items():
         host, whole = (np.array(t) * 1e6 for t in times[name])
         n_in, n_out = leaves(split)
         rec["variants"][name] = dict(host_us_median=float(np.median(host)), host_us_min=float(host.min()),

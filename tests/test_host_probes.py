@@ -59,10 +59,10 @@ def test_probe_layer_call_times_the_real_layer_program_with_and_without_the_slot
         rec = pl.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=quest", "--option", "topk=80",
                        "--option", "block_tokens=16", "--option", "quest_dtype=int8", "--calls", "4", "--rounds",
                        "2", "--out", str(tmp_path / "c.json")])
-    split, whole = rec["variants"]["as run"], rec["variants"]["whole slots"]
-    assert len(split["host_us_each"]) == len(whole["host_us_each"]) == 2
-    assert all(0 < v[k] for v in (split, whole) for k in ("host_us_min", "block_us_median"))
-    assert split["arguments"] == whole["arguments"]
+    split, whole, one = (rec["variants"][k] for k in ("as run", "whole slots", "one layer"))
+    assert len(split["host_us_each"]) == len(whole["host_us_each"]) == len(one["host_us_each"]) == 2
+    assert all(0 < v[k] for v in (split, whole, one) for k in ("host_us_min", "block_us_median"))
+    assert split["arguments"] == whole["arguments"] == one["arguments"] and one["outputs"] == split["outputs"]
     # tau, weights, persistent and, per extent, the int8 pages (min, max, scale) are no longer returned
     assert whole["outputs"] - split["outputs"] >= 3 + 3
     assert json.loads((tmp_path / "c.json").read_text())["variants"]["as run"]["outputs"] == split["outputs"]
