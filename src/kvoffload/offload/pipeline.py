@@ -374,8 +374,8 @@ def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
 
 
 # One decode layer, one program (`layer_body`): the tails and the slots are donated; the slots' fixed part is
-# read only, and not returned: each output costs the host a few us a call (~2.3 us on a CPU), a clo layer had 15
-# fixed ones of 32 (Quest int8, 4 extents).
+# read only, and not returned: each output costs the host a few us a call (~2.3 us on a CPU); 15 of a clo layer's
+# 32 outputs were fixed (Quest int8, 4 extents; 17 with a replayed draw).
 layer_step = functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"),
                                donate_argnames=("tail_k", "tail_v", "tail_x", "slots"))(layer_body)
 
@@ -1195,7 +1195,6 @@ class LayerPipeline:
             if not batch:
                 return
             idx = [b[0] for b in batch]
-            attend = self.hooks.attend
             moving, fixed = zip(*(split_slots(attend, tl["slots"][i] if tl["slots"] else None) for i in idx))
             hs[g], ks, vs, xs, sls = layers_step(
                 cfg, tuple(b[1] for b in batch), hs[g], positions[g], tuple(tl["k"][i] for i in idx),
