@@ -1,5 +1,5 @@
 """The host's cost of one decode step's layer program calls, with the real program and buffers (issue 11), in
-variants interleaved in one process, so that the lent host's CPU speed, which moves by 2x for seconds at a time
+variants interleaved in one process, so that the lent host's CPU speed, which moves by 2x over stretches of steps
 (BENCHMARKS, seventeenth session), falls on every variant alike.
 
     PYTHONPATH=src python scripts/probe_layer_call.py --shape llama-3-8b --prompt 131072 --policy clo \\
