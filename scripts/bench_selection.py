@@ -415,7 +415,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload.bench import decode_steps, timed_decode
+    from kvoffload.offload.bench import decode_steps, host_gauge, timed_decode
     from kvoffload.plan.memory import MemoryPlanError
     from kvoffload.policies import make_policy
 
@@ -462,12 +462,15 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     del tokens
     c0 = counters(state)
     issued = []
+    gauge = [host_gauge()]
     times, _, state, nxt = decode_steps(pol, model, state, nxt, args.steps, issued=issued)
+    gauge.append(host_gauge())
     c1 = counters(state)
-    # the host's share of each step: a step ending within ~1 ms of its last dispatch is host-bound
+    # the host's share of each step: a step ending within ~1 ms of its last dispatch is host-bound; the host's
+    # speed just before and after the timed steps (`host_gauge`)
     r.update(prefill_random_kv_s=prefill_s, warmup_step_times_s=warm, step_times_s=times,
              step_s=float(np.median(times)), host_issued_s=issued,
-             host_slack_s=float(np.median(np.subtract(times, issued))))
+             host_slack_s=float(np.median(np.subtract(times, issued))), host_gauge=gauge)
     recs = state.records[-len(times):]
     r["bytes_h2d_per_step"] = float(np.mean([x.get("bytes_h2d", 0) for x in recs]))  # whole extents fetched
     if c1 is not None:

@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from kvoffload.offload import pipeline as PL
-    from kvoffload.offload.bench import decode_steps, random_prompt_state
+    from kvoffload.offload.bench import decode_steps, host_gauge, random_prompt_state
 
     spent, calls = collections.Counter(), collections.Counter()  # host seconds and calls by part
 
@@ -68,11 +68,13 @@ def main(argv=None) -> dict:
         spent.clear()
         calls.clear()
         times, issued, dispatch = [], [], []  # issued: the host done with the step, every program dispatched
+        gauge = [host_gauge()]
         for _ in range(args.steps):  # one step a call: the layer programs' dispatch time is read between steps
             before = spent["dispatch layer programs"]
             step, _, state, nxt = decode_steps(pol, model, state, nxt, 1, issued=issued)
             times += step
             dispatch.append(spent["dispatch layer programs"] - before)
+        gauge.append(host_gauge())
     finally:
         for (obj, name), fn in zip(patched, saved):
             setattr(obj, name, fn)
@@ -86,6 +88,7 @@ def main(argv=None) -> dict:
                # wall is barely above it is host-bound) and the layer programs' dispatch within it
                step_ms_each=[1e3 * x for x in times], issued_ms_each=[1e3 * x for x in issued],
                dispatch_ms_each=[1e3 * x for x in dispatch],
+               host_gauge=gauge,  # the host's speed before and after the timed steps (`offload.bench.host_gauge`)
                calls_per_step={k: v / args.steps for k, v in calls.items()},
                recompute_extents=last.get("recompute_extents"), used_extents=last.get("used_extents"))
     print("HOST_TIME", json.dumps(rec), flush=True)

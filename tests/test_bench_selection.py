@@ -31,6 +31,9 @@ def test_cpu_smoke_runs_every_part_and_writes_results(tmp_path, capsys):
         # the host's share of the step: dispatched before the step ended
         assert len(r["host_issued_s"]) == 1 and 0 < r["host_issued_s"][0] <= r["step_times_s"][0]
         assert r["host_slack_s"] == r["step_times_s"][0] - r["host_issued_s"][0]
+        # the host's speed before and after the timed steps
+        assert len(r["host_gauge"]) == 2 and all(g["dispatch_us"] > 0 and g["python_loop_ns"] > 0
+                                                 for g in r["host_gauge"])
         a = r["attention"]
         assert a["replayed"]["s_per_call"] > 0 and a["floors"]["replayed"]["floor_s"] > 0
         assert a["method"] == ("calls" if v in ("tokenselect_split", "clo_exact") else "scan")

@@ -29,6 +29,7 @@ def test_host_time_splits_a_step_and_restores_what_it_timed(tmp_path):
     # per step: the host's share (every program dispatched) within the step, the layer dispatch within that
     each = list(zip(rec["step_ms_each"], rec["issued_ms_each"], rec["dispatch_ms_each"]))
     assert len(each) == 2 and all(0 < d <= i <= s for s, i, d in each)
+    assert [sorted(g) for g in rec["host_gauge"]] == [["dispatch_us", "python_loop_ns"]] * 2
     assert json.loads((tmp_path / "h.json").read_text())["step_ms"] == rec["step_ms"]
 
 

@@ -182,6 +182,35 @@ def add_random_prompt_args(ap, policy: str, shape: str, batch: int, prompt: int)
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option")
 
 
+_GAUGE_PROGRAM = None
+
+
+def host_gauge(dispatches: int = 200, loop: int = 100_000) -> dict:
+    """The host's speed now, by two fixed pieces of work: us per dispatch of a trivial jitted program on the
+    default device (back to back, waited for once at the end: the host's cost, the device idle) and ns per turn
+    of a fixed Python loop. A lent GPU host's speed moves ~2x over stretches of steps (BENCHMARKS, seventeenth
+    session); read before and after timed steps, these say whether a slow run had a slow host (both slower: the
+    CPU; only the dispatch: the driver or the runtime)."""
+    import jax
+    import jax.numpy as jnp
+
+    global _GAUGE_PROGRAM
+    if _GAUGE_PROGRAM is None:
+        _GAUGE_PROGRAM = jax.jit(lambda x: x + 1)
+    x = jax.block_until_ready(_GAUGE_PROGRAM(jnp.zeros((8,), jnp.float32)))
+    t = time.perf_counter()
+    for _ in range(dispatches):
+        x = _GAUGE_PROGRAM(x)
+    jax.block_until_ready(x)
+    dispatch_us = (time.perf_counter() - t) / dispatches * 1e6
+    t = time.perf_counter()
+    acc = 0
+    for i in range(loop):
+        acc += i & 7
+    loop_ns = (time.perf_counter() - t) / loop * 1e9
+    return {"dispatch_us": dispatch_us, "python_loop_ns": loop_ns}
+
+
 def random_prompt_state(shape: str, policy: str, options: dict, batch: int, prompt: int, extra_tokens: int,
                         dtype="bfloat16", tensor_parallel: int = 1, seed: int = 0):
     """(model, policy, state, next tokens): random weights in the named shape (`make_model`), `policy` with
