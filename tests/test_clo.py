@@ -577,6 +577,22 @@ def test_hata_selection_overlaps_exact_topk():
     assert r_short < r_long
 
 
+@pytest.mark.parametrize("magnitude", [1.0, 1e-3, 37.0])
+def test_quest_int8_is_the_tightest_bound_in_float32(magnitude):
+    """For every channel of many random pages: qmin * scale <= kmin < (qmin + 1) * scale and
+    (qmax - 1) * scale < kmax <= qmax * scale, products in float32 as the scoring uses them. A float32
+    division alone misses both at the page's largest |key| (the product rounds past the key by an ulp on
+    the CPU; on an H200 the division gave -126.00001 for -126, one step too loose)."""
+    k = (np.random.default_rng(0).normal(size=(20000, 16, 8)) * magnitude).astype(np.float32)
+    kmin, kmax = k.min(1), k.max(1)
+    qmin, qmax, scale = (np.asarray(a) for a in clo_mod.quest_int8(jnp.asarray(kmin), jnp.asarray(kmax)))
+    s = scale[:, None]
+    lo, hi = qmin.astype(np.float32), qmax.astype(np.float32)
+    assert (lo * s <= kmin).all() and (hi * s >= kmax).all()
+    assert ((lo + 1) * s > kmin).all() and ((hi - 1) * s < kmax).all()
+    assert -127 <= qmin.min() and qmax.max() <= 127
+
+
 def test_quest_int8_pages_bound_every_key_and_stay_close():
     """int8 Quest pages (one scale per page and head, min rounded down, max up): still an upper bound of every
     key's q.k in the page, within one quantization step per channel of the exact pages' bound, and a

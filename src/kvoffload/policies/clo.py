@@ -266,10 +266,13 @@ def quest_int8(kmin, kmax):
     scale = jnp.where(amax > 0, amax / 126.0, 1.0)  # 126: |k| / scale stays inside int8 through rounding
     s = scale[..., None]
     qmin, qmax = jnp.floor(kmin / s), jnp.ceil(kmax / s)
-    # a GPU's division may land just past an integer (kmin / scale = -126 exactly gave -126.00001 -> -127 on an
-    # H200): step back where the next integer still bounds, so the dequantized pages stay within one step
+    # the division may land just past an integer (kmin / scale = -126 exactly gave -126.00001 -> -127 on an H200)
+    # and the product q * scale may round past the key (the channel of the page's largest |key|, by an ulp): fix
+    # both in the arithmetic the bound is used in, so q is the tightest integer whose q * scale bounds the key
     qmin = jnp.where((qmin + 1) * s <= kmin, qmin + 1, qmin)
+    qmin = jnp.where(qmin * s > kmin, qmin - 1, qmin)
     qmax = jnp.where((qmax - 1) * s >= kmax, qmax - 1, qmax)
+    qmax = jnp.where(qmax * s < kmax, qmax + 1, qmax)
     return jnp.clip(qmin, -127, 127).astype(jnp.int8), jnp.clip(qmax, -127, 127).astype(jnp.int8), scale
 
 
