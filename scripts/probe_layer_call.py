@@ -75,9 +75,9 @@ def main(argv=None) -> dict:
     # state's (the watched step's were consumed by it)
     live = {i: dict(k=gr.tail_k[i], v=gr.tail_v[i], x=gr.tail_x[i], slots=gr.slots[i] if gr.slots else None)
             for i in range(L)}
-    attend = calls[1][12]
+    layers = list(range(1, L)) if L > 1 else [0]  # layer 0 may be its own program (clo: kept whole)
+    attend = calls[layers[0]][12]
     has_split = getattr(attend, "split_slots", None) is not None
-    layers = list(range(1, L)) if L > 1 else [0]
 
     def block(split: bool, cycle: list):
         t0 = time.perf_counter()
