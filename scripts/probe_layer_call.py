@@ -15,7 +15,9 @@ device runs behind), and the time until its result is ready the block's. Variant
   donated nor returned);
 - ``whole slots``: every slot field donated and returned (what the pipeline did before the split);
 - ``one layer``: as run, but layer 1 every call: no buffer of the program changes between calls but the hidden
-  state, so XLA need not re-point its CUDA graph at another layer's buffers (the share of that update).
+  state, so XLA need not re-point its CUDA graph at another layer's buffers (the share of that update);
+- ``as run, KEY=VALUE`` (with ``--versus KEY=VALUE``, repeatable): a second state prefilled with those options
+  changed (e.g. ``extent_mb=256``: one pool extent instead of four at 128K, fewer leaves a call), as run.
 
 Policies without a split skip ``whole slots``. Reported per variant: host us per call (median and min over
 --rounds blocks), block us per call, and the layer program's argument and output leaves.
@@ -39,6 +41,8 @@ def main(argv=None) -> dict:
     add_random_prompt_args(ap, policy="clo", shape="llama-3-8b", batch=1, prompt=8192)
     ap.add_argument("--calls", type=int, default=93, help="calls per block (default: three rounds of 31 layers)")
     ap.add_argument("--rounds", type=int, default=8, help="blocks per variant, interleaved")
+    ap.add_argument("--versus", action="append", default=[], metavar="KEY=VALUE",
+                    help="also a second state with these options changed (repeatable), its layers as run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -49,37 +53,45 @@ def main(argv=None) -> dict:
     from kvoffload.offload.bench import decode_steps, random_prompt_state
 
     options = parse_options(args.option)
-    model, pol, state, nxt = random_prompt_state(args.shape, args.policy, options, args.batch, args.prompt,
-                                                 3, args.dtype)  # two warm-up steps and the watched one
-    _, _, state, nxt = decode_steps(pol, model, state, nxt, 2)  # compiled, warm
+    versus = parse_options(args.versus)
 
-    calls = []
-    real = PL.layer_step
+    def watched_state(opts: dict):
+        """A prefilled, warm state of the policy with opts, and the arguments each layer_step call of one
+        decode step took: (calls, live buffers per layer, layers to cycle, the attend hook)."""
+        model, pol, state, nxt = random_prompt_state(args.shape, args.policy, opts, args.batch, args.prompt,
+                                                     3, args.dtype)  # two warm-up steps and the watched one
+        _, _, state, nxt = decode_steps(pol, model, state, nxt, 2)  # compiled, warm
+        calls = []
+        real = PL.layer_step
 
-    def watched(*a):
-        calls.append(a)
-        return real(*a)
+        def watched(*a):
+            calls.append(a)
+            return real(*a)
 
-    PL.layer_step = watched
-    try:
-        _, state = pol.decode_step(model, state, nxt)
-    finally:
-        PL.layer_step = real
-    if len(state.groups) != 1:
-        raise SystemExit("probe_layer_call takes one GPU batch (its layers' buffers are read from groups[0])")
-    gr = state.groups[0]
-    L = model.config.num_layers
-    if len(calls) != L:
-        raise SystemExit(f"expected one layer_step call per layer ({L}), saw {len(calls)} (layers_per_program?)")
-    # what a call reads and does not donate comes from the watched step; the donated tails and slots are the
-    # state's (the watched step's were consumed by it)
-    live = {i: dict(k=gr.tail_k[i], v=gr.tail_v[i], x=gr.tail_x[i], slots=gr.slots[i] if gr.slots else None)
-            for i in range(L)}
-    layers = list(range(1, L)) if L > 1 else [0]  # layer 0 may be its own program (clo: kept whole)
-    attend = calls[layers[0]][12]
+        PL.layer_step = watched
+        try:
+            _, state = pol.decode_step(model, state, nxt)
+        finally:
+            PL.layer_step = real
+        if len(state.groups) != 1:
+            raise SystemExit("probe_layer_call takes one GPU batch (its layers' buffers are read from groups[0])")
+        gr = state.groups[0]
+        L = model.config.num_layers
+        if len(calls) != L:
+            raise SystemExit(f"expected one layer_step call per layer ({L}), saw {len(calls)} (layers_per_program?)")
+        # what a call reads and does not donate comes from the watched step; the donated tails and slots are the
+        # state's (the watched step's were consumed by it)
+        live = {i: dict(k=gr.tail_k[i], v=gr.tail_v[i], x=gr.tail_x[i], slots=gr.slots[i] if gr.slots else None)
+                for i in range(L)}
+        layers = list(range(1, L)) if L > 1 else [0]  # layer 0 may be its own program (clo: kept whole)
+        return calls, live, layers, calls[layers[0]][12]
+
+    base = watched_state(options)
+    attend = base[3]
     has_split = getattr(attend, "split_slots", None) is not None
 
-    def block(split: bool, cycle: list):
+    def block(setup, split: bool, cycle: list):
+        calls, live, _, attend = setup
         t0 = time.perf_counter()
         last = None
         for n in range(args.calls):
@@ -95,20 +107,25 @@ def main(argv=None) -> dict:
         jax.block_until_ready(last)
         return t_host / args.calls, (time.perf_counter() - t0) / args.calls
 
-    variants = {"as run": (has_split, layers)}
+    layers = base[2]
+    variants = {"as run": (base, has_split, layers)}
     if has_split:
-        variants["whole slots"] = (False, layers)
-    variants["one layer"] = (has_split, layers[:1])
-    for split, cycle in variants.values():  # compile each variant before timing
-        block(split, cycle)
+        variants["whole slots"] = (base, False, layers)
+    variants["one layer"] = (base, has_split, layers[:1])
+    if versus:
+        other = watched_state({**options, **versus})
+        variants["as run, " + ", ".join(args.versus)] = (other, has_split, other[2])
+    for setup, split, cycle in variants.values():  # compile each variant before timing
+        block(setup, split, cycle)
     times = {name: ([], []) for name in variants}
     for _ in range(args.rounds):
-        for name, (split, cycle) in variants.items():
-            host, whole = block(split, cycle)
+        for name, v in variants.items():
+            host, whole = block(*v)
             times[name][0].append(host)
             times[name][1].append(whole)
 
-    def leaves(split: bool):
+    def leaves(setup, split: bool):
+        calls, live, layers, attend = setup
         i = layers[0]
         slot, fixed = PL.split_slots(attend, live[i]["slots"]) if split else (live[i]["slots"], None)
         c = calls[i]
@@ -119,11 +136,11 @@ def main(argv=None) -> dict:
 
     rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, policy=args.policy, shape=args.shape,
                batch=args.batch, prompt=args.prompt, options=options, calls_per_block=args.calls,
-               rounds=args.rounds, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               rounds=args.rounds, versus=versus, xla_flags=os.environ.get("XLA_FLAGS", ""),
                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), variants={})
-    for name, (split, _) in variants.items():
+    for name, (setup, split, _) in variants.items():
         host, whole = (np.array(t) * 1e6 for t in times[name])
-        n_in, n_out = leaves(split)
+        n_in, n_out = leaves(setup, split)
         rec["variants"][name] = dict(host_us_median=float(np.median(host)), host_us_min=float(host.min()),
                                      block_us_median=float(np.median(whole)), host_us_each=host.tolist(),
                                      arguments=n_in, outputs=n_out)

@@ -59,8 +59,13 @@ def test_probe_layer_call_times_the_real_layer_program_with_and_without_the_slot
     with script_module("probe_layer_call") as pl:
         rec = pl.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=quest", "--option", "topk=80",
                        "--option", "block_tokens=16", "--option", "quest_dtype=int8", "--calls", "4", "--rounds",
-                       "2", "--out", str(tmp_path / "c.json")])
+                       "2", "--versus", "extent_mb=0.002", "--out", str(tmp_path / "c.json")])
     split, whole, one = (rec["variants"][k] for k in ("as run", "whole slots", "one layer"))
+    # a second state with extents of 2 KB of K (several where the default holds the prompt in one), as run:
+    # each extent brings its pool arrays, block table, counts and Quest pages
+    ext = rec["variants"]["as run, extent_mb=0.002"]
+    assert rec["versus"] == {"extent_mb": 0.002} and len(ext["host_us_each"]) == 2
+    assert ext["arguments"] > split["arguments"] and ext["outputs"] == split["outputs"]
     assert len(split["host_us_each"]) == len(whole["host_us_each"]) == len(one["host_us_each"]) == 2
     assert all(0 < v[k] for v in (split, whole, one) for k in ("host_us_min", "block_us_median"))
     assert split["arguments"] == whole["arguments"] == one["arguments"] and one["outputs"] == split["outputs"]

@@ -496,6 +496,9 @@ class LayerHooks:
     # tokens: `attend_act_by_token`; the extents' K/V are attended whole, by `attend_pool`) or "hidden"
     # (along H: single X rows readable on every device, for policies that gather rows)
     x_split = "hidden"
+    # MiB of K per extent on each device where PipelineOptions.extent_mb is not given (None:
+    # EXTENT_MB_PER_DEVICE, the unit a fetching policy moves, shared with `full` for the same blocks)
+    extent_mb_per_device: float | None = None
 
     def recomputes(self, pipe: "LayerPipeline", model) -> bool:
         """Whether this run may recompute K/V from activation extents (on a token-split mesh each device then
@@ -762,8 +765,10 @@ class LayerPipeline:
         # placed on (self.rep: replicated there) and a device of it that this process drives
         self.mesh = S.resolve_mesh(opts.tensor_parallel, opts.mesh)
         self.tp = S.size(self.mesh)
-        # MiB of K per extent (`PipelineOptions.extent_mb`; by default EXTENT_MB_PER_DEVICE per device)
-        self.extent_mb = EXTENT_MB_PER_DEVICE * self.tp if opts.extent_mb is None else opts.extent_mb
+        # MiB of K per extent (`PipelineOptions.extent_mb`; by default the hooks' per device, else
+        # EXTENT_MB_PER_DEVICE)
+        per_device = hooks.extent_mb_per_device or EXTENT_MB_PER_DEVICE
+        self.extent_mb = per_device * self.tp if opts.extent_mb is None else opts.extent_mb
         self.dev = M.default_device() if self.mesh is None else S.local_device(self.mesh)
         self.rep = self.dev if self.mesh is None else S.replicated(self.mesh)
         self.tables_at = None if self.mesh is None else self.rep  # block tables: uncommitted on one device
