@@ -368,6 +368,13 @@ def attention_bench(pol, model, state, layer: int, reps: int, extremes: bool, ti
     return out
 
 
+def host_row_bytes(pol, cfg, itemsize: int) -> int:
+    """Bytes of one K or V row as the policy's host pool stores it (what a gathered row moves over PCIe):
+    host_dtype=int4 packs its codes and a float32 step and min per group (per-token scales: the row's own)."""
+    d = cfg.head_dim
+    return d // 2 + 8 * (d // pol.pipeline.opts.int4_group_size) if pol.pipeline.int4 else d * itemsize
+
+
 def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict) -> dict:
     """Bytes one call of the layer's attend must read, per case of the microbenchmark: {case: (GPU memory
     bytes, PCIe bytes)} from the measured scoring fraction and rows fetched."""
@@ -401,7 +408,7 @@ def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict
             else:
                 score = kv_pool
             k_too = not hooks.keys_on_device(pol.pipeline)  # quest / hata gather K rows from the host too
-            fetched = m.get("v_rows_fetched_per_call", 0.0) * row * (2 if k_too else 1)
+            fetched = m.get("v_rows_fetched_per_call", 0.0) * host_row_bytes(pol, cfg, itemsize) * (2 if k_too else 1)
             out[case] = (f * score + 2 * rows, fetched)
     return out
 
@@ -478,7 +485,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         r["hit_rate_timed_steps"] = (c1["hits"] - c0["hits"]) / looks
         r["similarity_rule_hit_rate_timed_steps"] = (c1["rule_hits"] - c0["rule_hits"]) / looks
         r["scored_fraction_timed_steps"] = (c1["scored"] - c0["scored"]) / (len(times) * cfg.num_layers * len(state.groups))
-        row = cfg.head_dim * jnp.dtype(model.params.layers[0].wk.dtype).itemsize
+        row = host_row_bytes(pol, cfg, jnp.dtype(model.params.layers[0].wk.dtype).itemsize)
         if policy == "clo":  # clo's counters: rows of the missed heads (and the guesses')
             k_too = not pol.pipeline.hooks.keys_on_device(pol.pipeline)  # quest / hata: K on the host too
             r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * row * (2 if k_too else 1) / len(times)

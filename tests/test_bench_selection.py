@@ -82,6 +82,23 @@ def test_cpu_smoke_quest_reads_pages_and_keeps_keys_on_the_host(tmp_path):
     assert fl_q["pcie_bytes"] == 2 * quest["attention"]["all_miss"]["v_rows_fetched_per_call"] * row > 0
 
 
+@pytest.mark.slow  # ~15 s on 2 cores
+def test_cpu_smoke_int4_rows_count_their_stored_bytes(tmp_path):
+    """host_dtype=int4: a gathered V row crosses PCIe as its codes and its groups' float32 step and min, and
+    the benchmark's bytes say so (they counted the model's dtype before)."""
+    out = tmp_path / "sel.json"
+    with script_module("bench_selection") as bs:
+        assert bs.main(["--cpu-smoke", "--out", str(out), "--policies", "clo_exact_int4",
+                        "--option", "clo_exact_int4:layer0_full=false",
+                        "--option", "clo_exact_int4:speculative_prefetch=false",
+                        "--option", "clo_exact_int4:int4_group_size=8"]) == 0
+    r = {x["variant"]: x for x in json.loads(out.read_text())["runs"] if x["context"] == 256}["clo_exact_int4"]
+    assert "error" not in r and "attention_error" not in r, r.get("error") or r.get("attention_error")
+    row = 16 // 2 + 8 * (16 // 8)  # head_dim 16: 8 bytes of codes, two groups' step and min
+    a = r["attention"]
+    assert a["floors"]["all_miss"]["pcie_bytes"] == a["all_miss"]["v_rows_fetched_per_call"] * row > 0
+
+
 @pytest.mark.parametrize("rate, layers, want", [("0.8", 4, 0.8), ("0.5,1", 3, [0.5, 0.75, 1.0]),
                                                 ("0.1,0.2,0.3", 3, [0.1, 0.2, 0.3])])
 def test_hit_rates_per_layer_resampled_over_depth(rate, layers, want):
