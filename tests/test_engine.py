@@ -2,6 +2,7 @@
 refusals of bad sampling / token input, non-finite logits stopped and diagnosed, streaming, and
 no compilation once decoding runs."""
 
+import gc
 import math
 
 import jax
@@ -132,6 +133,32 @@ def test_host_reads_only_at_syncs(llama, monkeypatch):
         out = generate(llama, PROMPTS, 13, sync_every=4, stop_on_eos=False)
     assert len(reads) == 3 + 1  # after steps 4, 8, 12 and once at the end
     assert out == reference_generate(llama, PROMPTS, 13, stop_on_eos=False)[0]
+
+
+def test_decode_loops_run_with_the_collector_frozen_and_restore_it(llama):
+    """generate and teacher_forced_logprobs decode with every object alive before the loop frozen (a full
+    collection then scans only the loop's objects), unfreeze after, and leave a caller's own freeze alone."""
+    if gc.get_freeze_count():
+        pytest.skip("something in this process froze objects already")
+    pol = make_policy("full")
+    seen = []
+    real = pol.decode_step
+    pol.decode_step = lambda *a: seen.append(gc.get_freeze_count()) or real(*a)
+    out = generate(llama, PROMPTS, 5, policy=pol, stop_on_eos=False)
+    assert len(seen) == 4 and min(seen) > 0 and gc.get_freeze_count() == 0
+    assert out == reference_generate(llama, PROMPTS, 5, stop_on_eos=False)[0]
+    seen.clear()
+    teacher_forced_logprobs(llama, [3, 1, 4, 1, 5, 9], 3, policy=pol)
+    assert len(seen) == 2 and min(seen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # the caller's: generate must not unfreeze it
+    try:
+        frozen = gc.get_freeze_count()
+        seen.clear()
+        generate(llama, PROMPTS, 3, policy=pol, stop_on_eos=False)
+        # not frozen again (that would add the objects made since) nor unfrozen (0); frozen objects may be freed
+        assert len(seen) == 2 and 0 < min(seen) and max(seen) <= frozen and 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_teacher_forced_logprobs_match_per_step_loop(llama4):

@@ -233,15 +233,18 @@ def decode_steps(pol, model, state, nxt, n_steps: int, logits=None, issued: list
     """n_steps greedy decode steps from state and the tokens nxt, each ending when its tokens are on the
     host. Returns (per-step seconds, the last logits, state, the last tokens). issued (a list): per step, the
     seconds until decode_step returned, every program dispatched (a step ending right after is host-bound)."""
+    from kvoffload.engine import frozen_gc
+
     times = []
-    for _ in range(n_steps):
-        t = time.perf_counter()
-        logits, state = pol.decode_step(model, state, nxt)
-        if issued is not None:
-            issued.append(time.perf_counter() - t)
-        nxt = _greedy(logits)
-        on_host(nxt)
-        times.append(time.perf_counter() - t)
+    with frozen_gc():  # as `engine.generate` decodes
+        for _ in range(n_steps):
+            t = time.perf_counter()
+            logits, state = pol.decode_step(model, state, nxt)
+            if issued is not None:
+                issued.append(time.perf_counter() - t)
+            nxt = _greedy(logits)
+            on_host(nxt)
+            times.append(time.perf_counter() - t)
     return times, logits, state, nxt
 
 
