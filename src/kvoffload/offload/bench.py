@@ -282,10 +282,13 @@ def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0, len
     res = {"policy": policy_name, "context": context, "prefill_s": prefill_s, "step_times_s": times[warmup:],
            "step_s": float(np.median(times[warmup:])), "warmup_s": times[:warmup]}
     if back_to_back:
+        from kvoffload.engine import frozen_gc
+
         t = time.perf_counter()
-        for _ in range(back_to_back):
-            logits, state = pol.decode_step(model, state, nxt)
-            nxt = _greedy(logits)
+        with frozen_gc():
+            for _ in range(back_to_back):
+                logits, state = pol.decode_step(model, state, nxt)
+                nxt = _greedy(logits)
         on_host(nxt)
         res["back_to_back_step_s"] = (time.perf_counter() - t) / back_to_back
     res["plan"] = dict(state.records[-1]) if state.records else None
