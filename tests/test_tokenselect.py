@@ -77,6 +77,18 @@ def test_whole_context_budget_equals_full(ref, page_size):
     assert sel["hit_rate"] == 0.0 and sel["scored_fraction_per_layer"] == [1.0] * model.config.num_layers
 
 
+def test_pools_read_in_place_default_to_large_extents():
+    """clo and tokenselect read their pool in place (no extent moves whole): 1024 MiB of K per extent per
+    device, fewer leaves per layer call; the fetching policies and full keep the 64 MiB unit they move and share;
+    extent_mb given wins."""
+    for name, opts in (("clo", {}), ("tokenselect", {}), ("tokenselect", {"kv": "split"})):
+        assert make_policy(name, **opts).pipeline.extent_mb == 1024.0, (name, opts)
+    for name in ("full", "offload", "kvpr"):
+        assert make_policy(name).pipeline.extent_mb == 64.0, name
+    assert make_policy("clo", extent_mb=64).pipeline.extent_mb == 64.0
+    assert make_policy("clo", tensor_parallel=1).describe()["extent_mb"] == 1024.0
+
+
 # LLaMA behind the slow marker: kv=split on LLaMA runs by default in
 # test_split_small_budget_reads_the_selected_values_from_the_host (its placement and plan are the family's shapes)
 @pytest.mark.parametrize("ref", ["opt", pytest.param("llama", marks=pytest.mark.slow)], indirect=True)

@@ -286,8 +286,8 @@ def _device_of(x):
 def frozen_gc():
     """Python's garbage collector during a decode loop: every object alive before the loop is moved out of its
     sight (`gc.freeze`) and back after (`gc.unfreeze`), so a full collection inside the loop scans only what
-    the loop made. A step allocates host objects for each layer, so every ~100 steps a full collection runs, and
-    with ~190k objects alive it stalled one step for 117 ms on a 2-core CPU (6 ms frozen): a streamed token late,
+    the loop made. A step allocates host objects for each layer, so every ~100-150 steps a full collection runs,
+    and with ~190k objects alive it stalled one step for 117 ms on a 2-core CPU (2-6 ms frozen): a token late,
     a benchmark's step an outlier. Nothing leaks: garbage from before the loop is collected after it. Left alone
     where the caller froze objects already (unfreezing would undo theirs) or turned the collector off."""
     if not gc.isenabled() or gc.get_freeze_count():
