@@ -55,11 +55,15 @@ def main(argv=None) -> dict:
     options = parse_options(args.option)
     versus = parse_options(args.versus)
 
+    shared = {}
+
     def watched_state(opts: dict):
         """A prefilled, warm state of the policy with opts, and the arguments each layer_step call of one
-        decode step took: (calls, live buffers per layer, layers to cycle, the attend hook)."""
+        decode step took: (calls, live buffers per layer, layers to cycle, the attend hook). Every state
+        shares the first one's weights."""
         model, pol, state, nxt = random_prompt_state(args.shape, args.policy, opts, args.batch, args.prompt,
-                                                     3, args.dtype)  # two warm-up steps and the watched one
+                                                     3, args.dtype, model=shared.get("model"))
+        shared.setdefault("model", model)  # room for 3 more tokens: two warm-up steps and the watched one
         _, _, state, nxt = decode_steps(pol, model, state, nxt, 2)  # compiled, warm
         calls = []
         real = PL.layer_step

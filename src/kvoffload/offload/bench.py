@@ -212,14 +212,16 @@ def host_gauge(dispatches: int = 200, loop: int = 100_000) -> dict:
 
 
 def random_prompt_state(shape: str, policy: str, options: dict, batch: int, prompt: int, extra_tokens: int,
-                        dtype="bfloat16", tensor_parallel: int = 1, seed: int = 0):
-    """(model, policy, state, next tokens): random weights in the named shape (`make_model`), `policy` with
-    `options` prefilled with a random prompt of `prompt` tokens per request, room for `extra_tokens` more."""
+                        dtype="bfloat16", tensor_parallel: int = 1, seed: int = 0, model=None):
+    """(model, policy, state, next tokens): random weights in the named shape (`make_model`; or `model`, one
+    made before, so that two states share its weights), `policy` with `options` prefilled with a random prompt
+    of `prompt` tokens per request, room for `extra_tokens` more."""
     import jax.numpy as jnp
 
     from kvoffload.policies import make_policy
 
-    model = make_model(shape, jnp.dtype(dtype), bool(options.get("offload_weights")))
+    if model is None:
+        model = make_model(shape, jnp.dtype(dtype), bool(options.get("offload_weights")))
     tokens = jnp.asarray(np.random.default_rng(seed).integers(4, model.config.vocab_size - 1, (batch, prompt)),
                          jnp.int32)
     pol = make_policy(policy, tensor_parallel=tensor_parallel, **options)
