@@ -227,7 +227,7 @@ def counters(state) -> dict | None:
                 if getattr(s, "spec_rows_fetched", None) is not None:
                     c["v_rows"] += int(np.asarray(s.spec_rows_fetched).sum())
             if sel.replay is not None:
-                c["rule_hits"] += int(np.asarray(sel.replay.rule_hits).sum())
+                c["rule_hits"] += int(np.asarray(sel.rule_hits).sum())
     return c
 
 

@@ -21,7 +21,7 @@ from kvoffload.plan.clo import CloProfile, kv_thresholds, plan_persistent_heads,
 from kvoffload.policies import clo as clo_mod
 from kvoffload.policies import make_policy
 from kvoffload.policies.clo import CloAttend, CloOptionError, CloSlots, exact_scores
-from kvoffload.policies.tokenselect import SelectionCache, SelectSources
+from kvoffload.policies.tokenselect import SelectionCache, SelectSources, selection_counts
 # the same ragged prompts, blocks and decode loop as tokenselect's tests
 from test_tokenselect import BLOCK, NEW, PROMPTS, _decode, _pool, _with_cosine
 
@@ -168,9 +168,8 @@ def test_cache_reuses_exactly_when_the_aggregated_similarity_clears_tau(aggregat
     def slots(persistent=(False, False), pool=pool_tokens):
         sel = SelectionCache(query=jnp.asarray(q0), indices=jnp.full((B, n_kv, K), 3, jnp.int32),
                              num_valid=jnp.full((B, n_kv), 1, jnp.int32), pool_tokens=jnp.asarray(pool, jnp.int32),
-                             hits=jnp.zeros((B, n_kv), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
-                             scored=jnp.zeros((), jnp.int32))
-        return CloSlots(selection=sel, v_rows=jnp.asarray(marker_v), v_rows_fetched=jnp.zeros((B, n_kv), jnp.int32),
+                             steps=jnp.zeros((B,), jnp.int32), counts=selection_counts(B, n_kv))
+        return CloSlots(selection=sel, v_rows=jnp.asarray(marker_v),
                         tau=jnp.asarray(tau), weights=jnp.asarray(weights), persistent=jnp.asarray(persistent),
                         k_rows=jnp.zeros((B, n_kv, K, d), jnp.float32))
 
@@ -446,7 +445,7 @@ def test_replayed_hit_rate_decides_reuse_of_cached_heads():
     np.testing.assert_array_equal(np.asarray(layer1.hits), NEW - 2)  # selects at step 1 and after the flush
     assert c["hit_rate_per_layer"] == [0.0, pytest.approx((NEW - 2) / NEW, abs=1e-4)]
     assert int(layer0.scored) == 0 and int(layer1.scored) == 2  # layer 0: a device layer, nothing to select
-    assert np.asarray(layer0.replay.rule_hits).sum() == 0  # the rule's count leaves persistent heads out too
+    assert np.asarray(layer0.rule_hits).sum() == 0  # the rule's count leaves persistent heads out too
     with pytest.raises(CloOptionError, match="replay_hit_rate"):
         make_policy("clo", replay_hit_rate=-0.1)
 
@@ -1060,11 +1059,11 @@ def test_split_slots_takes_out_the_read_only_fields_and_join_restores_them(repla
     from kvoffload.policies.tokenselect import ReplayDraw
 
     a = lambda *s: jnp.asarray(np.random.default_rng(len(s)).normal(size=s), jnp.float32)  # noqa: E731
-    draw = ReplayDraw(rate=a(), key=jnp.zeros((2,), jnp.uint32), rule_hits=a(1, 2)) if replay else None
-    sel = SelectionCache(query=a(1, 4, 8), indices=a(1, 2, 5), num_valid=a(1, 2), pool_tokens=a(1), hits=a(1, 2),
-                         steps=a(1), scored=a(), replay=draw)
+    draw = ReplayDraw(rate=a(), key=jnp.zeros((2,), jnp.uint32)) if replay else None
+    sel = SelectionCache(query=a(1, 4, 8), indices=a(1, 2, 5), num_valid=a(1, 2), pool_tokens=a(1), steps=a(1),
+                         counts=a(1, 2, 5), replay=draw)
     meta = tuple((a(3, 2, 2, 8), a(3, 2, 2, 8), a(3, 2, 2)) for _ in range(2))
-    slots = CloSlots(selection=sel, v_rows=a(1, 2, 5, 8), v_rows_fetched=a(1, 2), tau=a(2), weights=a(2, 2),
+    slots = CloSlots(selection=sel, v_rows=a(1, 2, 5, 8), tau=a(2), weights=a(2, 2),
                      persistent=jnp.zeros((2,), bool), meta=meta, k_rows=a(1, 2, 5, 8))
     attend = CloAttend(None, 0.5, 1, 1, "harmonic")
     before = jax.tree.leaves(slots)

@@ -25,6 +25,7 @@ from kvoffload.policies.tokenselect import (
     TokenSelectAttend,
     TokenSelectOptionError,
     empty_selection,
+    selection_counts,
     soft_vote,
     with_replay,
 )
@@ -280,8 +281,8 @@ def test_cache_reuses_exactly_when_the_similarity_clears_the_threshold():
     marker = np.full((B, n_kv, 8), 3, np.int32)  # a cached "selection" no vote would give
     cache = SelectionCache(query=jnp.asarray(q0), indices=jnp.asarray(marker),
                            num_valid=jnp.full((B, n_kv), 1, jnp.int32),
-                           pool_tokens=jnp.asarray(pool_tokens, jnp.int32), hits=jnp.zeros((B, n_kv), jnp.int32),
-                           steps=jnp.zeros((B,), jnp.int32), scored=jnp.zeros((), jnp.int32))
+                           pool_tokens=jnp.asarray(pool_tokens, jnp.int32), steps=jnp.zeros((B,), jnp.int32),
+                           counts=selection_counts(B, n_kv))
     src = SelectSources(pool=PoolSources(k=tuple(map(jnp.asarray, keys)), v=tuple(map(jnp.asarray, vals)),
                                          x=(None,) * len(keys), recompute=jnp.int32(0)),
                         tail_len=jnp.asarray([5, 2], jnp.int32))
@@ -422,7 +423,7 @@ def test_replay_half_reuses_at_that_rate_per_request_and_head():
             for t in range(len(reused)):
                 want[b, h] += cached == t % 2
                 cached = cached if reused[t, b, h] else t % 2
-    np.testing.assert_array_equal(np.asarray(cache.replay.rule_hits), want)
+    np.testing.assert_array_equal(np.asarray(cache.rule_hits), want)
     reused, _ = run(1.0, 20, grown=True)
     assert reused.sum() == 0
 

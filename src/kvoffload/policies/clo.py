@@ -164,7 +164,6 @@ class CloSlots:
 
     selection: SelectionCache
     v_rows: jax.Array  # [B, n_kv, K, d]: the selected V rows (pool dtype), on the GPU
-    v_rows_fetched: jax.Array  # [B, n_kv] int32: V rows gathered on misses
     tau: jax.Array  # [n_kv] f32
     weights: jax.Array  # [n_kv, G] f32: importance of each query head in the GQA aggregation
     persistent: jax.Array  # [n_kv] bool
@@ -192,6 +191,8 @@ class CloSlots:
     steps = property(lambda self: self.selection.steps)
     scored = property(lambda self: self.selection.scored)
     replay = property(lambda self: self.selection.replay)
+    rule_hits = property(lambda self: self.selection.rule_hits)
+    v_rows_fetched = property(lambda self: self.selection.rows_fetched)  # [B, n_kv]: V rows gathered on misses
 
 
 jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclasses.fields(CloSlots) if f.name != "dense"],
@@ -200,14 +201,14 @@ jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclas
 
 def clo_slot_specs(slots: CloSlots) -> CloSlots:
     """Where a layer's CloSlots live on a tensor-parallel mesh (PartitionSpecs in their place): everything per
-    KV head split by head with the K/V it comes from -- the selection cache (`selection_specs`), the row buffers
-    and their counters (axis 1), the metadata of every extent ([E, n_kv, ...]: axis 1), the per-head rule (tau,
+    KV head split by head with the K/V it comes from -- the selection cache and its counts (`selection_specs`),
+    the row buffers and the guesses' counters (axis 1), the metadata of every extent ([E, n_kv, ...]: axis 1), the per-head rule (tau,
     weights, persistent) and HATA's W (axis 0); step flags replicated. A persistent head's buffers are the
     layer's whole-capacity ones (K = the request bound for every head of a layer with one): each device's
     shapes are equal and static whichever of its heads persist."""
     heads, by_head, rep = S.KV_SPEC, S.P(S.MODEL), S.REPLICATED
     opt = lambda a, spec: None if a is None else spec  # noqa: E731
-    return CloSlots(selection=selection_specs(slots.selection), v_rows=heads, v_rows_fetched=heads, tau=by_head,
+    return CloSlots(selection=selection_specs(slots.selection), v_rows=heads, tau=by_head,
                     weights=by_head, persistent=by_head, meta=jax.tree.map(lambda _: heads, slots.meta),
                     hata_w=opt(slots.hata_w, by_head), k_rows=opt(slots.k_rows, heads), held=opt(slots.held, heads),
                     held_valid=opt(slots.held_valid, heads), guessed=opt(slots.guessed, rep),
@@ -453,9 +454,9 @@ class CloAttend:
         return slots
 
     def selection_rule(self, q, src, tables, slots: CloSlots):
-        """(reuse [B, n_kv], select, replay): which (request, KV head) keep their cached selection for query
+        """(reuse [B, n_kv], select, rule_hits): which (request, KV head) keep their cached selection for query
         q, a function giving a fresh selection (indices, num_valid) for q (scores, top-k, sinks and recent
-        tokens, persistent heads: everything), and the replay state after this look (None without
+        tokens, persistent heads: everything), and what the similarity rule reused to count (0 without
         replay_hit_rate; with it a cached head's reuse is the replayed draw, `cache_decision`)."""
         keys = src.pool.k
         B, H, d = q.shape
@@ -473,7 +474,7 @@ class CloAttend:
         sim = aggregate_similarity(query_cosines(q, sel.query).reshape(B, n_kv, H // n_kv), slots.weights,
                                    self.gqa_aggregation)
         valid = (sel.pool_tokens == pool_tokens)[:, None]
-        reuse, replay = cache_decision((sim >= slots.tau[None]) & ~slots.persistent[None], valid, sel)
+        reuse, rule_hits = cache_decision((sim >= slots.tau[None]) & ~slots.persistent[None], valid, sel)
         reuse = reuse | (slots.persistent[None] & valid)  # a persistent head re-selects only when the pool grows
 
         def select():  # over each request's own blocks (`TokenSpace`): scores and top-k of T = R * blk tokens
@@ -489,7 +490,7 @@ class CloAttend:
                                  self.num_sink, self.num_recent, ps, token_ids=space.token_ids(),
                                  method=self.topk_method)
 
-        return reuse, select, replay
+        return reuse, select, rule_hits
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: CloSlots, recompute_impl, attention_impl):
         if slots.dense:  # every head persistent: the layer's blocks in device memory, attended as `full` does
@@ -502,7 +503,7 @@ class CloAttend:
         n_kv, blk = sel.indices.shape[1], pool_block_tokens(src.pool)
         K = sel.indices.shape[-1]
         pool_tokens = sum(tables.count) * blk
-        reuse, select, replay = self.selection_rule(q, src, tables, slots)
+        reuse, select, rule_hits = self.selection_rule(q, src, tables, slots)
         indices, num_valid = reuse_or_select(reuse, sel, select, self.conditionals)
         # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
         rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl)
@@ -540,12 +541,10 @@ class CloAttend:
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
         cached = ~slots.persistent[None]
         new_sel = SelectionCache(query=jnp.where(keep_q, sel.query, q.astype(jnp.float32)), indices=indices,
-                                 num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
-                                 hits=sel.hits + (reuse & cached).astype(jnp.int32), steps=sel.steps + 1,
-                                 scored=sel.scored + jnp.any(~reuse).astype(jnp.int32),
-                                 x_rows=None if sel.x_rows is None else sel.x_rows + x_rows, replay=replay)
-        new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows,
-                                  v_rows_fetched=slots.v_rows_fetched + fetched, **spec)
+                                 num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32), steps=sel.steps + 1,
+                                 counts=sel.counted(hits=reuse & cached, scored=jnp.any(~reuse), x_rows=x_rows,
+                                                    rule_hits=rule_hits, rows_fetched=fetched), replay=sel.replay)
+        new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows, **spec)
         return acc, constrain_slots(new, clo_slot_specs(new))
 
 
@@ -580,8 +579,8 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
     rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"))
     k_rows, v_rows, fetched, x_rows = refill_buffers(slots, g_idx, g_nv, rows, blk)
     sel = slots.selection
-    if sel.x_rows is not None:  # the guesses' X rows count with the layer programs'
-        slots = dataclasses.replace(slots, selection=dataclasses.replace(sel, x_rows=sel.x_rows + x_rows))
+    # the guesses' X rows count with the layer programs'
+    slots = dataclasses.replace(slots, selection=dataclasses.replace(sel, counts=sel.counted(x_rows=x_rows)))
     slots = dataclasses.replace(slots, v_rows=v_rows, k_rows=k_rows, held=g_idx, held_valid=g_nv,
                                 guessed=jnp.ones((), bool), spec_rows_fetched=slots.spec_rows_fetched + fetched)
     return constrain_slots(slots, clo_slot_specs(slots))
@@ -815,7 +814,7 @@ class CloHooks(TokenSelectHooks):
         if replay_rate is not None:
             selection = with_replay(selection, replay_rate, layer)
         return CloSlots(selection=selection, v_rows=jnp.zeros((batch, n_kv, K, d), dtype),
-                        v_rows_fetched=zeros((batch, n_kv)), tau=jnp.asarray(tau[layer], jnp.float32),
+                        tau=jnp.asarray(tau[layer], jnp.float32),
                         weights=jnp.asarray(weights[layer], jnp.float32), persistent=jnp.asarray(persistent[layer]),
                         meta=tuple(meta_zeros(layout.size(e)) for e in range(layout.num_extents))
                         if retrieval != "exact" and not dense else (),

@@ -92,15 +92,41 @@ class SelectionCache:
     indices: jax.Array  # [B, n_kv, K] int32: selected tokens, the first num_valid valid (ascending)
     num_valid: jax.Array  # [B, n_kv] int32
     pool_tokens: jax.Array  # [B] int32: the request's pool tokens when selected (-1: never)
-    hits: jax.Array  # [B, n_kv] int32: steps that reused the cached selection
     steps: jax.Array  # [B] int32: steps run
-    scored: jax.Array  # [] int32: steps on which the scoring ran (some (request, head) missed)
-    x_rows: jax.Array | None = None  # [B] int32: activation rows read (store=act: the heads' unions), or None
+    # [B, n_kv, len(COUNTS)] int32: the run's statistics (`COUNTS`), one array because every leaf of the layer
+    # program costs the host ~4 us a call (BENCHMARKS, eighteenth session); per-request and per-layer counts are
+    # written alike into every head's column, so the array splits by head like the rest
+    counts: jax.Array
     replay: "ReplayDraw | None" = None  # with replay_hit_rate: the replayed reuse decisions (else None)
+
+    hits = property(lambda self: self.counts[..., COUNTS["hits"]])  # [B, n_kv]: steps that reused the selection
+    rule_hits = property(lambda self: self.counts[..., COUNTS["rule_hits"]])  # [B, n_kv]: `ReplayDraw`
+    rows_fetched = property(lambda self: self.counts[..., COUNTS["rows_fetched"]])  # [B, n_kv]: clo's misses
+    x_rows = property(lambda self: self.counts[:, 0, COUNTS["x_rows"]])  # [B]: X rows read (store=act)
+    scored = property(lambda self: self.counts[0, 0, COUNTS["scored"]])  # []: steps on which scoring ran
+
+    def counted(self, **adds) -> jax.Array:
+        """counts with adds by name (`COUNTS`): [B, n_kv] per head, [B] per request, [] per layer."""
+        c = self.counts
+        cols = [c[..., i] for i in range(c.shape[-1])]
+        for name, a in adds.items():
+            a = jnp.asarray(a, jnp.int32)
+            cols[COUNTS[name]] = cols[COUNTS[name]] + (a[:, None] if a.ndim == 1 else a)
+        return jnp.stack(cols, -1)
 
 
 jax.tree_util.register_dataclass(SelectionCache, data_fields=[f.name for f in dataclasses.fields(SelectionCache)],
                                  meta_fields=[])
+
+# SelectionCache.counts' columns: reuses of the cached selection (per head), looks on which the similarity rule
+# would have reused under replay (per head), rows gathered from the host on misses (per head; clo), activation
+# rows read (per request; store=act), steps on which the scoring ran (per layer)
+COUNTS = {"hits": 0, "rule_hits": 1, "rows_fetched": 2, "x_rows": 3, "scored": 4}
+
+
+def selection_counts(batch: int, n_kv: int) -> jax.Array:
+    """SelectionCache.counts of a selection that has counted nothing."""
+    return jnp.zeros((batch, n_kv, len(COUNTS)), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +137,13 @@ class ReplayDraw:
     cached selection -- per (request, KV head, step) -- reuses it with probability ``rate``: a Bernoulli draw
     from ``key`` folded with the request's step counter and its row (on the device, no host sync). Where the
     cache is not valid (nothing selected yet, the pool grew) the head selects as always. The similarity
-    rule is still evaluated (its cost is paid, as in a real run) and counted in ``rule_hits``."""
+    rule is still evaluated (its cost is paid, as in a real run) and counted (`SelectionCache.rule_hits`)."""
 
     rate: jax.Array  # [] f32: probability that a valid cached selection is reused
     key: jax.Array  # [2] uint32: the layer's PRNG key (jax.random.PRNGKey data)
-    rule_hits: jax.Array  # [B, n_kv] int32: looks on which the similarity rule would have reused
 
 
-jax.tree_util.register_dataclass(ReplayDraw, data_fields=["rate", "key", "rule_hits"], meta_fields=[])
+jax.tree_util.register_dataclass(ReplayDraw, data_fields=["rate", "key"], meta_fields=[])
 
 REPLAY_SEED = 20261126  # the replayed draws' root key; each layer folds in its index
 
@@ -148,35 +173,32 @@ def replay_rates(replay_hit_rate, num_layers: int | None = None, error=None) -> 
 def with_replay(sel: SelectionCache, rate: float, layer: int) -> SelectionCache:
     """sel (an empty selection) with replayed reuse decisions at probability rate for this layer."""
     key = jax.random.fold_in(jax.random.PRNGKey(REPLAY_SEED), layer)
-    return dataclasses.replace(sel, replay=ReplayDraw(rate=jnp.asarray(rate, jnp.float32), key=key,
-                                                      rule_hits=jnp.zeros_like(sel.num_valid)))
+    return dataclasses.replace(sel, replay=ReplayDraw(rate=jnp.asarray(rate, jnp.float32), key=key))
 
 
 def cache_decision(rule, valid, sel: SelectionCache):
-    """(reuse [B, n_kv], the replay state after this look): rule & valid (rule: the similarity clears the
-    threshold; valid: the cached selection may be reused), or with replay a Bernoulli(rate) draw & valid,
-    the rule still evaluated and counted (`ReplayDraw`)."""
+    """(reuse [B, n_kv], the rule's reuses to count [B, n_kv] int32 or 0): rule & valid (rule: the similarity
+    clears the threshold; valid: the cached selection may be reused), or with replay a Bernoulli(rate) draw &
+    valid, the rule still evaluated and counted (`ReplayDraw`, `SelectionCache.rule_hits`)."""
     if sel.replay is None:
-        return rule & valid, None
+        return rule & valid, 0
     B, n_kv = rule.shape
 
     def draw(b, step):
         return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(sel.replay.key, step), b), (n_kv,))
 
     u = jax.vmap(draw)(jnp.arange(B, dtype=jnp.int32), sel.steps)
-    return (u < sel.replay.rate) & valid, dataclasses.replace(
-        sel.replay, rule_hits=sel.replay.rule_hits + (rule & valid).astype(jnp.int32))
+    return (u < sel.replay.rate) & valid, (rule & valid).astype(jnp.int32)
 
 
 def selection_specs(sel: SelectionCache) -> SelectionCache:
     """Where a selection cache lives on a tensor-parallel mesh (PartitionSpecs in its place): per head parts
     (queries per query head, selections and counters per KV head: axis 1) split by head like the K/V they
     select from, so each device keeps its own heads' (query head h goes with KV head h // G: contiguous groups,
-    one device's); per request parts (pool tokens, steps, X rows) and scalars replicated."""
+    one device's), the counts too (axis 1); per request parts (pool tokens, steps) and scalars replicated."""
     heads, rep = S.KV_SPEC, S.REPLICATED
-    return SelectionCache(query=heads, indices=heads, num_valid=heads, pool_tokens=rep, hits=heads, steps=rep,
-                          scored=rep, x_rows=None if sel.x_rows is None else rep,
-                          replay=None if sel.replay is None else ReplayDraw(rate=rep, key=rep, rule_hits=heads))
+    return SelectionCache(query=heads, indices=heads, num_valid=heads, pool_tokens=rep, steps=rep, counts=heads,
+                          replay=None if sel.replay is None else ReplayDraw(rate=rep, key=rep))
 
 
 def _is_spec(x) -> bool:
@@ -600,8 +622,8 @@ class TokenSelectAttend:
         context = pool_tokens + src.tail_len + 1
         n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, ps, K, context)
 
-        reuse, replay = cache_decision(query_similarity(q, slots.query, n_kv) >= self.cache_threshold,
-                                       (slots.pool_tokens == pool_tokens)[:, None], slots)
+        reuse, rule_hits = cache_decision(query_similarity(q, slots.query, n_kv) >= self.cache_threshold,
+                                          (slots.pool_tokens == pool_tokens)[:, None], slots)
 
         def select():
             space = token_space(tables, blk, src.request_blocks)
@@ -621,10 +643,9 @@ class TokenSelectAttend:
 
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
         new = SelectionCache(query=jnp.where(keep_q, slots.query, q.astype(jnp.float32)), indices=indices,
-                             num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32),
-                             hits=slots.hits + reuse.astype(jnp.int32), steps=slots.steps + 1,
-                             scored=slots.scored + jnp.any(~reuse).astype(jnp.int32),
-                             x_rows=None if slots.x_rows is None else slots.x_rows + x_rows, replay=replay)
+                             num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32), steps=slots.steps + 1,
+                             counts=slots.counted(hits=reuse, scored=jnp.any(~reuse), x_rows=x_rows,
+                                                  rule_hits=rule_hits), replay=slots.replay)
         return acc, constrain_slots(new, selection_specs(new))
 
 
@@ -638,7 +659,7 @@ def empty_selection(batch, H, n_kv, d, K) -> SelectionCache:
     zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
     return SelectionCache(query=jnp.zeros((batch, H, d), jnp.float32), indices=zeros((batch, n_kv, K)),
                           num_valid=zeros((batch, n_kv)), pool_tokens=jnp.full((batch,), -1, jnp.int32),
-                          hits=zeros((batch, n_kv)), steps=zeros((batch,)), scored=zeros(()), x_rows=zeros((batch,)))
+                          steps=zeros((batch,)), counts=selection_counts(batch, n_kv))
 
 
 def _tree_nbytes(tree) -> int:
@@ -1002,7 +1023,7 @@ def hit_rates(state) -> dict:
            "scored_fraction_per_layer": [round(float(x) / steps, 4) for x in scored]}
     slots0 = state.groups[0].slots
     if slots0[0].replay is not None:  # replayed decisions: the configured rates, and what the rule would have done
-        rule = sum(np.stack([np.asarray(s.replay.rule_hits).sum(0) for s in gr.slots]) for gr in state.groups)
+        rule = sum(np.stack([np.asarray(s.rule_hits).sum(0) for s in gr.slots]) for gr in state.groups)
         out["replayed_hit_rate_per_layer"] = [round(float(s.replay.rate), 6) for s in slots0]
         out["similarity_rule_hit_rate"] = float(rule.sum() / (looks.sum() * rule.shape[1]))
         out["similarity_rule_hit_rate_per_layer"] = [round(float(x), 4) for x in (rule / looks[:, None]).mean(1)]
