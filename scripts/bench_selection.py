@@ -371,8 +371,10 @@ def attention_bench(pol, model, state, layer: int, reps: int, extremes: bool, ti
 def host_row_bytes(pol, cfg, itemsize: int) -> int:
     """Bytes of one K or V row as the policy's host pool stores it (what a gathered row moves over PCIe):
     host_dtype=int4 packs its codes and a float32 step and min per group (per-token scales: the row's own)."""
-    d = cfg.head_dim
-    return d // 2 + 8 * (d // pol.pipeline.opts.int4_group_size) if pol.pipeline.int4 else d * itemsize
+    from kvoffload.plan.cost import stored_bytes
+
+    return int(stored_bytes(cfg.head_dim, itemsize, "int4" if pol.pipeline.int4 else "native",
+                            pol.pipeline.opts.int4_group_size))
 
 
 def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict) -> dict:

@@ -109,6 +109,7 @@ from kvoffload.offload import sharding as S
 from kvoffload.offload.pipeline import attend_pool, native_extent
 from kvoffload.offload.pool import write_blocks
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
+from kvoffload.plan.cost import stored_bytes
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.tokenselect import (
@@ -775,7 +776,8 @@ class CloHooks(TokenSelectHooks):
         w, w_source = self.hata_projections(cfg) if self.attend.retrieval == "hata" else (None, None)
         rates = self.replay_rates(cfg)
         # one row of V as the host pool stores it (int4: codes and the float32 step and min of each group)
-        row_bytes = d // 2 + 8 * (d // pipe.opts.int4_group_size) if pipe.int4 else d * jnp.dtype(dtype).itemsize
+        row_bytes = int(stored_bytes(d, jnp.dtype(dtype).itemsize, "int4" if pipe.int4 else "native",
+                                     pipe.opts.int4_group_size))
         self.chosen = dict(tau=tau, persistent=persistent, source=source, plan=report, K=K_sel, bound=bound,
                            v_row_bytes=row_bytes, hata_source=w_source)
 
