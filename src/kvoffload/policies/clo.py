@@ -203,8 +203,8 @@ jax.tree_util.register_dataclass(CloSlots, data_fields=[f.name for f in dataclas
 def clo_slot_specs(slots: CloSlots) -> CloSlots:
     """Where a layer's CloSlots live on a tensor-parallel mesh (PartitionSpecs in their place): everything per
     KV head split by head with the K/V it comes from -- the selection cache and its counts (`selection_specs`),
-    the row buffers and the guesses' counters (axis 1), the metadata of every extent ([E, n_kv, ...]: axis 1), the per-head rule (tau,
-    weights, persistent) and HATA's W (axis 0); step flags replicated. A persistent head's buffers are the
+    the row buffers and the guesses' counters (axis 1), the metadata of every extent ([E, n_kv, ...]: axis 1),
+    the per-head rule (tau, weights, persistent) and HATA's W (axis 0); step flags replicated. A persistent head's buffers are the
     layer's whole-capacity ones (K = the request bound for every head of a layer with one): each device's
     shapes are equal and static whichever of its heads persist."""
     heads, by_head, rep = S.KV_SPEC, S.P(S.MODEL), S.REPLICATED
@@ -580,9 +580,8 @@ def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots
     rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"))
     k_rows, v_rows, fetched, x_rows = refill_buffers(slots, g_idx, g_nv, rows, blk)
     sel = slots.selection
-    # the guesses' X rows count with the layer programs'
-    slots = dataclasses.replace(slots, selection=dataclasses.replace(sel, counts=sel.counted(x_rows=x_rows)))
-    slots = dataclasses.replace(slots, v_rows=v_rows, k_rows=k_rows, held=g_idx, held_valid=g_nv,
+    sel = dataclasses.replace(sel, counts=sel.counted(x_rows=x_rows))  # the guesses' X rows count with the layers'
+    slots = dataclasses.replace(slots, selection=sel, v_rows=v_rows, k_rows=k_rows, held=g_idx, held_valid=g_nv,
                                 guessed=jnp.ones((), bool), spec_rows_fetched=slots.spec_rows_fetched + fetched)
     return constrain_slots(slots, clo_slot_specs(slots))
 
