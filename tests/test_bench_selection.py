@@ -196,3 +196,21 @@ def test_trace_folders_are_fresh_per_run(tmp_path):
         third = bs.fresh_dir(str(tmp_path / "clo_quest_131072_1"))
     assert [os.path.basename(p) for p in (first, second, third)] == [
         "clo_quest_131072_1", "clo_quest_131072_1_2", "clo_quest_131072_1_3"]
+
+
+@pytest.mark.parametrize("host_dtype, k_quant, v_row, k_row", [
+    ("native", "token", 128 * 2, 128 * 2),
+    ("int4", "token", 64 + 2 * 8, 64 + 2 * 8),  # codes + a float32 step and min per group of 64
+    ("int4", "native", 64 + 2 * 8, 128 * 2),  # K rows in the model's dtype
+])
+def test_host_row_bytes_count_k_and_v_as_stored(host_dtype, k_quant, v_row, k_row):
+    """The bytes of a gathered V row and K row (d 128, bf16) as the host pool stores them."""
+    from types import SimpleNamespace
+
+    from kvoffload.policies import make_policy
+
+    pol = make_policy("clo", retrieval="quest", host_dtype=host_dtype, int4_k_quant=k_quant)
+    cfg = SimpleNamespace(head_dim=128)
+    with script_module("bench_selection") as bs:
+        assert bs.host_row_bytes(pol, cfg, 2) == v_row
+        assert bs.host_row_bytes(pol, cfg, 2, key=True) == k_row

@@ -672,3 +672,35 @@ def test_hybrid_channel_int4_runs_near_native(model):
     host_k = [gr.pool_k[0][e] for gr in state.groups for e in range(gr.layout.num_extents)
               if gr.layout.has("kv", e) and not gr.layout.on_device(e)]
     assert host_k and all(k.scales == "channel" and k.step.shape[-2] == 1 for k in host_k)
+
+
+def test_int4_k_quant_native_keeps_keys_unquantized_and_counts_them():
+    """int4_k_quant="native": the host pool's K extents stay plain arrays in the model's dtype (in pinned host
+    memory) beside int4 V; with groups of 2 (exact codes) the logits are the native run's to float rounding;
+    the step records, the memory plan and the cost model's shape count K native and V int4."""
+    bf16 = tiny_random_model("opt", seed=1, num_attention_heads=1, dtype="bfloat16")
+    cfg = bf16.config
+    d = cfg.head_dim
+    extent = dict(extent_mb=6 * BLOCK * 64 * 2 / 2**20)
+    want, greedy, pn, sn = _run(bf16, "offload", int4_k_quant="token", **extent)
+    got, _, pq, sq = _run(bf16, "offload", feed=greedy, host_dtype="int4", int4_k_quant="native", int4_group_size=2,
+                          **extent)
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=0)  # bf16 logits: the V codes exact, K as stored
+    gr = sq.groups[0]
+    host = [e for e in range(gr.layout.num_extents) if gr.layout.has("kv", e) and not gr.layout.on_device(e)]
+    assert host
+    for e in host:
+        k, v = gr.pool_k[0][e], gr.pool_v[0][e]
+        assert not isinstance(k, ops.QuantizedInt4) and k.dtype == jnp.bfloat16
+        assert M.memory_kind_of(k) == "pinned_host"
+        assert isinstance(v, ops.QuantizedInt4) and v.group_size == 2
+    # bytes per token and head: K 64 x 2 (bf16), V 32 of codes + 32 groups' float32 step and min
+    ratio = (2 * d + d // 2 + 8 * (d // 2)) / (4 * d)
+    assert stored_kv_bytes_per_token(cfg, 2, "int4", 2, "native") / stored_kv_bytes_per_token(cfg, 2) == ratio
+    for rn, rq in zip(sn.records, sq.records):
+        assert rq["bytes_kv"] == pytest.approx(ratio * rn["bytes_kv"], rel=1e-9) and rn["bytes_kv"] > 0
+    assert pq.pipeline.memory_plan.host["K/V blocks"] == pytest.approx(
+        ratio * pn.pipeline.memory_plan.host["K/V blocks"], rel=1e-9)
+    assert pq.pipeline.shape(bf16).kv_host_tok == pytest.approx(ratio * pn.pipeline.shape(bf16).kv_tok)
+    with pytest.raises(ValueError, match="int4_k_quant must be one of"):
+        make_policy("offload", host_dtype="int4", int4_k_quant="int8")

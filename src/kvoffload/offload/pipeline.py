@@ -693,6 +693,8 @@ class PipelineOptions:
     # how int4 K is scaled: "token" (groups of int4_group_size along each token's head_dim, like V and X)
     # or "channel" (KIVI: a step and min per channel over each block's block_tokens tokens; keys have outlier
     # channels that per-token groups stretch over the other channels' range; same bytes as token's g64 at blk 64)
+    # or "native" (K kept in the model's dtype, V and X int4: where single rows are gathered, exact keys for
+    # about twice int4's bytes a K+V row; per-token int4 K loses accuracy there, per-channel scales come per block)
     int4_k_quant: str = "token"
     # tensor parallelism over heads (offload/sharding.py): N devices (the first N of jax.devices()), or a
     # jax.sharding.Mesh with a 'model' axis; weights, K/V and the host pool split by head over it
@@ -708,15 +710,15 @@ class PipelineOptions:
     layers_per_program: int = 1
 
     def __post_init__(self):
-        from kvoffload.plan.cost import HOST_DTYPES
+        from kvoffload.plan.cost import HOST_DTYPES, INT4_K_QUANTS
 
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.host_dtype not in HOST_DTYPES:
             raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {self.host_dtype!r}")
         self.int4_group_size = int(self.int4_group_size)
-        if self.int4_k_quant not in ops.INT4_SCALES:
-            raise ValueError(f"int4_k_quant must be one of {ops.INT4_SCALES}, got {self.int4_k_quant!r}")
+        if self.int4_k_quant not in INT4_K_QUANTS:
+            raise ValueError(f"int4_k_quant must be one of {INT4_K_QUANTS}, got {self.int4_k_quant!r}")
         if self.int4_group_size < 1:
             raise ValueError(f"int4_group_size must be >= 1, got {self.int4_group_size}")
         self.gpu_batches = int(self.gpu_batches)
@@ -1409,8 +1411,8 @@ class LayerPipeline:
 
     def host_form(self, a, key=False):
         """A K (key=True), V or X block / extent as a host pool stores it: int4 (K scaled as int4_k_quant says,
-        V and X per token) or as it is."""
-        if not self.int4:
+        V and X per token) or as it is (native pools; K with int4_k_quant="native")."""
+        if not self.int4 or (key and self.opts.int4_k_quant == "native"):
             return a
         return quantize_blocks(a, self.opts.int4_group_size, self.opts.int4_k_quant if key else "token")
 

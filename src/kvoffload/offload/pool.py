@@ -12,8 +12,9 @@ extent is one array -- K and V ``[E, n_kv, blk, d]``, activations X ``[E, blk, H
 memory (offloading policies) or device memory (`full`). Block id b lives in extent b // E at slot
 b % E. A host pool may store its extents in int4 (``host_dtype="int4"``): each K, V and X extent is
 then a ``QuantizedInt4`` of three arrays (codes, step, min; groups along the last axis, d or H; K with
-``int4_k_quant="channel"``: a step and min per channel of each block, [E, n_kv, 1, d]) with
-the same leading axes, written and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole
+``int4_k_quant="channel"``: a step and min per channel of each block, [E, n_kv, 1, d]; with
+``int4_k_quant="native"`` K stays a plain array in the model's dtype) with the same leading axes,
+written and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole
 array overlaps the jitted compute dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
 fetches must move few, large arrays; an extent of tens of MiB moves at the PCIe floor. Every extent
 of a run has one shape, so no program compiles again as a generation grows. Allocation is lowest id

@@ -83,10 +83,11 @@ against its owner's query, and the scores are laid out per request over its own 
 (`tokenselect.TokenSpace`: [B, n_kv, T], T = the most tokens one request owns), where the top-k runs; the
 chosen slots map back to pool token ids. At batch 1 the request's space is the pool's (nothing gathered).
 
-int4 host storage (``host_dtype="int4"``, issue 13): the host extents (V; for quest / hata also K) are
-``QuantizedInt4``; the gathers take the selected rows' codes and scales (``ops.gather_pool_rows``) and dequantize only
-those rows on the GPU (`native_extent`); K extents kept on the GPU (exact) stay in the model's dtype, and
-the retrieval metadata is computed from the unquantized keys.
+int4 host storage (``host_dtype="int4"``, issue 13): the host extents (V; for quest / hata also K, unless
+``int4_k_quant="native"`` keeps K in the model's dtype) are ``QuantizedInt4``; the gathers take the selected
+rows' codes and scales (``ops.gather_pool_rows``) and dequantize only those rows on the GPU (`native_extent`);
+K extents kept on the GPU (exact) stay in the model's dtype, and the retrieval metadata is computed from the
+unquantized keys.
 """
 
 from __future__ import annotations
@@ -774,11 +775,14 @@ class CloHooks(TokenSelectHooks):
         dtype = model.params.layers[0].wk.dtype
         w, w_source = self.hata_projections(cfg) if self.attend.retrieval == "hata" else (None, None)
         rates = self.replay_rates(cfg)
-        # one row of V as the host pool stores it (int4: codes and the float32 step and min of each group)
-        row_bytes = int(stored_bytes(d, jnp.dtype(dtype).itemsize, "int4" if pipe.int4 else "native",
-                                     pipe.opts.int4_group_size))
+        # one row of V and of K as the host pool stores it (int4: codes and the float32 step and min of each
+        # group; K in the model's dtype with int4_k_quant="native")
+        stored = "int4" if pipe.int4 else "native"
+        itemsize, group = jnp.dtype(dtype).itemsize, pipe.opts.int4_group_size
+        v_row_bytes = int(stored_bytes(d, itemsize, stored, group))
+        k_row_bytes = int(stored_bytes(d, itemsize, stored, group, pipe.opts.int4_k_quant))
         self.chosen = dict(tau=tau, persistent=persistent, source=source, plan=report, K=K_sel, bound=bound,
-                           v_row_bytes=row_bytes, hata_source=w_source)
+                           v_row_bytes=v_row_bytes, k_row_bytes=k_row_bytes, hata_source=w_source)
 
         def make():
             return tuple(self.layer_slots(model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w,
@@ -947,7 +951,7 @@ class CloPolicy(LayeredPolicy):
             c["v_bytes_fetched_per_layer"] = [int(x) for x in nbytes.sum(1)]
             c["v_bytes_fetched_cached_heads"] = int(nbytes[cached].sum())
             if a.retrieval != "exact":  # the same rows of K (as stored) gathered from the host beside V
-                c["k_bytes_fetched"] = c["v_bytes_fetched"]
+                c["k_bytes_fetched"] = int(rows.astype(np.int64).sum()) * h.chosen["k_row_bytes"]
             # GPU-resident retrieval state: the metadata of every extent (slots' meta) and HATA's W
             slots = [s for gr in state.groups for s in gr.slots]
             c["metadata_gpu_bytes"] = int(sum(x.nbytes for s in slots for x in jax.tree.leaves(s.meta)))
