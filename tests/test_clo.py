@@ -169,8 +169,7 @@ def test_cache_reuses_exactly_when_the_aggregated_similarity_clears_tau(aggregat
         sel = SelectionCache(query=jnp.asarray(q0), indices=jnp.full((B, n_kv, K), 3, jnp.int32),
                              num_valid=jnp.full((B, n_kv), 1, jnp.int32), pool_tokens=jnp.asarray(pool, jnp.int32),
                              steps=jnp.zeros((B,), jnp.int32), counts=selection_counts(B, n_kv))
-        return CloSlots(selection=sel, v_rows=jnp.asarray(marker_v),
-                        tau=jnp.asarray(tau), weights=jnp.asarray(weights), persistent=jnp.asarray(persistent),
+        return CloSlots(selection=sel, v_rows=jnp.asarray(marker_v), rule=clo_mod.rule_array(tau, weights, persistent),
                         k_rows=jnp.zeros((B, n_kv, K, d), jnp.float32))
 
     src = SelectSources(pool=PoolSources(k=tuple(map(jnp.asarray, keys)), v=tuple(map(jnp.asarray, vals)),
@@ -1074,6 +1073,16 @@ def test_topk_method_auto_resolves_by_row_length_and_backend():
     # for radix, test_kernel_interpret's select_rows cases for the Pallas kernels)
 
 
+def test_rule_array_packs_tau_weights_and_persistent():
+    """CloSlots.rule: one [n_kv, G + 2] array; the slots' tau, weights and persistent read it back."""
+    tau, weights, persistent = [0.25, -1.5], [[0.5, 2.0], [1.0, 0.0]], [False, True]
+    slots = CloSlots(selection=None, v_rows=None, rule=clo_mod.rule_array(tau, weights, persistent))
+    assert slots.rule.shape == (2, 4) and slots.rule.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(slots.tau), tau)
+    np.testing.assert_array_equal(np.asarray(slots.weights), weights)
+    np.testing.assert_array_equal(np.asarray(slots.persistent), persistent)
+
+
 @pytest.mark.parametrize("replay", [False, True])
 def test_split_slots_takes_out_the_read_only_fields_and_join_restores_them(replay):
     """The layer program's undonated part (`CloAttend.split_slots`): the reuse rule, the retrieval metadata
@@ -1086,14 +1095,13 @@ def test_split_slots_takes_out_the_read_only_fields_and_join_restores_them(repla
     sel = SelectionCache(query=a(1, 4, 8), indices=a(1, 2, 5), num_valid=a(1, 2), pool_tokens=a(1), steps=a(1),
                          counts=a(1, 2, 5), replay=draw)
     meta = tuple((a(3, 2, 2, 8), a(3, 2, 2, 8), a(3, 2, 2)) for _ in range(2))
-    slots = CloSlots(selection=sel, v_rows=a(1, 2, 5, 8), tau=a(2), weights=a(2, 2),
-                     persistent=jnp.zeros((2,), bool), meta=meta, k_rows=a(1, 2, 5, 8))
+    slots = CloSlots(selection=sel, v_rows=a(1, 2, 5, 8), rule=a(2, 4), meta=meta, k_rows=a(1, 2, 5, 8))
     attend = CloAttend(None, 0.5, 1, 1, "harmonic")
     before = jax.tree.leaves(slots)
     moving, fixed = attend.split_slots(slots)
     fixed_ids = {id(x) for x in jax.tree.leaves(fixed)}
-    assert moving.tau is None and moving.meta is None and moving.persistent is None
-    assert fixed_ids == {id(x) for x in [slots.tau, slots.weights, slots.persistent, *jax.tree.leaves(meta)]
+    assert moving.rule is None and moving.meta is None
+    assert fixed_ids == {id(x) for x in [slots.rule, *jax.tree.leaves(meta)]
                          + ([draw.rate, draw.key] if replay else [])}
     assert not fixed_ids & {id(x) for x in jax.tree.leaves(moving)}
     assert len(jax.tree.leaves(moving)) + len(jax.tree.leaves(fixed)) == len(before)
