@@ -33,8 +33,8 @@ def test_headless_gather_rows_reference_kernel_and_host():
     np.testing.assert_array_equal(np.asarray(got), np.where((tok >= 0)[..., None], flat[tok // 4, tok % 4], 0))
     q = ops.quantize_int4(jnp.asarray(x[..., :256]), 64)  # int4 X: codes and scales gathered alike
     rows = ops.gather_block_rows(q, block, offset)
-    np.testing.assert_allclose(np.asarray(ops.dequantize_int4(rows, jnp.float32)),
-                               np.where(inside[..., None], np.asarray(ops.dequantize_int4(q, jnp.float32))[
+    np.testing.assert_allclose(np.asarray(ops.dequantize(rows, jnp.float32)),
+                               np.where(inside[..., None], np.asarray(ops.dequantize(q, jnp.float32))[
                                    np.clip(block, 0, 4), offset], 0), atol=1e-6)
 
 

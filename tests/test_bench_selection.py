@@ -202,6 +202,7 @@ def test_trace_folders_are_fresh_per_run(tmp_path):
     ("native", "token", 128 * 2, 128 * 2),
     ("int4", "token", 64 + 2 * 8, 64 + 2 * 8),  # codes + a float32 step and min per group of 64
     ("int4", "native", 64 + 2 * 8, 128 * 2),  # K rows in the model's dtype
+    ("int4", "int8", 64 + 2 * 8, 128 + 2 * 8),  # K rows of int8 codes
 ])
 def test_host_row_bytes_count_k_and_v_as_stored(host_dtype, k_quant, v_row, k_row):
     """The bytes of a gathered V row and K row (d 128, bf16) as the host pool stores them."""

@@ -520,27 +520,35 @@ def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval,
         assert c["hata_w_gpu_bytes"] == cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 128 * 4
 
 
-def test_quest_int4_v_rows_with_native_keys():
-    """host_dtype="int4", int4_k_quant="native": quest's host K extents stay in the model's dtype, V is int4;
-    with groups of 2 (exact codes) the logits are the bf16-host run's, and the K bytes gathered are the V
-    rows' count times a native row (d x 4 here), the V bytes times an int4 row (codes + scales)."""
+@pytest.mark.parametrize("k_quant", ["native", "int8"])
+def test_quest_int4_v_rows_with_native_or_int8_keys(k_quant):
+    """host_dtype="int4" with int4_k_quant="native" (K extents in the model's dtype) or "int8" (int8 K codes):
+    quest's V is int4; with groups of 2 (exact codes) the logits are the native-host run's, and the K bytes
+    gathered are the V rows' count times a K row as stored (d x 4 here, or d int8 codes + scales), the V bytes
+    times an int4 row (codes + scales)."""
     from kvoffload.offload import memory as M
 
     model = tiny_random_model("llama", seed=1)
     d = model.config.head_dim
     opts = dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5)
     _, want, _ = _decode(model, "clo", NEW, **opts)
-    pol, got, state = _decode(model, "clo", NEW, host_dtype="int4", int4_k_quant="native", int4_group_size=2, **opts)
+    pol, got, state = _decode(model, "clo", NEW, host_dtype="int4", int4_k_quant=k_quant, int4_group_size=2,
+                              **opts)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     gr = state.groups[0]
     for layer in range(1, len(gr.pool_k)):  # layer 0 stays whole on the GPU
         for k, v in zip(gr.pool_k[layer], gr.pool_v[layer]):
-            assert not isinstance(k, ops.QuantizedInt4) and k.dtype == jnp.float32
-            assert isinstance(v, ops.QuantizedInt4) and M.memory_kind_of(k) == M.memory_kind_of(v.codes)
+            if k_quant == "native":
+                assert not isinstance(k, ops.QuantizedInt) and k.dtype == jnp.float32
+            else:
+                assert isinstance(k, ops.QuantizedInt) and k.bits == 8 and k.codes.shape[-1] == d
+            assert isinstance(v, ops.QuantizedInt) and v.bits == 4
+            assert M.memory_kind_of(jax.tree.leaves(k)[0]) == M.memory_kind_of(v.codes)
     c = pol.describe(state)["clo"]
     v_row = d // 2 + 8 * (d // 2)  # codes, a float32 step and min per group of 2
+    k_row = d * 4 if k_quant == "native" else d + 8 * (d // 2)
     rows = c["v_bytes_fetched"] // v_row
-    assert rows > 0 and c["v_bytes_fetched"] == rows * v_row and c["k_bytes_fetched"] == rows * d * 4
+    assert rows > 0 and c["v_bytes_fetched"] == rows * v_row and c["k_bytes_fetched"] == rows * k_row
 
 
 def test_quest_bounds_equal_numpy_upper_bound():

@@ -59,16 +59,16 @@ def test_paths_eager_and_jitted_device_and_host():
 
 
 def test_int4_extent_gathers_codes_and_scales():
-    """A QuantizedInt4 extent: codes and group scales gathered alike, dequantized on the device = the
+    """A QuantizedInt extent: codes and group scales gathered alike, dequantized on the device = the
     dequantized extent's rows (host extent, interpret-mode kernel and reference)."""
     rng = np.random.default_rng(1)
     xq = ops.quantize_int4(_extent(rng, (6, 3, 16, 128)), 64)
     block, offset = _rows(rng, 6, 3, 16, K=45)
-    want = _np_gather(ops.dequantize_int4(xq), block, offset)
+    want = _np_gather(ops.dequantize(xq), block, offset)
     for arr, kw in [(xq, dict(impl="kernel", interpret=True)), (M.to_host(xq), {})]:
         rows = ops.gather_block_rows(arr, block, offset, **kw)
-        assert isinstance(rows, ops.QuantizedInt4) and rows.codes.dtype == jnp.uint8
-        got = np.asarray(ops.dequantize_int4(rows))
+        assert isinstance(rows, ops.QuantizedInt) and rows.codes.dtype == jnp.uint8
+        got = np.asarray(ops.dequantize(rows))
         inside = ((block >= 0) & (block < 6))
         np.testing.assert_array_equal(got[inside], want[inside])
 
@@ -170,7 +170,7 @@ def test_refill_replaces_only_the_rows_named_from_every_extent():
                  donate_argnums=0)
     np.testing.assert_array_equal(np.asarray(fn(jnp.array(buf), tok, ext)), want)
     q = [ops.quantize_int4(e, 8) for e in ext]
-    deq = np.concatenate([np.asarray(ops.dequantize_int4(x)) for x in q])
+    deq = np.concatenate([np.asarray(ops.dequantize(x)) for x in q])
     got = jax.jit(lambda b_, t_, xs: ops.refill_block_rows(b_, xs, t_, blk))(buf, tok, [M.to_host(x) for x in q])
     np.testing.assert_allclose(np.asarray(got), want_for(deq), rtol=0, atol=1e-6)  # dequantized in another fusion
     assert (np.asarray(got)[tokens < 0] == np.asarray(buf)[tokens < 0]).all()

@@ -219,7 +219,7 @@ def test_int4_extents_are_codes_in_host_memory(model):
     assert lay.act_extents[1] > 0 and len(lay.extents_of("kv")) > 0
     for e in lay.extents_of("kv"):
         for ext in (gr.pool_k[0][e], gr.pool_v[0][e]):
-            assert isinstance(ext, ops.QuantizedInt4) and ext.group_size == 16 and ext.scales == "token"
+            assert isinstance(ext, ops.QuantizedInt) and ext.group_size == 16 and ext.scales == "token"
             E = lay.size(e)
             assert ext.codes.dtype == jnp.uint8 and ext.codes.shape == (E, n_kv, BLOCK, d // 2)
             assert ext.step.dtype == ext.mn.dtype == jnp.float32 and ext.step.shape == (E, n_kv, BLOCK, d // 16)
@@ -227,7 +227,7 @@ def test_int4_extents_are_codes_in_host_memory(model):
                 assert M.memory_kind_of(a) == "pinned_host"
     for e in lay.extents_of("act"):  # activations: int4 too, grouped along H
         ext = gr.pool_x[0][e]
-        assert isinstance(ext, ops.QuantizedInt4) and ext.group_size == 16
+        assert isinstance(ext, ops.QuantizedInt) and ext.group_size == 16
         h = cfg.hidden_size
         assert ext.codes.dtype == jnp.uint8 and ext.codes.shape == (lay.size(e), BLOCK, h // 2)
         assert ext.step.dtype == ext.mn.dtype == jnp.float32 and ext.step.shape == (lay.size(e), BLOCK, h // 16)
@@ -398,7 +398,7 @@ def test_gpu_int4_offload_and_kvpr_step_time(tmp_path):
 
 def test_hybrid_int4_runs_near_native_and_plans_more_blocks(model):
     """hybrid with int4 host blocks (KV and ACT, half each) and 2 GPU-resident ACT blocks, across two
-    flushes: the logits stay within the bound above of the native run; host blocks are QuantizedInt4 in
+    flushes: the logits stay within the bound above of the native run; host blocks are QuantizedInt in
     pinned host memory, GPU-resident ones native on the device (they never cross PCIe); the plan counts
     the stored bytes: int4 blocks cost fewer host bytes each, so a host budget holds more of them."""
     opts = dict(act_share=0.5, gpu_blocks=2, host_budget_gb=1e-3)
@@ -415,9 +415,9 @@ def test_hybrid_int4_runs_near_native_and_plans_more_blocks(model):
         for e in range(lay.num_extents):
             ext = gr.pool_k[0][e] if lay.has("kv", e) else gr.pool_x[0][e]
             if lay.on_device(e):
-                assert not isinstance(ext, ops.QuantizedInt4) and M.memory_kind_of(ext) == "device"
+                assert not isinstance(ext, ops.QuantizedInt) and M.memory_kind_of(ext) == "device"
             else:
-                assert isinstance(ext, ops.QuantizedInt4) and M.memory_kind_of(ext.codes) == "pinned_host"
+                assert isinstance(ext, ops.QuantizedInt) and M.memory_kind_of(ext.codes) == "pinned_host"
             kinds.add((lay.on_device(e), "kv" if lay.has("kv", e) else "act"))
     assert {(True, "act"), (False, "act"), (False, "kv")} <= kinds
     rn, rq = pn.pipeline.hooks.plan.rates, pq.pipeline.hooks.plan.rates
@@ -461,8 +461,8 @@ def test_int4_selected_rows_stay_near_native(model, policy, opts):
     # a device layer (clo's layer 0 with layer0_full) keeps native K/V on the GPU; the others are int4 on the host
     dev = [pol.pipeline.hooks.device_layer(pol.pipeline, i) for i in range(len(gr.pool_v))]
     assert not all(dev)
-    assert all(isinstance(a, ops.QuantizedInt4) != d for layer, d in zip(gr.pool_v, dev) for a in layer)
-    assert all(isinstance(a, ops.QuantizedInt4) == (k_host and not d) for layer, d in zip(gr.pool_k, dev) for a in layer)
+    assert all(isinstance(a, ops.QuantizedInt) != d for layer, d in zip(gr.pool_v, dev) for a in layer)
+    assert all(isinstance(a, ops.QuantizedInt) == (k_host and not d) for layer, d in zip(gr.pool_k, dev) for a in layer)
     assert all(r["bytes_kv"] == 0 for r in state.records)  # rows gathered in place, no extent fetched
     plan = pol.pipeline.memory_plan
     if policy == "clo":
@@ -474,7 +474,7 @@ def test_int4_selected_rows_stay_near_native(model, policy, opts):
 
 
 def test_int4_row_gather_takes_the_stored_rows_and_dequantizes_them():
-    """ops.gather_pool_rows of int4 extents in host memory: the selected rows' codes and scales (a QuantizedInt4 of
+    """ops.gather_pool_rows of int4 extents in host memory: the selected rows' codes and scales (a QuantizedInt of
     rows, moved to the device), which dequantize to the rows of the dequantized extents; and clo's refill
     takes them dequantized into its buffers."""
     from kvoffload.offload.pipeline import native_extent
@@ -486,9 +486,9 @@ def test_int4_row_gather_takes_the_stored_rows_and_dequantizes_them():
     host = [M.to_host(e) for e in ext]
     idx = jnp.asarray(rng.integers(0, 32, size=(2, 2, 6)), jnp.int32)
     rows = jax.jit(ops.gather_pool_rows, static_argnums=2)(host, idx, 4)
-    assert isinstance(rows, ops.QuantizedInt4) and M.memory_kind_of(rows.codes) == "device"
+    assert isinstance(rows, ops.QuantizedInt) and M.memory_kind_of(rows.codes) == "device"
     assert rows.codes.shape == (2, 2, 6, 4) and rows.step.shape == (2, 2, 6, 2)
-    flat = np.concatenate([np.asarray(ops.dequantize_int4(e)) for e in ext])
+    flat = np.concatenate([np.asarray(ops.dequantize(e)) for e in ext])
     i = np.asarray(idx)
     want = flat[i // 4, np.arange(2)[None, :, None], i % 4]
     np.testing.assert_allclose(np.asarray(native_extent(rows, jnp.float32)), want, rtol=1e-6, atol=1e-6)  # FMA
@@ -530,7 +530,7 @@ def test_channel_quantization_round_trip_against_numpy():
     step = np.asarray(q.step, np.float64)
     x_hat = c * step + mn
     assert np.all(np.abs(x_hat - x) <= step / 2 * (1 + 1e-5))
-    deq = jax.jit(ops.dequantize_int4)(q)
+    deq = jax.jit(ops.dequantize)(q)
     np.testing.assert_allclose(np.asarray(deq), x_hat, rtol=1e-6, atol=1e-5)
     with pytest.raises(ValueError, match="scales must be one of"):
         ops.quantize_int4(jnp.asarray(x), 64, "row")
@@ -543,7 +543,7 @@ def test_channel_scales_keep_outlier_channels_from_swamping_the_others():
     (measured 4.6-4.8x)."""
     rng = np.random.default_rng(5)
     x = _outlier_keys(rng, (4, 2, 64, 64))
-    err = {s: np.abs(np.asarray(ops.dequantize_int4(ops.quantize_int4(jnp.asarray(x), 64, s))) - x)
+    err = {s: np.abs(np.asarray(ops.dequantize(ops.quantize_int4(jnp.asarray(x), 64, s))) - x)
            for s in ("token", "channel")}
     plain = np.ones(64, bool)
     plain[[3, 17]] = False
@@ -615,9 +615,9 @@ def test_channel_int4_row_gather_takes_each_rows_block_scales():
     idx = rng.integers(0, 32, size=(2, 2, 6))
     idx[0, 0, 0] = 40  # past the pool: reads 0
     rows = jax.jit(ops.gather_pool_rows, static_argnums=2)(host, jnp.asarray(idx, jnp.int32), 4)
-    assert isinstance(rows, ops.QuantizedInt4) and rows.scales == "channel" and M.memory_kind_of(rows.step) == "device"
+    assert isinstance(rows, ops.QuantizedInt) and rows.scales == "channel" and M.memory_kind_of(rows.step) == "device"
     assert rows.codes.shape == (2, 2, 6, 4) and rows.step.shape == (2, 2, 6, 8)
-    flat = np.concatenate([np.asarray(ops.dequantize_int4(e)) for e in ext])
+    flat = np.concatenate([np.asarray(ops.dequantize(e)) for e in ext])
     want = flat[np.minimum(idx, 31) // 4, np.arange(2)[None, :, None], idx % 4]
     want[0, 0, 0] = 0
     np.testing.assert_allclose(np.asarray(native_extent(rows, jnp.float32)), want, rtol=1e-6, atol=1e-5)
@@ -627,7 +627,7 @@ def test_channel_int4_row_gather_takes_each_rows_block_scales():
     with pytest.raises(ValueError, match="per-token int4 scales only"):
         ops.decode_attention_int4(q, kq, vq, jnp.asarray([12, 7]), impl="kernel")
     out, _ = ops.decode_attention_int4(q, kq, vq, jnp.asarray([12, 7]))
-    ref, _ = ops.decode_attention(q, ops.dequantize_int4(kq), ops.dequantize_int4(vq), jnp.asarray([12, 7]),
+    ref, _ = ops.decode_attention(q, ops.dequantize(kq), ops.dequantize(vq), jnp.asarray([12, 7]),
                                   impl="reference")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
@@ -648,7 +648,7 @@ def test_channel_int4_clo_quest_stays_near_native(model):
     assert float(np.mean(got_greedy == greedy)) >= 0.75
     layer0, *host_layers = state.groups[0].pool_k  # layer 0 (layer0_full): a device layer, native K on the GPU
     assert all(a.scales == "channel" for layer in host_layers for a in layer)
-    assert not any(isinstance(a, ops.QuantizedInt4) for a in layer0)
+    assert not any(isinstance(a, ops.QuantizedInt) for a in layer0)
 
 
 def test_int4_k_quant_defaults_by_policy():
@@ -674,33 +674,43 @@ def test_hybrid_channel_int4_runs_near_native(model):
     assert host_k and all(k.scales == "channel" and k.step.shape[-2] == 1 for k in host_k)
 
 
-def test_int4_k_quant_native_keeps_keys_unquantized_and_counts_them():
+@pytest.mark.parametrize("k_quant", ["native", "int8"])
+def test_int4_k_quant_native_or_int8_keys_and_their_bytes(k_quant):
     """int4_k_quant="native": the host pool's K extents stay plain arrays in the model's dtype (in pinned host
-    memory) beside int4 V; with groups of 2 (exact codes) the logits are the native run's to float rounding;
-    the step records, the memory plan and the cost model's shape count K native and V int4."""
+    memory) beside int4 V; "int8": K extents of int8 codes (a byte a value) in per-token groups. With groups of
+    2 (exact codes) the logits are the native run's to float rounding; the step records, the memory plan and
+    the cost model's shape count K as stored and V as int4."""
     bf16 = tiny_random_model("opt", seed=1, num_attention_heads=1, dtype="bfloat16")
     cfg = bf16.config
     d = cfg.head_dim
     extent = dict(extent_mb=6 * BLOCK * 64 * 2 / 2**20)
     want, greedy, pn, sn = _run(bf16, "offload", int4_k_quant="token", **extent)
-    got, _, pq, sq = _run(bf16, "offload", feed=greedy, host_dtype="int4", int4_k_quant="native", int4_group_size=2,
+    got, _, pq, sq = _run(bf16, "offload", feed=greedy, host_dtype="int4", int4_k_quant=k_quant, int4_group_size=2,
                           **extent)
-    np.testing.assert_allclose(got, want, atol=2e-2, rtol=0)  # bf16 logits: the V codes exact, K as stored
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=0)  # bf16 logits: the codes exact, K as stored
     gr = sq.groups[0]
     host = [e for e in range(gr.layout.num_extents) if gr.layout.has("kv", e) and not gr.layout.on_device(e)]
     assert host
     for e in host:
         k, v = gr.pool_k[0][e], gr.pool_v[0][e]
-        assert not isinstance(k, ops.QuantizedInt4) and k.dtype == jnp.bfloat16
-        assert M.memory_kind_of(k) == "pinned_host"
-        assert isinstance(v, ops.QuantizedInt4) and v.group_size == 2
-    # bytes per token and head: K 64 x 2 (bf16), V 32 of codes + 32 groups' float32 step and min
-    ratio = (2 * d + d // 2 + 8 * (d // 2)) / (4 * d)
-    assert stored_kv_bytes_per_token(cfg, 2, "int4", 2, "native") / stored_kv_bytes_per_token(cfg, 2) == ratio
+        if k_quant == "native":
+            assert not isinstance(k, ops.QuantizedInt) and k.dtype == jnp.bfloat16
+            assert M.memory_kind_of(k) == "pinned_host"
+        else:
+            assert isinstance(k, ops.QuantizedInt) and k.bits == 8 and k.group_size == 2
+            E = gr.layout.size(e)
+            assert k.codes.dtype == jnp.uint8 and k.codes.shape == (E, 1, BLOCK, d)
+            assert k.step.shape == (E, 1, BLOCK, d // 2) and M.memory_kind_of(k.codes) == "pinned_host"
+        assert isinstance(v, ops.QuantizedInt) and v.group_size == 2 and v.bits == 4
+    # bytes per token and head: K 64 x 2 (bf16) or 64 int8 codes + 32 groups' float32 step and min; V 32 of
+    # codes + the same scales
+    k_bytes = 2 * d if k_quant == "native" else d + 8 * (d // 2)
+    ratio = (k_bytes + d // 2 + 8 * (d // 2)) / (4 * d)
+    assert stored_kv_bytes_per_token(cfg, 2, "int4", 2, k_quant) / stored_kv_bytes_per_token(cfg, 2) == ratio
     for rn, rq in zip(sn.records, sq.records):
         assert rq["bytes_kv"] == pytest.approx(ratio * rn["bytes_kv"], rel=1e-9) and rn["bytes_kv"] > 0
     assert pq.pipeline.memory_plan.host["K/V blocks"] == pytest.approx(
         ratio * pn.pipeline.memory_plan.host["K/V blocks"], rel=1e-9)
     assert pq.pipeline.shape(bf16).kv_host_tok == pytest.approx(ratio * pn.pipeline.shape(bf16).kv_tok)
     with pytest.raises(ValueError, match="int4_k_quant must be one of"):
-        make_policy("offload", host_dtype="int4", int4_k_quant="int8")
+        make_policy("offload", host_dtype="int4", int4_k_quant="int2")

@@ -169,12 +169,12 @@ def test_int4_ops():
         L = jnp.array([80, 3], jnp.int32)
         valid = np.broadcast_to(np.arange(80)[None, None] < np.asarray(L)[:, None, None],
                                 (2, 2, 80))
-        o64, l64 = C.np_attend(_f64(q), _f64(ops.dequantize_int4(kq)),
-                               _f64(ops.dequantize_int4(vq)), valid, d ** -0.5)
+        o64, l64 = C.np_attend(_f64(q), _f64(ops.dequantize(kq)),
+                               _f64(ops.dequantize(vq)), valid, d ** -0.5)
         auto = lambda: ops.decode_attention_int4(q, kq, vq, L)  # noqa: E731
         assert _runs_kernel(auto) == (ops.kernel_default() and supported)
         results = [auto(), ops.decode_attention_int4(q, kq, vq, L, impl="reference"),
-                   ops.decode_attention(q, ops.dequantize_int4(kq), ops.dequantize_int4(vq), L)]
+                   ops.decode_attention(q, ops.dequantize(kq), ops.dequantize(vq), L)]
         if supported:
             results.append(ops.decode_attention_int4(q, kq, vq, L, impl="kernel", interpret=True))
         for res in results:

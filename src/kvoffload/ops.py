@@ -52,10 +52,11 @@ from kvoffload.pallas import topk as _tk
 from kvoffload.pallas.decode_attention import merge_attention  # noqa: F401  (public)
 from kvoffload.pallas.quant import SCALES as INT4_SCALES  # noqa: F401  (public)
 from kvoffload.pallas.quant import (  # noqa: F401  (public)
-    QuantizedInt4,
-    dequantize_int4,
+    QuantizedInt,
+    dequantize,
     pack_int4,
     quantize_int4,
+    quantize_int8,
     unpack_int4,
 )
 from kvoffload.pallas.topk import (  # noqa: F401  (public)
@@ -71,8 +72,8 @@ __all__ = [
     "prefill_attention_chunk_cudnn", "PREFILL_IMPLS",
     "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk", "TOPK_METHODS",
-    "topk_indices", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
-    "QuantizedInt4", "INT4_SCALES", "decode_attention_int4", "kernel_default", "gather_block_rows",
+    "topk_indices", "quantize_int4", "quantize_int8", "dequantize", "pack_int4", "unpack_int4",
+    "QuantizedInt", "INT4_SCALES", "decode_attention_int4", "kernel_default", "gather_block_rows",
     "gather_pool_rows", "refill_block_rows",
     "gather_block_rows_path", "zero_copy_gather_supported", "IMPLS", "use_kernel",
 ]
@@ -519,7 +520,7 @@ def _int4_ref_jit(q, kq, vq, lengths, scale):
     return _q.decode_attention_int4_reference(q, kq, vq, lengths, scale=scale)
 
 
-def decode_attention_int4(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *, scale=None,
+def decode_attention_int4(q, kq: QuantizedInt, vq: QuantizedInt, lengths, *, scale=None,
                           impl="auto", interpret=False):
     """Decode attention reading int4 K/V (``quantize_int4`` of [B, n_kv, S, d] caches)
     without dequantising the cache in memory. Same returns as ``decode_attention``. The kernel reads
@@ -528,6 +529,9 @@ def decode_attention_int4(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *, s
     lengths = jnp.asarray(lengths, jnp.int32)
     scale = None if scale is None else float(scale)
     d = q.shape[-1]
+    if 8 in (kq.bits, vq.bits):
+        raise ValueError("decode_attention_int4 attends int4 K/V; an int8 QuantizedInt (quantize_int8) is "
+                         "dequantized (ops.dequantize) and attended with decode_attention")
     per_channel = "channel" in (kq.scales, vq.scales)
     if per_channel and impl == "kernel":
         raise ValueError("decode_attention_int4's kernel reads per-token int4 scales only; K/V quantized with "
@@ -611,8 +615,8 @@ def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k
     """Rows of one block extent: out[b, h, i] = x[block[b, h, i], h, offset[b, h, i]].
 
     x [E, n_kv, blk, d] (device or host memory; any dtype), a headless extent x [E, blk, d] (an
-    activation extent: block, offset [B, K], rows [B, K, d]), or a ``QuantizedInt4`` extent (its codes and group scales gathered alike: a QuantizedInt4 of rows
-    comes back, ``dequantize_int4`` it on the device; per-channel scales [E, n_kv, 1, d]: each row gets
+    activation extent: block, offset [B, K], rows [B, K, d]), or a ``QuantizedInt`` extent (its codes and group scales gathered alike: a QuantizedInt of rows
+    comes back, ``dequantize`` it on the device; per-channel scales [E, n_kv, 1, d]: each row gets
     its block's, [B, n_kv, K, d]); block, offset [B, n_kv, K] int32. Returns
     [B, n_kv, K, d] in device memory; rows whose block is outside [0, E) or offset outside
     [0, blk) are 0. A pinned_host extent on the GPU is read in place by the kernel (only the K rows
@@ -621,12 +625,13 @@ def gather_block_rows(x, block, offset, *, impl="auto", interpret=False, block_k
     """
     block = jnp.asarray(block, jnp.int32)
     offset = jnp.asarray(offset, jnp.int32)
-    if isinstance(x, QuantizedInt4):
+    if isinstance(x, QuantizedInt):
         rows = lambda a, off: gather_block_rows(a, block, off, impl=impl, interpret=interpret, block_k=block_k)  # noqa: E731
         # per-channel scales [E, n_kv, 1, d]: each row takes its block's (row 0), a row outside reads 0
         blk = x.codes.shape[-2]
         s_off = offset if x.scales == "token" else jnp.where((offset >= 0) & (offset < blk), 0, -1)
-        return QuantizedInt4(rows(x.codes, offset), rows(x.step, s_off), rows(x.mn, s_off), x.group_size, x.scales)
+        return QuantizedInt(rows(x.codes, offset), rows(x.step, s_off), rows(x.mn, s_off), x.group_size, x.scales,
+                            x.bits)
     path = _gather_path(x, use_kernel(impl), interpret)
     _LAST_GATHER_PATH["path"] = path
     call = _gather_block_rows if isinstance(x, jax.core.Tracer) else _gather_jit
@@ -644,8 +649,8 @@ def gather_pool_rows(extents, tokens, blk: int):
     offset) from its extents [E_e, n_kv, blk, d] (consecutive in block-id order), one ``gather_block_rows``
     per extent, each row taken from its own (0 where no extent holds it, e.g. a token of -1). Activation
     extents [E_e, blk, H] take tokens [B, T] and give [B, T, H]. A host extent is read in place by the kernel
-    on the GPU; a device extent through XLA's gather. An int4 extent (``QuantizedInt4``) gives the rows as
-    stored (a QuantizedInt4 of rows): dequantize only those."""
+    on the GPU; a device extent through XLA's gather. An int4 extent (``QuantizedInt``) gives the rows as
+    stored (a QuantizedInt of rows): dequantize only those."""
     block, off = tokens // blk, tokens % blk
     out, start = None, 0
     for x in extents:
@@ -668,7 +673,7 @@ def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=
     elsewhere, or for int4 extents, the rows are gathered per extent (``gather_pool_rows``), dequantized and
     merged with a ``where``."""
     tokens = tokens.astype(jnp.int32)
-    native = not any(isinstance(x, QuantizedInt4) for x in extents)
+    native = not any(isinstance(x, QuantizedInt) for x in extents)
     paths = {_gather_path(x, True, interpret) for x in extents} if native else set()
     if native and use_kernel(impl) and paths <= {"kernel", "kernel_zero_copy", "kernel_device_copy"}:
         def run(b_, t_, *xs):
@@ -678,7 +683,7 @@ def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=
         spec = _sh.KV_SPEC
         return _sh.per_shard(run, (spec, spec) + (spec,) * len(extents), spec)(buf, tokens, *extents)
     rows = gather_pool_rows(extents, tokens, blk)
-    rows = dequantize_int4(rows, buf.dtype) if isinstance(rows, QuantizedInt4) else rows
+    rows = dequantize(rows, buf.dtype) if isinstance(rows, QuantizedInt) else rows
     block = tokens // blk
     held = (tokens >= 0) & (block < sum(jax.tree.leaves(x)[0].shape[0] for x in extents))
     return jnp.where(held[..., None], rows.astype(buf.dtype), buf)

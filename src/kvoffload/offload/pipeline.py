@@ -30,7 +30,7 @@ runs the same programs over the same pool in device memory, so an offloading pol
 same blocks gives `full`'s logits bit for bit.
 
 int4 host storage (``host_dtype="int4"``, offload, kvpr, hybrid, clo, tokenselect kv=split): every K, V and X extent of a host
-pool is a ``QuantizedInt4`` (uint8 codes, float32 step and min per group; along d for K/V, along H for
+pool is a ``QuantizedInt`` (uint8 codes, float32 step and min per group; along d for K/V, along H for
 X), quantized on the GPU on its way to the host (prefill's extents, each flushed block: its three
 arrays written in place), fetched as it is in the same eager ``device_put`` list and dequantized to the
 compute dtype inside the layer program (`native_extent`) before the paged attention or
@@ -223,7 +223,7 @@ def recompute_extent(cfg, lp, x_ext, first_pos, impl="reference"):
 
 
 def _zero_kv(cfg, dtype, x_ext):
-    x_ext = x_ext.codes if isinstance(x_ext, ops.QuantizedInt4) else x_ext  # [E, blk, ...] either way
+    x_ext = x_ext.codes if isinstance(x_ext, ops.QuantizedInt) else x_ext  # [E, blk, ...] either way
     shape = (x_ext.shape[0], cfg.num_kv_heads, x_ext.shape[1], cfg.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
@@ -255,9 +255,9 @@ jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recom
 
 
 def native_extent(a, dtype):
-    """A K, V or X extent in the compute dtype: an int4 one (QuantizedInt4, a host pool's storage) is
+    """A K, V or X extent in the compute dtype: an int4 one (QuantizedInt, a host pool's storage) is
     dequantized here on the GPU, inside the layer program; a native one is returned as it is."""
-    return ops.dequantize_int4(a, dtype) if isinstance(a, ops.QuantizedInt4) else a
+    return ops.dequantize(a, dtype) if isinstance(a, ops.QuantizedInt) else a
 
 
 def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl, attention_impl):
@@ -693,8 +693,8 @@ class PipelineOptions:
     # how int4 K is scaled: "token" (groups of int4_group_size along each token's head_dim, like V and X)
     # or "channel" (KIVI: a step and min per channel over each block's block_tokens tokens; keys have outlier
     # channels that per-token groups stretch over the other channels' range; same bytes as token's g64 at blk 64)
-    # or "native" (K kept in the model's dtype, V and X int4: where single rows are gathered, exact keys for
-    # about twice int4's bytes a K+V row; per-token int4 K loses accuracy there, per-channel scales come per block)
+    # or "int8" (int8 codes in per-token groups: where single rows are gathered, K at ~2x int4's bytes; per-token
+    # int4 K loses accuracy there, per-channel scales come per block) or "native" (K in the model's dtype)
     int4_k_quant: str = "token"
     # tensor parallelism over heads (offload/sharding.py): N devices (the first N of jax.devices()), or a
     # jax.sharding.Mesh with a 'model' axis; weights, K/V and the host pool split by head over it
@@ -762,7 +762,7 @@ class LayerPipeline:
         self.hooks = hooks
         self.opts = opts
         self.host_pool = host_pool
-        self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V/X extents are QuantizedInt4
+        self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V/X extents are QuantizedInt
         # tensor parallelism: None on one device (the single-device path); else the mesh every array is
         # placed on (self.rep: replicated there) and a device of it that this process drives
         self.mesh = S.resolve_mesh(opts.tensor_parallel, opts.mesh)
@@ -1411,10 +1411,14 @@ class LayerPipeline:
 
     def host_form(self, a, key=False):
         """A K (key=True), V or X block / extent as a host pool stores it: int4 (K scaled as int4_k_quant says,
-        V and X per token) or as it is (native pools; K with int4_k_quant="native")."""
-        if not self.int4 or (key and self.opts.int4_k_quant == "native"):
+        V and X per token; int8 K codes with int4_k_quant="int8") or as it is (native pools; K with
+        int4_k_quant="native")."""
+        k_quant = self.opts.int4_k_quant
+        if not self.int4 or (key and k_quant == "native"):
             return a
-        return quantize_blocks(a, self.opts.int4_group_size, self.opts.int4_k_quant if key else "token")
+        if key and k_quant == "int8":
+            return quantize_blocks(a, self.opts.int4_group_size, "token", 8)
+        return quantize_blocks(a, self.opts.int4_group_size, k_quant if key else "token")
 
     def write_trace(self, path, records):
         import json

@@ -11,9 +11,10 @@ Physical level. Per layer and kind, blocks are grouped into extents of ``extent_
 extent is one array -- K and V ``[E, n_kv, blk, d]``, activations X ``[E, blk, H]`` -- in pinned host
 memory (offloading policies) or device memory (`full`). Block id b lives in extent b // E at slot
 b % E. A host pool may store its extents in int4 (``host_dtype="int4"``): each K, V and X extent is
-then a ``QuantizedInt4`` of three arrays (codes, step, min; groups along the last axis, d or H; K with
+then a ``QuantizedInt`` of three arrays (codes, step, min; groups along the last axis, d or H; K with
 ``int4_k_quant="channel"``: a step and min per channel of each block, [E, n_kv, 1, d]; with
-``int4_k_quant="native"`` K stays a plain array in the model's dtype) with the same leading axes,
+``int4_k_quant="int8"`` K's codes are int8, one a value, in per-token groups; with ``int4_k_quant="native"``
+K stays a plain array in the model's dtype) with the same leading axes,
 written and moved as they are and dequantized on the GPU. Why extents: only an eager ``device_put`` of a whole
 array overlaps the jitted compute dispatched after it, and each array costs ~80 us however small (docs/ARCHITECTURE.md), so bulk
 fetches must move few, large arrays; an extent of tens of MiB moves at the PCIe floor. Every extent
@@ -42,7 +43,7 @@ import numpy as np
 
 from kvoffload.errors import KVOffloadError
 from kvoffload.models.common import pytree_dataclass
-from kvoffload.ops import QuantizedInt4, quantize_int4
+from kvoffload.ops import QuantizedInt, quantize_int4, quantize_int8
 
 KINDS = ("kv", "act")
 
@@ -351,29 +352,31 @@ def gather_act_extent(x, src, valid, blk):
     return jnp.where(valid[:, None, None], blocks[src], jnp.zeros((), x.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "scales"))
-def quantize_blocks(a, group_size: int, scales: str = "token") -> QuantizedInt4:
+@functools.partial(jax.jit, static_argnames=("group_size", "scales", "bits"))
+def quantize_blocks(a, group_size: int, scales: str = "token", bits: int = 4) -> QuantizedInt:
     """K, V or X blocks / an extent [..., n] (n = d or H) as an int4 host pool stores them
     (ops.quantize_int4: packed uint8 codes [..., n/2], float32 step and min [..., n/group_size]).
     scales="channel" (K blocks [..., blk, d] only): a step and min per channel over each block's blk
     tokens, [..., 1, d]. Every block quantized is whole (prompt blocks, and the tail's oldest blk tokens
-    at a flush; an unused slot is all zeros), so a block's min / max cover only its own tokens."""
-    return quantize_int4(a, group_size, scales)
+    at a flush; an unused slot is all zeros), so a block's min / max cover only its own tokens. bits=8:
+    int8 codes [..., n] in per-token groups (ops.quantize_int8; K with int4_k_quant="int8")."""
+    return quantize_int8(a, group_size) if bits == 8 else quantize_int4(a, group_size, scales)
 
 
 def write_stored_blocks(ext, blocks, slots):
-    """write_blocks for a K, V or X extent as the pool stores it: an int4 extent (QuantizedInt4) gets the
+    """write_blocks for a K, V or X extent as the pool stores it: an int4 extent (QuantizedInt) gets the
     blocks quantized with its group size (unless they already are) and each of its three arrays written
     in place with write_blocks."""
-    if not isinstance(ext, QuantizedInt4):
+    if not isinstance(ext, QuantizedInt):
         return write_blocks(ext, blocks, slots)
-    if not isinstance(blocks, QuantizedInt4):
-        blocks = quantize_blocks(blocks, ext.group_size, ext.scales)
-    if (blocks.group_size, blocks.scales) != (ext.group_size, ext.scales):
-        raise ValueError(f"int4 blocks quantized with group_size={blocks.group_size}, scales={blocks.scales!r} "
-                         f"cannot be written to an extent of group_size={ext.group_size}, scales={ext.scales!r}")
-    return QuantizedInt4(write_blocks(ext.codes, blocks.codes, slots), write_blocks(ext.step, blocks.step, slots),
-                         write_blocks(ext.mn, blocks.mn, slots), ext.group_size, ext.scales)
+    if not isinstance(blocks, QuantizedInt):
+        blocks = quantize_blocks(blocks, ext.group_size, ext.scales, ext.bits)
+    if (blocks.group_size, blocks.scales, blocks.bits) != (ext.group_size, ext.scales, ext.bits):
+        raise ValueError(f"blocks quantized with group_size={blocks.group_size}, scales={blocks.scales!r}, "
+                         f"bits={blocks.bits} cannot be written to an extent of group_size={ext.group_size}, "
+                         f"scales={ext.scales!r}, bits={ext.bits}")
+    return QuantizedInt(write_blocks(ext.codes, blocks.codes, slots), write_blocks(ext.step, blocks.step, slots),
+                         write_blocks(ext.mn, blocks.mn, slots), ext.group_size, ext.scales, ext.bits)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

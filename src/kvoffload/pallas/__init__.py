@@ -18,12 +18,13 @@ from kvoffload.pallas.paged_attention import (  # noqa: F401
     paged_decode_attention_reference,
 )
 from kvoffload.pallas.quant import (  # noqa: F401
-    QuantizedInt4,
+    QuantizedInt,
     decode_attention_int4_kernel,
     decode_attention_int4_reference,
-    dequantize_int4,
+    dequantize,
     pack_int4,
     quantize_int4,
+    quantize_int8,
     unpack_int4,
 )
 from kvoffload.pallas.recompute import recompute_kv_kernel, recompute_kv_reference  # noqa: F401
@@ -46,8 +47,8 @@ __all__ = [
     "decode_attention_kernel", "decode_attention_reference", "merge_attention",
     "paged_decode_attention_kernel", "paged_decode_attention_reference", "merge_attention_into",
     "empty_attention", "gather_rows_kernel", "gather_rows_reference", "gather_rows_reference_host",
-    "QuantizedInt4", "decode_attention_int4_kernel", "decode_attention_int4_reference",
-    "dequantize_int4", "pack_int4", "quantize_int4", "unpack_int4",
+    "QuantizedInt", "decode_attention_int4_kernel", "decode_attention_int4_reference",
+    "dequantize", "pack_int4", "quantize_int4", "quantize_int8", "unpack_int4",
     "recompute_kv_kernel", "recompute_kv_reference",
     "sparse_attention_kernel", "sparse_attention_reference",
     "hata_encode", "hata_scores_reference", "quest_page_minmax", "quest_page_scores_reference",

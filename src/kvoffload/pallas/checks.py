@@ -565,7 +565,7 @@ def check_quantize(shape=(2, 3, 50, 128), group_size=64, seed=0):
     codes = np.asarray(_q.unpack_int4(qx.codes)).astype(np.float64)
     mism = np.abs(codes - codes_ref)
     codes_ok = bool(mism.max() <= 1 and (mism > 0).mean() < 1e-3)
-    deq = np.asarray(_q.dequantize_int4(qx), np.float64)
+    deq = np.asarray(_q.dequantize(qx), np.float64)
     bound = np.repeat(step, group_size, axis=-1).reshape(shape) * 0.5 * (1 + 1e-4) + 1e-6
     deq_ok = bool(np.all(np.abs(deq - x64) <= bound))
     # pack/unpack round trip and layout (byte j = code j | code j+D/2 << 4)
@@ -579,6 +579,28 @@ def check_quantize(shape=(2, 3, 50, 128), group_size=64, seed=0):
     return r
 
 
+def check_quantize_int8(shape=(2, 3, 50, 128), group_size=64, seed=0):
+    """quantize_int8 against NumPy: codes (255 steps a group, one byte a value), step and min, and every
+    dequantized value within half a step of its input."""
+    rng = np.random.default_rng(seed)
+    x, x64 = _rand(rng, shape, "float32", scale=2.0)
+    qx = _q.quantize_int8(x, group_size)
+    D = shape[-1]
+    xg = x64.reshape(*shape[:-1], D // group_size, group_size)
+    mn = xg.min(-1)
+    step = (xg.max(-1) - mn) / 255
+    codes_ref = np.clip(np.round((xg - mn[..., None]) / step[..., None]), 0, 255).reshape(shape)
+    mism = np.abs(np.asarray(qx.codes, np.float64) - codes_ref)
+    codes_ok = bool(qx.codes.shape == shape and mism.max() <= 1 and (mism > 0).mean() < 1e-3)
+    deq = np.asarray(_q.dequantize(qx), np.float64)
+    bound = np.repeat(step, group_size, axis=-1).reshape(shape) * 0.5 * (1 + 1e-4) + 1e-6
+    deq_ok = bool(np.all(np.abs(deq - x64) <= bound))
+    errs = dict(err_step=rel_err(qx.step, step), err_min=rel_err(qx.mn, mn))
+    r = _result(f"quantize_int8 {shape} g{group_size}", "reference", errs, 1e-5)
+    r["ok"] = r["ok"] and codes_ok and deq_ok and qx.bits == 8
+    return r
+
+
 def check_int4_decode(B=3, n_kv=2, G=4, S=150, d=128, group_size=64, dtype="float32",
                       mode="reference", seed=0, **kw):
     rng = np.random.default_rng(seed)
@@ -588,8 +610,8 @@ def check_int4_decode(B=3, n_kv=2, G=4, S=150, d=128, group_size=64, dtype="floa
     v, _ = _rand(rng, (B, n_kv, S, d), "float32")
     kq = _q.quantize_int4(k, group_size)
     vq = _q.quantize_int4(v, group_size)
-    k64 = np.asarray(_q.dequantize_int4(kq), np.float64)
-    v64 = np.asarray(_q.dequantize_int4(vq), np.float64)
+    k64 = np.asarray(_q.dequantize(kq), np.float64)
+    v64 = np.asarray(_q.dequantize(vq), np.float64)
     lengths = np.array([S, 1] + list(rng.integers(1, S + 1, max(0, B - 2))), np.int32)[:B]
     valid = np.broadcast_to(np.arange(S)[None, None] < lengths[:, None, None], (B, n_kv, S))
     ro, rl = np_attend(q64, k64, v64, valid, d ** -0.5)
@@ -869,6 +891,7 @@ def reference_cases(full=False):
         (check_popcount, dict()),
         (check_select, dict()), (check_select, dict(page_size=16, N=30, k=8)),
         (check_quantize, dict()), (check_quantize, dict(shape=(4, 96), group_size=32)),
+        (check_quantize_int8, dict()),
         (check_int4_decode, dict(d=96, group_size=32)),
     ]
     return cases

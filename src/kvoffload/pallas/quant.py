@@ -14,6 +14,10 @@ gather still takes whole rows (and the row's block's scales). ``group_size`` is 
 Packing (split-half, chosen so a kernel unpacks into two contiguous halves):
 packed [..., D // 2] uint8, byte j = code[j] | (code[j + D // 2] << 4).
 
+int8 (``quantize_int8``, bits=8): the same groups with step = (mx - mn) / 255 and one uint8 code per value,
+unpacked [..., D] (per token only): a host pool's keys where per-token int4 loses accuracy
+(``int4_k_quant="int8"``).
+
 A QuantizedKV is a pytree (codes, step, mn). ``decode_attention_int4`` attends over
 int4 K/V without materialising the dequantised cache: per group g,
 q.k = step_g * (q_g . code_g) + mn_g * sum(q_g), and likewise for p @ V.
@@ -48,18 +52,21 @@ SCALES = ("token", "channel")  # what one step / min covers: a group of a row (t
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["codes", "step", "mn"], meta_fields=["group_size", "scales"])
+                   data_fields=["codes", "step", "mn"], meta_fields=["group_size", "scales", "bits"])
 @dataclasses.dataclass(frozen=True)
-class QuantizedInt4:
-    codes: jax.Array  # uint8 [..., D // 2] packed (split-half)
-    step: jax.Array  # float32 [..., D // group_size] ("token"); [..., 1 or T, D] ("channel")
+class QuantizedInt:
+    """Group-quantized values: int4 (packed two a byte) or int8 codes with a float32 step and min per group."""
+
+    codes: jax.Array  # uint8 [..., D // 2] packed (split-half; bits 4) or [..., D] (bits 8)
+    step: jax.Array  # float32 [..., D // group_size] ("token"); [..., 1 or T, D] ("channel", int4 only)
     mn: jax.Array  # float32, shaped like step
     group_size: int = 64
     scales: str = "token"
+    bits: int = 4
 
     @property
     def shape(self):
-        return (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * (2 if self.bits == 4 else 1))
 
 
 def pack_int4(codes):
@@ -76,14 +83,14 @@ def unpack_int4(packed):
     return jnp.concatenate([lo, hi], axis=-1)
 
 
-def _codes_of(xf, mn, mx):
-    step = (mx - mn) / 15.0
+def _codes_of(xf, mn, mx, top=15):
+    step = (mx - mn) / float(top)
     inv = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
-    return jnp.clip(jnp.round((xf - mn) * inv), 0, 15).astype(jnp.uint8), step
+    return jnp.clip(jnp.round((xf - mn) * inv), 0, top).astype(jnp.uint8), step
 
 
 def quantize_int4(x, group_size=64, scales="token"):
-    """x [..., D] ("channel": [..., T, D]) -> QuantizedInt4 (see module docstring)."""
+    """x [..., D] ("channel": [..., T, D]) -> QuantizedInt (see module docstring)."""
     D = x.shape[-1]
     if scales not in SCALES:
         raise ValueError(f"scales must be one of {SCALES}, got {scales!r}")
@@ -93,17 +100,30 @@ def quantize_int4(x, group_size=64, scales="token"):
         xf = x.astype(jnp.float32)
         mn = jnp.min(xf, axis=-2, keepdims=True)
         codes, step = _codes_of(xf, mn, jnp.max(xf, axis=-2, keepdims=True))
-        return QuantizedInt4(pack_int4(codes), step, mn, group_size, scales)
+        return QuantizedInt(pack_int4(codes), step, mn, group_size, scales)
     if D % group_size or D % 2:
         raise ValueError(f"group_size {group_size} must divide D={D} (D even)")
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], D // group_size, group_size)
     mn = jnp.min(xf, axis=-1)
     codes, step = _codes_of(xf, mn[..., None], jnp.max(xf, axis=-1)[..., None])
-    return QuantizedInt4(pack_int4(codes.reshape(x.shape)), step[..., 0], mn, group_size)
+    return QuantizedInt(pack_int4(codes.reshape(x.shape)), step[..., 0], mn, group_size)
 
 
-def dequantize_int4(qx: QuantizedInt4, dtype=jnp.float32):
-    codes = unpack_int4(qx.codes).astype(jnp.float32)
+def quantize_int8(x, group_size=64):
+    """x [..., D] -> QuantizedInt with bits=8: a uint8 code per value [..., D], float32 step and min per group of
+    group_size along D (step = range / 255)."""
+    D = x.shape[-1]
+    if D % group_size:
+        raise ValueError(f"group_size {group_size} must divide D={D}")
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], D // group_size, group_size)
+    mn = jnp.min(xf, axis=-1)
+    codes, step = _codes_of(xf, mn[..., None], jnp.max(xf, axis=-1)[..., None], top=255)
+    return QuantizedInt(codes.reshape(x.shape), step[..., 0], mn, group_size, "token", 8)
+
+
+def dequantize(qx: QuantizedInt, dtype=jnp.float32):
+    """The values a QuantizedInt (int4 or int8 codes) stands for, in dtype."""
+    codes = (unpack_int4(qx.codes) if qx.bits == 4 else qx.codes).astype(jnp.float32)
     if qx.scales == "channel":  # step / mn [..., 1, D] (an extent's blocks) or [..., T, D] (gathered rows)
         return (codes * qx.step + qx.mn).astype(dtype)
     D = codes.shape[-1]
@@ -118,12 +138,12 @@ def dequantize_int4(qx: QuantizedInt4, dtype=jnp.float32):
 # ----------------------------------------------------------------------------
 
 
-def decode_attention_int4_reference(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *,
+def decode_attention_int4_reference(q, kq: QuantizedInt, vq: QuantizedInt, lengths, *,
                                     scale=None):
     """Decode attention over int4 K/V (dequantise, then attend). kq/vq [B, n_kv, S, d]."""
     B, H, d = q.shape
-    k = dequantize_int4(kq)
-    v = dequantize_int4(vq)
+    k = dequantize(kq)
+    v = dequantize(vq)
     _, n_kv, S, _ = k.shape
     G = H // n_kv
     scale = default_scale(d, scale)
@@ -220,7 +240,7 @@ def _int4_kernel(len_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref, vs_ref, vm_ref,
     lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)
 
 
-def decode_attention_int4_kernel(q, kq: QuantizedInt4, vq: QuantizedInt4, lengths, *,
+def decode_attention_int4_kernel(q, kq: QuantizedInt, vq: QuantizedInt, lengths, *,
                                  scale=None, interpret=False, poison=False, block_s=64, num_splits=None,
                                  num_warps=4, num_stages=2):
     """Pallas (Triton) decode attention reading packed int4 K/V directly.

@@ -153,8 +153,9 @@ def recompute_flops_per_token(cfg: ModelConfig) -> float:
 
 HOST_DTYPES = ("native", "int4")
 # how K is stored when host_dtype="int4": int4 with per-token group scales, int4 with per-channel scales of a
-# block, or "native": kept in the model's dtype beside int4 V and X (a gathered row's keys exact, its V int4)
-INT4_K_QUANTS = ("token", "channel", "native")
+# block, int8 codes in per-token groups, or "native": kept in the model's dtype beside int4 V and X (a gathered
+# row's keys exact, its V int4)
+INT4_K_QUANTS = ("token", "channel", "int8", "native")
 
 
 def stored_bytes(values: int, dtype_bytes: int, host_dtype: str = "native", group_size: int = 64,
@@ -162,10 +163,13 @@ def stored_bytes(values: int, dtype_bytes: int, host_dtype: str = "native", grou
     """Bytes of `values` numbers of one token as a pool stores them: the model's dtype ("native"), or int4
     quantization (pallas/quant.py): half a byte of packed code per value plus a float32 step and min per
     group of group_size along the last axis (scales="token"), or per value's channel and block of
-    block_tokens tokens (scales="channel": 8 / block_tokens bytes of scales per value and token); scales="native":
-    not quantized (int4_k_quant="native": K in the model's dtype in an int4 pool)."""
+    block_tokens tokens (scales="channel": 8 / block_tokens bytes of scales per value and token); scales="int8": a
+    byte of code per value plus the groups' step and min (int4_k_quant="int8"); scales="native": not quantized
+    (int4_k_quant="native": K in the model's dtype in an int4 pool)."""
     if host_dtype == "native" or scales == "native":
         return float(values * dtype_bytes)
+    if host_dtype == "int4" and scales == "int8":
+        return float(values + 2 * 4 * (values // group_size))
     if host_dtype == "int4" and scales == "channel":
         return float(values // 2 + 2 * 4 * values / block_tokens)
     if host_dtype == "int4":

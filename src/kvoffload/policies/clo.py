@@ -84,7 +84,7 @@ against its owner's query, and the scores are laid out per request over its own 
 chosen slots map back to pool token ids. At batch 1 the request's space is the pool's (nothing gathered).
 
 int4 host storage (``host_dtype="int4"``, issue 13): the host extents (V; for quest / hata also K, unless
-``int4_k_quant="native"`` keeps K in the model's dtype) are ``QuantizedInt4``; the gathers take the selected
+``int4_k_quant="native"`` keeps K in the model's dtype) are ``QuantizedInt``; the gathers take the selected
 rows' codes and scales (``ops.gather_pool_rows``) and dequantize only those rows on the GPU (`native_extent`);
 K extents kept on the GPU (exact) stay in the model's dtype, and the retrieval metadata is computed from the
 unquantized keys.
