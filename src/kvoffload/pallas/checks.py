@@ -553,51 +553,33 @@ def check_select_rows(R=8, N=131072, ratio=0.1, kind="normal", mode="reference",
     return _result(f"select_rows R{R} N{N} k{k} {kind}", mode, dict(err_mismatch=bad), 1e-12)
 
 
-def check_quantize(shape=(2, 3, 50, 128), group_size=64, seed=0):
+def check_quantize(shape=(2, 3, 50, 128), group_size=64, bits=4, seed=0):
+    """quantize_int4 / quantize_int8 against NumPy: codes (15 or 255 steps a group), step and min, and every
+    dequantized value within half a step of its input; int4's split-half packing round trip and layout."""
     rng = np.random.default_rng(seed)
     x, x64 = _rand(rng, shape, "float32", scale=2.0)
-    qx = _q.quantize_int4(x, group_size)
+    top = 15 if bits == 4 else 255
+    qx = (_q.quantize_int4 if bits == 4 else _q.quantize_int8)(x, group_size)
     D = shape[-1]
     xg = x64.reshape(*shape[:-1], D // group_size, group_size)
     mn = xg.min(-1)
-    step = (xg.max(-1) - mn) / 15
-    codes_ref = np.clip(np.round((xg - mn[..., None]) / step[..., None]), 0, 15).reshape(shape)
-    codes = np.asarray(_q.unpack_int4(qx.codes)).astype(np.float64)
+    step = (xg.max(-1) - mn) / top
+    codes_ref = np.clip(np.round((xg - mn[..., None]) / step[..., None]), 0, top).reshape(shape)
+    codes = np.asarray(_q.unpack_int4(qx.codes) if bits == 4 else qx.codes).astype(np.float64)
     mism = np.abs(codes - codes_ref)
-    codes_ok = bool(mism.max() <= 1 and (mism > 0).mean() < 1e-3)
+    codes_ok = bool(qx.bits == bits and codes.shape == shape and mism.max() <= 1 and (mism > 0).mean() < 1e-3)
     deq = np.asarray(_q.dequantize(qx), np.float64)
     bound = np.repeat(step, group_size, axis=-1).reshape(shape) * 0.5 * (1 + 1e-4) + 1e-6
     deq_ok = bool(np.all(np.abs(deq - x64) <= bound))
-    # pack/unpack round trip and layout (byte j = code j | code j+D/2 << 4)
-    c = jnp.asarray(rng.integers(0, 16, shape), jnp.uint8)
-    pk = _q.pack_int4(c)
-    rt_ok = bool(np.array_equal(np.asarray(_q.unpack_int4(pk)), np.asarray(c)))
-    lay_ok = bool(np.array_equal(np.asarray(pk) & 15, np.asarray(c)[..., : D // 2]))
+    packing_ok = True
+    if bits == 4:  # pack/unpack round trip and layout (byte j = code j | code j+D/2 << 4)
+        c = jnp.asarray(rng.integers(0, 16, shape), jnp.uint8)
+        pk = _q.pack_int4(c)
+        packing_ok = bool(np.array_equal(np.asarray(_q.unpack_int4(pk)), np.asarray(c))
+                          and np.array_equal(np.asarray(pk) & 15, np.asarray(c)[..., : D // 2]))
     errs = dict(err_step=rel_err(qx.step, step), err_min=rel_err(qx.mn, mn))
-    r = _result(f"quantize_int4 {shape} g{group_size}", "reference", errs, 1e-5)
-    r["ok"] = r["ok"] and codes_ok and deq_ok and rt_ok and lay_ok
-    return r
-
-
-def check_quantize_int8(shape=(2, 3, 50, 128), group_size=64, seed=0):
-    """quantize_int8 against NumPy: codes (255 steps a group, one byte a value), step and min, and every
-    dequantized value within half a step of its input."""
-    rng = np.random.default_rng(seed)
-    x, x64 = _rand(rng, shape, "float32", scale=2.0)
-    qx = _q.quantize_int8(x, group_size)
-    D = shape[-1]
-    xg = x64.reshape(*shape[:-1], D // group_size, group_size)
-    mn = xg.min(-1)
-    step = (xg.max(-1) - mn) / 255
-    codes_ref = np.clip(np.round((xg - mn[..., None]) / step[..., None]), 0, 255).reshape(shape)
-    mism = np.abs(np.asarray(qx.codes, np.float64) - codes_ref)
-    codes_ok = bool(qx.codes.shape == shape and mism.max() <= 1 and (mism > 0).mean() < 1e-3)
-    deq = np.asarray(_q.dequantize(qx), np.float64)
-    bound = np.repeat(step, group_size, axis=-1).reshape(shape) * 0.5 * (1 + 1e-4) + 1e-6
-    deq_ok = bool(np.all(np.abs(deq - x64) <= bound))
-    errs = dict(err_step=rel_err(qx.step, step), err_min=rel_err(qx.mn, mn))
-    r = _result(f"quantize_int8 {shape} g{group_size}", "reference", errs, 1e-5)
-    r["ok"] = r["ok"] and codes_ok and deq_ok and qx.bits == 8
+    r = _result(f"quantize_int{bits} {shape} g{group_size}", "reference", errs, 1e-5)
+    r["ok"] = r["ok"] and codes_ok and deq_ok and packing_ok
     return r
 
 
@@ -891,7 +873,7 @@ def reference_cases(full=False):
         (check_popcount, dict()),
         (check_select, dict()), (check_select, dict(page_size=16, N=30, k=8)),
         (check_quantize, dict()), (check_quantize, dict(shape=(4, 96), group_size=32)),
-        (check_quantize_int8, dict()),
+        (check_quantize, dict(bits=8)),
         (check_int4_decode, dict(d=96, group_size=32)),
     ]
     return cases
