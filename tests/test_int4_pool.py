@@ -714,3 +714,11 @@ def test_int4_k_quant_native_or_int8_keys_and_their_bytes(k_quant):
     assert pq.pipeline.shape(bf16).kv_host_tok == pytest.approx(ratio * pn.pipeline.shape(bf16).kv_tok)
     with pytest.raises(ValueError, match="int4_k_quant must be one of"):
         make_policy("offload", host_dtype="int4", int4_k_quant="int2")
+
+
+def test_int4_attention_refuses_int8_codes():
+    """decode_attention_int4 reads int4 codes; int8 ones (quantize_int8) are refused with what to do instead."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, 8, 64)), jnp.float32)
+    q = jnp.ones((1, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="dequantized"):
+        ops.decode_attention_int4(q, ops.quantize_int8(x, 64), ops.quantize_int4(x, 64), jnp.asarray([8]))
