@@ -368,17 +368,6 @@ def attention_bench(pol, model, state, layer: int, reps: int, extremes: bool, ti
     return out
 
 
-def host_row_bytes(pol, cfg, itemsize: int, key: bool = False) -> int:
-    """Bytes of one V row (key=True: K row) as the policy's host pool stores it (what a gathered row moves over
-    PCIe): host_dtype=int4 packs its codes and a float32 step and min per group (per-token scales: the row's
-    own); int4_k_quant="native" keeps K rows in the model's dtype."""
-    from kvoffload.plan.cost import stored_bytes
-
-    o = pol.pipeline.opts
-    return int(stored_bytes(cfg.head_dim, itemsize, "int4" if pol.pipeline.int4 else "native", o.int4_group_size,
-                            o.int4_k_quant if key else "token"))
-
-
 def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict) -> dict:
     """Bytes one call of the layer's attend must read, per case of the microbenchmark: {case: (GPU memory
     bytes, PCIe bytes)} from the measured scoring fraction and rows fetched."""
@@ -412,7 +401,8 @@ def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict
             else:
                 score = kv_pool
             k_too = not hooks.keys_on_device(pol.pipeline)  # quest / hata gather K rows from the host too
-            row_kv = host_row_bytes(pol, cfg, itemsize) + (host_row_bytes(pol, cfg, itemsize, key=True) if k_too else 0)
+            pipe, d = pol.pipeline, cfg.head_dim  # rows as the host pool stores them (int4: codes + scales)
+            row_kv = pipe.host_row_bytes(d, itemsize) + (pipe.host_row_bytes(d, itemsize, key=True) if k_too else 0)
             fetched = m.get("v_rows_fetched_per_call", 0.0) * row_kv
             out[case] = (f * score + 2 * rows, fetched)
     return out
@@ -491,10 +481,10 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         r["similarity_rule_hit_rate_timed_steps"] = (c1["rule_hits"] - c0["rule_hits"]) / looks
         r["scored_fraction_timed_steps"] = (c1["scored"] - c0["scored"]) / (len(times) * cfg.num_layers * len(state.groups))
         itemsize = jnp.dtype(model.params.layers[0].wk.dtype).itemsize
-        row = host_row_bytes(pol, cfg, itemsize)
+        row = pol.pipeline.host_row_bytes(cfg.head_dim, itemsize)  # as the host pool stores it
         if policy == "clo":  # clo's counters: rows of the missed heads (and the guesses')
             k_too = not pol.pipeline.hooks.keys_on_device(pol.pipeline)  # quest / hata: K on the host too
-            row_kv = row + (host_row_bytes(pol, cfg, itemsize, key=True) if k_too else 0)
+            row_kv = row + (pol.pipeline.host_row_bytes(cfg.head_dim, itemsize, key=True) if k_too else 0)
             r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * row_kv / len(times)
             r["bytes_rows_note"] = "clo's counters: V rows (and K for quest / hata) of missed heads, guesses included"
         elif pol.pipeline.hooks.split:  # tokenselect kv=split gathers every selected V row each step

@@ -205,13 +205,10 @@ def test_trace_folders_are_fresh_per_run(tmp_path):
     ("int4", "int8", 64 + 2 * 8, 128 + 2 * 8),  # K rows of int8 codes
 ])
 def test_host_row_bytes_count_k_and_v_as_stored(host_dtype, k_quant, v_row, k_row):
-    """The bytes of a gathered V row and K row (d 128, bf16) as the host pool stores them."""
-    from types import SimpleNamespace
-
+    """The bytes of a gathered V row and K row (d 128, bf16) as the host pool stores them
+    (`LayerPipeline.host_row_bytes`: the benchmark's PCIe bytes and clo's bytes fetched)."""
     from kvoffload.policies import make_policy
 
     pol = make_policy("clo", retrieval="quest", host_dtype=host_dtype, int4_k_quant=k_quant)
-    cfg = SimpleNamespace(head_dim=128)
-    with script_module("bench_selection") as bs:
-        assert bs.host_row_bytes(pol, cfg, 2) == v_row
-        assert bs.host_row_bytes(pol, cfg, 2, key=True) == k_row
+    assert pol.pipeline.host_row_bytes(128, 2) == v_row
+    assert pol.pipeline.host_row_bytes(128, 2, key=True) == k_row

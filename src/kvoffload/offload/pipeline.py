@@ -1409,6 +1409,16 @@ class LayerPipeline:
                              tensor_parallel=self.tp, int4_k_quant=self.opts.int4_k_quant,
                              block_tokens=self.opts.block_tokens, x_split="token" if self.x_by_token else "hidden")
 
+    def host_row_bytes(self, d: int, itemsize: int, key: bool = False) -> int:
+        """Bytes of one row of d V (key=True: K) values as this pipeline's host pool stores it, what a gathered
+        row moves over PCIe: the model's dtype, or int4 codes with a float32 step and min per group (K as
+        int4_k_quant says: int8 codes, or the model's dtype with "native")."""
+        from kvoffload.plan.cost import stored_bytes
+
+        o = self.opts
+        return int(stored_bytes(d, itemsize, "int4" if self.int4 else "native", o.int4_group_size,
+                                o.int4_k_quant if key else "token"))
+
     def host_form(self, a, key=False):
         """A K (key=True), V or X block / extent as a host pool stores it: int4 (K scaled as int4_k_quant says,
         V and X per token; int8 K codes with int4_k_quant="int8") or as it is (native pools; K with

@@ -110,7 +110,6 @@ from kvoffload.offload import sharding as S
 from kvoffload.offload.pipeline import attend_pool, native_extent
 from kvoffload.offload.pool import write_blocks
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
-from kvoffload.plan.cost import stored_bytes
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.tokenselect import (
@@ -216,8 +215,8 @@ def clo_slot_specs(slots: CloSlots) -> CloSlots:
     KV head split by head with the K/V it comes from -- the selection cache and its counts (`selection_specs`),
     the row buffers and the guesses' counters (axis 1), the metadata of every extent ([E, n_kv, ...]: axis 1),
     the per-head rule (`rule`: tau, weights, persistent) and HATA's W (axis 0); step flags replicated. A
-    persistent head's buffers are the layer's whole-capacity ones (K = the request bound for every head of a layer with one): each device's
-    shapes are equal and static whichever of its heads persist."""
+    persistent head's buffers are the layer's whole-capacity ones (K = the request bound for every head of a
+    layer with one): each device's shapes are equal and static whichever of its heads persist."""
     heads, by_head, rep = S.KV_SPEC, S.P(S.MODEL), S.REPLICATED
     opt = lambda a, spec: None if a is None else spec  # noqa: E731
     return CloSlots(selection=selection_specs(slots.selection), v_rows=heads, rule=by_head,
@@ -785,14 +784,10 @@ class CloHooks(TokenSelectHooks):
         dtype = model.params.layers[0].wk.dtype
         w, w_source = self.hata_projections(cfg) if self.attend.retrieval == "hata" else (None, None)
         rates = self.replay_rates(cfg)
-        # one row of V and of K as the host pool stores it (int4: codes and the float32 step and min of each
-        # group; K in the model's dtype with int4_k_quant="native")
-        stored = "int4" if pipe.int4 else "native"
-        itemsize, group = jnp.dtype(dtype).itemsize, pipe.opts.int4_group_size
-        v_row_bytes = int(stored_bytes(d, itemsize, stored, group))
-        k_row_bytes = int(stored_bytes(d, itemsize, stored, group, pipe.opts.int4_k_quant))
+        itemsize = jnp.dtype(dtype).itemsize  # one row of V and of K as the host pool stores it
         self.chosen = dict(tau=tau, persistent=persistent, source=source, plan=report, K=K_sel, bound=bound,
-                           v_row_bytes=v_row_bytes, k_row_bytes=k_row_bytes, hata_source=w_source)
+                           v_row_bytes=pipe.host_row_bytes(d, itemsize),
+                           k_row_bytes=pipe.host_row_bytes(d, itemsize, key=True), hata_source=w_source)
 
         def make():
             return tuple(self.layer_slots(model, layout, batch, layer, K_sel, bound, tau, weights, persistent, w,
