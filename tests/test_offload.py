@@ -308,6 +308,24 @@ def test_planner_sizes_the_pool_from_real_blocks():
     assert (-prompt_blocks) % lay.extent_blocks < -(-prompt_blocks // lay.extent_blocks)
 
 
+def test_planner_keeps_every_extents_codes_under_2_gib():
+    """A large extent_mb is capped where an extent's largest 1-byte array (int8 K codes, int4 X codes) would pass
+    2 GiB (the Triton lowering's 32-bit offsets, `check_triton_offsets`); the defaults are not changed."""
+    from kvoffload.plan.memory import MAX_CODES_BYTES
+
+    for shape, per_token_codes in (("llama-3-8b", 4096 // 2), ("opt-30b", 7168)):
+        cfg = model_shape(shape)
+        n = 2**21
+        wide = plan_pool(cfg, jnp.bfloat16, [np.asarray([n])], n + 256, extent_mb=16384).layouts[0]
+        for e in (wide.extent_blocks, wide.gen_extent_blocks):
+            assert e * 64 * per_token_codes <= MAX_CODES_BYTES
+        assert wide.extent_blocks * 64 * per_token_codes > MAX_CODES_BYTES // 2  # capped, not shrunk further
+        assert wide.num_extents * wide.extent_blocks >= n // 64
+    cfg = model_shape("llama-3-8b")  # 1024 MiB of K (the pools read in place): 8192 blocks, as before
+    assert plan_pool(cfg, jnp.bfloat16, [np.asarray([2**21])], 2**21 + 256,
+                     extent_mb=1024).layouts[0].extent_blocks == 8192
+
+
 def test_planner_checks_the_device_side_on_cpu():
     """On a CPU backend the "GPU" side is host memory too: both must fit it together."""
     cfg = model_shape("opt-6.7b")

@@ -7,6 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvoffload.errors import KVOffloadError
+
 NEG_INF = float("-inf")
 # A large finite negative used inside kernels instead of -inf so that
 # exp(s - m) never evaluates (-inf) - (-inf) = nan.
@@ -133,11 +135,49 @@ def dot(a, b, trans_b=False):
     )
 
 
+class KernelAddressingError(KVOffloadError, ValueError):
+    """An operand the Triton lowering would address past its end (see `check_triton_offsets`)."""
+
+
+def check_triton_offsets(name: str, arrays) -> None:
+    """Refuse an operand that JAX's Triton lowering would address wrongly. It computes element offsets in
+    32-bit signed integers unless the operand is larger than 4 GiB (jax/_src/pallas/triton/lowering.py,
+    `_compute_offsets_from_indices`, JAX 0.10.2 and 0.11.2), so a 1-byte array (uint8 int4 / int8 codes) of
+    more than 2 GiB and at most 4 GiB reaches its elements past 2**31 - 1 at negative offsets: an illegal
+    address on an H200, or a silent read of whatever lies below the array. Wider dtypes stay under 2**31
+    elements at 4 GiB, and larger arrays get 64-bit offsets. arrays: anything with .shape and .dtype."""
+    for i, a in enumerate(x for x in jax.tree.leaves(arrays) if hasattr(x, "shape") and hasattr(x, "dtype")):
+        itemsize = jnp.dtype(a.dtype).itemsize
+        n = 1
+        for s in a.shape:
+            n *= int(s)
+        if itemsize == 1 and 2**31 < n <= 2**32:
+            raise KernelAddressingError(
+                f"kernel {name}: operand {i} ({jnp.dtype(a.dtype).name} {tuple(a.shape)}, {n:,} bytes) is a "
+                f"1-byte array of more than 2 GiB and at most 4 GiB, which JAX's Triton lowering addresses with "
+                f"32-bit offsets that wrap past 2 GiB; keep such arrays (an extent's int4 / int8 codes) under 2 GiB, "
+                f"e.g. with a smaller extent_mb")
+
+
 def pallas_call(kernel, *, out_shape, in_specs, out_specs, poison=False, **kwargs):
     """pl.pallas_call wrapper; with poison=True the outputs start as NaN (floats) /
-    min-int buffers aliased in, so elements the kernel never writes show up in checks."""
+    min-int buffers aliased in, so elements the kernel never writes show up in checks. Compiled (not
+    interpreted) calls refuse operands `check_triton_offsets` refuses, before lowering."""
     from jax.experimental import pallas as pl
 
+    call = _pallas_call(pl, kernel, out_shape, in_specs, out_specs, poison, kwargs)
+    if kwargs.get("interpret", False):
+        return call
+    name = kwargs.get("name") or getattr(kernel, "__name__", "pallas kernel")
+
+    def checked(*args):
+        check_triton_offsets(name, [args, out_shape])
+        return call(*args)
+
+    return checked
+
+
+def _pallas_call(pl, kernel, out_shape, in_specs, out_specs, poison, kwargs):
     if not poison:
         return pl.pallas_call(kernel, out_shape=out_shape, in_specs=in_specs,
                               out_specs=out_specs, **kwargs)

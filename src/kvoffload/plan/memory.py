@@ -88,6 +88,9 @@ class MemoryPlan:
                 f"GPU {self.gpu_bytes / GB:.2f} GB at peak ({gpu})")
 
 
+MAX_CODES_BYTES = 2**31  # an extent's largest 1-byte array (int4 / int8 codes), at most (plan_pool)
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolPlan:
     layouts: tuple  # one PoolLayout per GPU batch
@@ -120,15 +123,21 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
     if host_dtype not in HOST_DTYPES:
         raise ValueError(f"host_dtype must be one of {HOST_DTYPES}, got {host_dtype!r}")
     k_block = blk * cfg.num_kv_heads * cfg.head_dim * p  # bytes of one block's K in the model's dtype
+    # the most blocks an extent may hold: its largest 1-byte array in any storage form (int8 K codes, int4 X
+    # codes) stays within 2 GiB, past which the Triton kernels reading extents in place address it wrongly
+    # (`pallas.common.check_triton_offsets`); the same for every host_dtype, so the layout stays shape-only
+    code_block = blk * max(cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size // 2)
+    most = max(1, MAX_CODES_BYTES // code_block)
+    target = min(extent_mb * 2**20, most * k_block)
     layouts, prompt_blocks = [], []
     for lens in group_lengths:
         lens = np.asarray(lens, np.int64)
         pb = int((lens // blk).sum())
-        e = extent_blocks_for(k_block, pb, extent_mb * 2**20)
+        e = extent_blocks_for(k_block, pb, target)
         n_p = -(-pb // e) if pb else 0
         gen = len(lens) * flushes  # the prompt extents' spare slots stay unused (flushes stay aligned)
         # generated extents: whole flushes (one block per request each), about extent_mb each
-        e_g = len(lens) * max(1, min(flushes, int(extent_mb * 2**20 // (k_block * len(lens))))) if gen else e
+        e_g = len(lens) * max(1, min(flushes, int(target // (k_block * len(lens))))) if gen else e
         n = n_p + -(-gen // e_g)
         if n == 0:  # nothing to store (every prompt shorter than a block, nothing generated): one tiny extent
             n, n_p = 1, 1
