@@ -130,6 +130,7 @@ def parse_options(pairs):
     return out
 
 
+from kvoffload import ops  # noqa: E402
 # random K/V instead of the prefill's layer programs (shared with scripts/bench_long_context.py)
 from kvoffload.offload.bench import random_kv_prefill  # noqa: E402
 
@@ -252,8 +253,6 @@ def _scan_attend():
     import jax
     import jax.numpy as jnp
 
-    from kvoffload import ops
-
     @functools.partial(jax.jit, static_argnames=("cfg", "attend", "impls"))
     def run(cfg, attend, impls, lp, qs, src, tables, slot):
         def body(carry, q):
@@ -270,8 +269,6 @@ def _scan_attend():
 @functools.lru_cache(maxsize=None)
 def _attend_once():
     import jax
-
-    from kvoffload import ops
 
     @functools.partial(jax.jit, static_argnames=("cfg", "attend", "impls"))
     def run(cfg, attend, impls, lp, q, src, tables, slot):
@@ -704,7 +701,8 @@ def main(argv=None) -> int:
                     "dtype": args.dtype, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "argv": sys.argv[1:] if argv is None else list(argv), "probes": probes,
                     "hit_rate_tokenselect": args.hit_rate_tokenselect, "hit_rate_clo": args.hit_rate_clo,
-                    "warmup": args.warmup, "steps": args.steps, "method": __doc__.split("\n\n", 3)[3].strip()},
+                    "warmup": args.warmup, "steps": args.steps, "method": __doc__.split("\n\n", 3)[3].strip(),
+                    "int_refill_kernel": ops.INT_REFILL_KERNEL},
            "runs": []}
 
     def write():

@@ -206,6 +206,11 @@ def lower_only_checks():
             buf = jnp.asarray(rng.standard_normal((B, n_kv, K, d)), dt)
             cases.append((f"refill E{E},3 blk{blk} K{K} {tag}", lambda u, x, b, blk=blk:
                           _ga.refill_rows_kernel(u, (x, x[:3].astype(jnp.float32)), b, blk), (buf, xb, bo)))
+            for bits, gs in ((4, 16), (8, d // 2 if d % 32 == 0 else 16)):  # int extents, dequantized in the kernel
+                quantize = _q.quantize_int4 if bits == 4 else _q.quantize_int8
+                xq = (quantize(xb.astype(jnp.float32), gs), quantize(xb[:3].astype(jnp.float32), gs))
+                cases.append((f"refill int{bits} g{gs} E{E},3 blk{blk} K{K} {tag}", lambda u, x, b, blk=blk:
+                              _ga.refill_rows_int_kernel(u, x, b, blk), (buf, xq, bo)))
         if d in (64, 128):
             kq = _q.quantize_int4(k.astype(jnp.float32), 64)
             cases.append((f"int4 {tag}", lambda q, a, L: _q.decode_attention_int4_kernel(

@@ -144,7 +144,7 @@ def test_refill_replaces_only_the_rows_named_from_every_extent():
     """ops.refill_block_rows: rows [0, count) of each (request, head) from the extents holding their tokens,
     the rest of the buffer (a hit head: every row) kept. Native host extents (the CPU's fallback: a gather per
     extent), the interpret-mode kernel (in place, the buffer donated) and int4 extents (gathered, dequantized,
-    merged) against NumPy."""
+    merged; and the int4 / int8 dequantizing kernel) against NumPy."""
     rng = np.random.default_rng(3)
     sizes, n_kv, blk, d, B, K = (3, 5, 2), 2, 8, 16, 2, 21
     ext = [_extent(rng, (s, n_kv, blk, d)) for s in sizes]
@@ -174,3 +174,30 @@ def test_refill_replaces_only_the_rows_named_from_every_extent():
     got = jax.jit(lambda b_, t_, xs: ops.refill_block_rows(b_, xs, t_, blk))(buf, tok, [M.to_host(x) for x in q])
     np.testing.assert_allclose(np.asarray(got), want_for(deq), rtol=0, atol=1e-6)  # dequantized in another fusion
     assert (np.asarray(got)[tokens < 0] == np.asarray(buf)[tokens < 0]).all()
+    # int4 and int8 extents through the dequantizing kernel (in place, the buffer donated)
+    for x in (q, [ops.quantize_int8(e, 8) for e in ext]):
+        deq = np.concatenate([np.asarray(ops.dequantize(e)) for e in x])
+        got = fn(jnp.array(buf), tok, x)
+        np.testing.assert_allclose(np.asarray(got), want_for(deq), rtol=0, atol=1e-6)
+        assert (np.asarray(got)[tokens < 0] == np.asarray(buf)[tokens < 0]).all()
+
+
+def test_kernels_refuse_1_byte_operands_the_triton_lowering_would_wrap():
+    """JAX's Triton lowering addresses operands of at most 4 GiB with 32-bit signed offsets: a uint8 array of
+    (2 GiB, 4 GiB] reaches past 2 GiB at negative offsets (an illegal address on an H200). Compiled calls refuse
+    it before lowering, with the kernel and operand named; shapes only, nothing allocated."""
+    S = jax.ShapeDtypeStruct
+    rows = S((1, 8, 16), jnp.int32)
+    f = lambda x, b, o: _ga.gather_rows_kernel(x, b, o)  # noqa: E731
+    with pytest.raises(_c.KernelAddressingError, match=r"kvo_gather_rows: operand 2 \(uint8 \(32769, 8, 64, 128\)"):
+        jax.eval_shape(f, S((32769, 8, 64, 128), jnp.uint8), rows, rows)
+    with pytest.raises(_c.KernelAddressingError, match="kvo_refill_rows"):
+        jax.eval_shape(lambda b, x, t: _ga.refill_rows_kernel(b, [x], t, 64), S((1, 8, 16, 128), jnp.uint8),
+                       S((65536, 8, 64, 128), jnp.uint8), rows)
+    for ok in (S((32768, 8, 64, 128), jnp.uint8),  # 2 GiB: the last offset is 2**31 - 1
+               S((65537, 8, 64, 128), jnp.uint8),  # past 4 GiB: 64-bit offsets
+               S((65536, 8, 64, 128), jnp.bfloat16)):  # 4 GiB of bf16: 2**31 elements
+        assert jax.eval_shape(f, ok, rows, rows).shape == (1, 8, 16, 128)
+    # interpret mode has no Triton offsets
+    jax.eval_shape(lambda x, b, o: _ga.gather_rows_kernel(x, b, o, interpret=True),
+                   S((32769, 8, 64, 128), jnp.uint8), rows, rows)

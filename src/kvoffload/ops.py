@@ -34,6 +34,7 @@ Conventions
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import jax
@@ -79,6 +80,10 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "kernel", "reference")
+# refill_block_rows' dequantizing kernel for int4 / int8 extents under impl="auto" on a GPU: off until it has run
+# and matched its reference there (scripts/check_kernels.py, the "refill ... int4 / int8 host" cases); set
+# KVOFFLOAD_INT_REFILL_KERNEL=1 to run it (and to time it against the gather + dequantize + where it replaces)
+INT_REFILL_KERNEL = os.environ.get("KVOFFLOAD_INT_REFILL_KERNEL", "0") == "1"
 # a prefill chunk's attention also has cuDNN's flash attention ("auto" on a GPU, for 16-bit inputs)
 PREFILL_IMPLS = ("auto", "cudnn", "kernel", "reference")
 RECOMPUTE_KERNEL_MIN_TOKENS = 64  # tokens per sequence below which "auto" recompute uses XLA
@@ -668,18 +673,25 @@ def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=
     read from the pool's extents [E_e, n_kv, blk, d] (consecutive in block-id order; host or device memory;
     native or int4). A selection cache's refill: a missed head's rows replaced, a hit head's (all -1) kept.
 
-    On the GPU with native extents one Pallas kernel (``pallas/gather.py`` ``refill_rows_kernel``) reads every
-    extent and writes only the rows replaced, in place (aliased: no copy where the caller's jit donates buf);
-    elsewhere, or for int4 extents, the rows are gathered per extent (``gather_pool_rows``), dequantized and
-    merged with a ``where``."""
+    On the GPU one Pallas kernel reads every extent and writes only the rows replaced, in place (aliased: no
+    copy where the caller's jit donates buf): ``refill_rows_kernel`` for native extents, ``refill_rows_int_kernel``
+    for int4 / int8 extents with per-token group scales (codes, step and min read, dequantized in the kernel;
+    under impl="auto" only with ``INT_REFILL_KERNEL``). Elsewhere (impl="reference", per-channel int4 scales)
+    the rows are gathered per extent (``gather_pool_rows``), dequantized and merged with a ``where``."""
     tokens = tokens.astype(jnp.int32)
-    native = not any(isinstance(x, QuantizedInt) for x in extents)
-    paths = {_gather_path(x, True, interpret) for x in extents} if native else set()
-    if native and use_kernel(impl) and paths <= {"kernel", "kernel_zero_copy", "kernel_device_copy"}:
+    quantized = [isinstance(x, QuantizedInt) for x in extents]
+    # one kernel: native extents, or quantized ones of one form with per-token group scales (dequantized in it)
+    one_kernel = not any(quantized) or (all(quantized) and all(x.scales == "token" for x in extents)
+                                        and len({(x.bits, x.group_size) for x in extents}) == 1
+                                        and (impl == "kernel" or INT_REFILL_KERNEL))
+    paths = {_gather_path(x.codes if q else x, True, interpret) for x, q in zip(extents, quantized)}
+    if one_kernel and use_kernel(impl) and paths <= {"kernel", "kernel_zero_copy", "kernel_device_copy"}:
+        refill = _ga.refill_rows_int_kernel if any(quantized) else _ga.refill_rows_kernel
+
         def run(b_, t_, *xs):
             if interpret:  # interpret mode cannot index host memory (tests only)
-                xs = tuple(jax.device_put(x, jax.memory.Space.Device) for x in xs)
-            return _ga.refill_rows_kernel(b_, xs, t_, blk, interpret=interpret, block_k=block_k)
+                xs = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), xs)
+            return refill(b_, xs, t_, blk, interpret=interpret, block_k=block_k)
         spec = _sh.KV_SPEC
         return _sh.per_shard(run, (spec, spec) + (spec,) * len(extents), spec)(buf, tokens, *extents)
     rows = gather_pool_rows(extents, tokens, blk)

@@ -645,16 +645,33 @@ def check_gather(B=2, n_kv=2, E=5, blk=24, d=80, K=37, dtype="float32", mode="re
     return r
 
 
+def _np_dequantize(qx) -> np.ndarray:
+    """A per-token-group QuantizedInt's values in NumPy float64 of float32 arithmetic: codes * step + min."""
+    codes = np.asarray(qx.codes)
+    if qx.bits == 4:  # split-half packing: low nibbles the first half of the columns
+        codes = np.concatenate([codes & 15, codes >> 4], axis=-1)
+    c = codes.astype(np.float32).reshape(*codes.shape[:-1], -1, qx.group_size)
+    x = c * np.asarray(qx.step, np.float32)[..., None] + np.asarray(qx.mn, np.float32)[..., None]
+    return x.reshape(codes.shape).astype(np.float64)
+
+
 def check_refill(B=2, n_kv=2, sizes=(5, 3), blk=24, d=80, K=37, dtype="float32", mode="reference", seed=0,
-                 host=False, ext_dtype=None, **kw):
+                 host=False, ext_dtype=None, bits=None, group_size=16, **kw):
     """A row buffer refilled from extents (``refill_rows_kernel``) vs NumPy, exactly: random buffer and extents
     (never zeros), per (request, head) a random count of rows replaced by random pool tokens spread over every
     extent (-1 past the count, and one head keeping all its rows: a hit), a few tokens past the last extent
     (kept). host=True: the extents in pinned_host memory (read in place). ext_dtype: the extents' dtype when
-    it differs from the buffer's (cast on the way)."""
+    it differs from the buffer's (cast on the way). bits 4 / 8: the extents group-quantized (``QuantizedInt``,
+    per-token groups of group_size; ``refill_rows_int_kernel``), against their dequantized values in NumPy
+    (codes * step + min in float32, as ``quant.dequantize``): within one rounding of the buffer's dtype, since
+    the kernel may fuse the multiply-add."""
     rng = np.random.default_rng(seed)
     buf, buf64 = _rand(rng, (B, n_kv, K, d), dtype)
     exts, exts64 = zip(*[_rand(rng, (E, n_kv, blk, d), ext_dtype or dtype) for E in sizes])
+    if bits:
+        quantize = _q.quantize_int4 if bits == 4 else _q.quantize_int8
+        exts = tuple(quantize(jnp.asarray(x, jnp.float32), group_size) for x in exts64)
+        exts64 = tuple(_np_dequantize(x) for x in exts)
     N = sum(sizes) * blk
     tokens = rng.integers(0, N + 2 * blk, (B, n_kv, K)).astype(np.int32)  # some past the last extent
     count = rng.integers(0, K + 1, (B, n_kv))
@@ -666,24 +683,31 @@ def check_refill(B=2, n_kv=2, sizes=(5, 3), blk=24, d=80, K=37, dtype="float32",
     inside = (tokens >= 0) & (blocks < sum(sizes))
     got_rows = flat[np.clip(blocks, 0, sum(sizes) - 1), np.arange(n_kv)[None, :, None], offs]
     want = np.where(inside[..., None], got_rows, buf64)
-    if ext_dtype:  # the extents' values as the buffer's dtype holds them
+    if ext_dtype or bits:  # the extents' (dequantized) values as the buffer's dtype holds them
         want = np.asarray(jnp.asarray(want, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
     if host:
         dev = jax.devices()[0]
-        exts = tuple(jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")) for x in exts)
-    if mode == "reference":  # host extents: the op's fallback (a gather per extent where the extent lives)
+        exts = jax.device_put(exts, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    if mode == "reference":  # host or quantized extents: the op's fallback (a gather per extent, dequantized)
         from kvoffload import ops
 
-        ref = (lambda b_, t_, *xs: ops.refill_block_rows(b_, xs, t_, blk, impl="reference")) if host else (
+        ref = (lambda b_, t_, *xs: ops.refill_block_rows(b_, xs, t_, blk, impl="reference")) if host or bits else (
             lambda b_, t_, *xs: _ga.refill_rows_reference(b_, xs, t_, blk))
         out = jax.jit(ref)(buf, jnp.asarray(tokens), *exts)
     else:
-        out = jax.jit(lambda b_, t_, *xs: _ga.refill_rows_kernel(b_, xs, t_, blk, interpret=(mode == "interpret"),
-                                                                 **kw), donate_argnums=0)(buf, jnp.asarray(tokens), *exts)
+        refill = _ga.refill_rows_int_kernel if bits else _ga.refill_rows_kernel
+        out = jax.jit(lambda b_, t_, *xs: refill(b_, xs, t_, blk, interpret=(mode == "interpret"), **kw),
+                      donate_argnums=0)(buf, jnp.asarray(tokens), *exts)
     got = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
-    bad = float(np.mean(got != want)) if got.shape == want.shape else float("inf")
-    r = _result(f"refill E{sizes} blk{blk} B{B} kv{n_kv} K{K} d{d} {dtype}{' host' if host else ''}", mode,
-                dict(err_mismatch=bad), 1e-12)
+    if bits:  # within a rounding of the buffer's dtype (a bf16 ulp is up to 2**-7 of a value), relative to the
+        # values' scale; a wrong row, nibble or group scale is off by a quantization step (~1/15 of a range) or more
+        ulp = 2.0 ** -6 if jnp.dtype(_dt(dtype)) == jnp.bfloat16 else 2.0 ** -20
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want))) if got.shape == want.shape else float("inf")
+        errs, tol = dict(err_rel=err), ulp
+    else:
+        errs, tol = dict(err_mismatch=float(np.mean(got != want)) if got.shape == want.shape else float("inf")), 1e-12
+    r = _result(f"refill E{sizes} blk{blk} B{B} kv{n_kv} K{K} d{d} {dtype}{f' int{bits}' if bits else ''}"
+                f"{' host' if host else ''}", mode, errs, tol)
     r["ok"] = r["ok"] and out.dtype == buf.dtype
     return r
 
@@ -828,7 +852,9 @@ def kernel_cases(full=False):
         cases.append((check_int4_decode, dict(d=d, group_size=gs, dtype=dt, G=g)))
     cases += gather_cases(full)
     cases += [(check_refill, dict()), (check_refill, dict(sizes=(3, 1, 4), blk=16, d=64, K=300, dtype="bfloat16")),
-              (check_refill, dict(B=1, sizes=(2,), d=128, K=5, dtype="bfloat16", ext_dtype="float32", block_k=16))]
+              (check_refill, dict(B=1, sizes=(2,), d=128, K=5, dtype="bfloat16", ext_dtype="float32", block_k=16)),
+              (check_refill, dict(bits=4)), (check_refill, dict(bits=8, d=64, dtype="bfloat16", group_size=32)),
+              (check_refill, dict(bits=4, sizes=(3, 1, 4), blk=16, d=128, K=300, dtype="bfloat16", group_size=64))]
     pf = ([(g, d, dt) for g in (1, 4, 7) for d in HEAD_DIMS for dt in DTYPES] if full else
           [(4, 128, "bfloat16"), (3, 80, "float32"), (1, 64, "float32")])
     for i, (g, d, dt) in enumerate(pf):
@@ -947,6 +973,10 @@ def gpu_cases():
     add(check_gather, dict(n_kv=8, E=40, blk=1, d=128, K=2000, dtype="float32", host=True))  # per-channel K scales
     for d in HEAD_DIMS:  # the extents in pinned_host memory, and a clo-sized buffer (13K rows of 8 heads)
         add(check_refill, dict(d=d, K=300, dtype="bfloat16", sizes=(13, 5, 7), blk=16, host=True))
+        for bits in (4, 8):  # int4 / int8 extents, dequantized in the kernel
+            add(check_refill, dict(d=d, K=300, dtype="bfloat16", sizes=(13, 5, 7), blk=16, host=True, bits=bits))
+    add(check_refill, dict(B=1, n_kv=8, sizes=(2048,), blk=64, d=128, K=13107, dtype="bfloat16", host=True, bits=8,
+                           group_size=64))
     add(check_refill, dict(B=1, n_kv=8, sizes=(256, 256, 256, 256), blk=128, d=128, K=13107, dtype="bfloat16",
                            host=True))
     add(check_prefill, dict(B=1, n_kv=8, G=4, d=128, dtype="bfloat16", T=6000, Tc=1024, q_start=4500))

@@ -206,7 +206,7 @@ def refill_rows_kernel(buf, extents, tokens, blk: int, *, interpret=False, block
     sizes = tuple(int(x.shape[0]) for x in extents)
     kernel = functools.partial(_refill_kernel, sizes=sizes, blk=blk, d=d, dp=dp, K=K, block_k=block_k)
     n_ext = len(extents)
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(B, n_kv, cdiv(K, block_k)),
         in_specs=[pl.BlockSpec((None, None, K), lambda b, h, t: (b, h, 0))]
@@ -219,3 +219,77 @@ def refill_rows_kernel(buf, extents, tokens, blk: int, *, interpret=False, block
         interpret=interpret,
         name="kvo_refill_rows",
     )(tokens.astype(jnp.int32), *extents, buf)
+
+
+def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, dp, K, block_k, bits, group_size):
+    # tok_ref [K] (this (b, h)); refs: per extent its codes [E_e, blk, d or d / 2], step and min [E_e, blk, G] refs
+    # (head h), buf's input ref (aliased, never read), o_ref [K, d]. A row's value is codes * step + min of its
+    # group (`quant.dequantize`), in float32, cast to the buffer's dtype
+    from jax.experimental.pallas import triton as plgpu
+
+    x_refs, o_ref = refs[:3 * len(sizes)], refs[-1]
+    rows = pl.program_id(2) * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    row_in = rows < K
+    toks = load(tok_ref.at[rows], mask=row_in, other=-1)
+    write = row_in & (toks >= 0)
+    block, off = toks // blk, toks % blk
+    cols = jnp.arange(dp, dtype=jnp.int32)
+    col_ok = cols < d
+    half = d // 2
+    code_col = jnp.where(cols < half, cols, cols - half) if bits == 4 else cols  # split-half packing
+    group_col = cols // group_size
+    vals = jnp.zeros((block_k, dp), jnp.float32)
+    start = 0
+    for e, E in enumerate(sizes):  # each row is read from the one extent that holds it (masked loads)
+        codes_ref, step_ref, min_ref = x_refs[3 * e: 3 * e + 3]
+        ok = write & (block >= start) & (block < start + E)
+        b_, o_ = jnp.clip(block - start, 0, E - 1)[:, None], jnp.clip(off, 0, blk - 1)[:, None]
+        m = ok[:, None] & col_ok[None, :]
+        codes = load(codes_ref.at[b_, o_, code_col[None, :]], mask=m, other=0)
+        if bits == 4:
+            codes = jnp.where(cols[None, :] < half, codes & 15, codes >> 4)
+        step = load(step_ref.at[b_, o_, group_col[None, :]], mask=m, other=0.0)
+        mn = load(min_ref.at[b_, o_, group_col[None, :]], mask=m, other=0.0)
+        vals = jnp.where(ok[:, None], codes.astype(jnp.float32) * step + mn, vals)
+        start += E
+    write = write & (block < start)
+    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], vals.astype(o_ref.dtype), mask=write[:, None] & col_ok[None, :])
+
+
+def refill_rows_int_kernel(buf, extents, tokens, blk: int, *, interpret=False, block_k=None, num_warps=4,
+                           num_stages=1):
+    """``refill_rows_kernel`` for group-quantized extents (``QuantizedInt``, int4 or int8 codes, per-token group
+    scales): one kernel reads a replaced row's codes, step and min from the extent that holds it (pinned_host:
+    in place), dequantizes them and writes the row into buf in place; a kept row (token -1) is neither read nor
+    written. Where int rows were gathered per array and extent, dequantized whole and merged with a ``where``
+    over the buffer (the reference, ``ops.refill_block_rows`` with impl="reference"), this moves the same bytes
+    over PCIe and touches only the replaced rows in GPU memory."""
+    B, n_kv, K, d = buf.shape
+    if tokens.shape != (B, n_kv, K):
+        raise ValueError(f"tokens {tokens.shape} must be [B, n_kv, K] = {(B, n_kv, K)}")
+    bits, gs = extents[0].bits, extents[0].group_size
+    for x in extents:
+        if x.scales != "token" or (x.bits, x.group_size) != (bits, gs):
+            raise ValueError("refill_rows_int_kernel takes extents of one form with per-token group scales, got "
+                             f"{[(x.bits, x.group_size, x.scales) for x in extents]}")
+        if x.codes.ndim != 4 or x.codes.shape[1:3] != (n_kv, blk) or x.shape[-1] != d:
+            raise ValueError(f"extent {x.shape} must be [E, n_kv={n_kv}, blk={blk}, d={d}]")
+    block_k, dp = gather_tiles(K, d, block_k)
+    sizes = tuple(int(x.codes.shape[0]) for x in extents)
+    kernel = functools.partial(_refill_int_kernel, sizes=sizes, blk=blk, d=d, dp=dp, K=K, block_k=block_k,
+                               bits=bits, group_size=gs)
+    arrays = [a for x in extents for a in (x.codes, x.step, x.mn)]
+    n_in = len(arrays)
+    return pallas_call(
+        kernel,
+        grid=(B, n_kv, cdiv(K, block_k)),
+        in_specs=[pl.BlockSpec((None, None, K), lambda b, h, t: (b, h, 0))]
+        + [pl.BlockSpec((a.shape[0], None, blk, a.shape[-1]), lambda b, h, t: (0, h, 0, 0)) for a in arrays]
+        + [pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+        input_output_aliases={1 + n_in: 0},
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kvo_refill_rows_int",
+    )(tokens.astype(jnp.int32), *arrays, buf)
