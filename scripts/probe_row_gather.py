@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""How fast the zero-copy row gather reads pinned host memory as the pool grows and as rows shrink.
+
+    PYTHONPATH=src python scripts/probe_row_gather.py [--smoke] [--out DIR] [--only one,step]
+
+clo's step gathers the selected K / V rows of every layer straight from the pinned host pool
+(`ops.gather_pool_rows`, the Triton kernel `kvo_gather_rows`). On an H200 (twentieth session) the same
+13107 random rows per KV head x 8 heads read at 48 GB/s out of a 0.25 GiB array and 12.5 GB/s out of an
+8 GiB one, and int8 / int4 rows (105 MB a step) bought less than their bytes against bf16 rows (240 MB).
+A GPU reads host memory through address translations of 4 KiB pages: a working set of many GiB misses
+them, and every array a row is spread over (codes, step, min) is one more page per selected run. This
+probe separates the two:
+
+one   one pinned_host extent [E, 8, 64, d] of 0.25-8 GiB, gathered over and over: bf16 rows of 256 B and
+      uint8 rows of 128 B, selections scattered or in runs of 32 tokens (Quest pages). GB/s by pool size.
+step  a decode step's gathers as clo Quest makes them: L layers, each gathering 10% of the context per KV
+      head in runs of 32 tokens, one program per step, in three stored forms of the same rows:
+        bf16      K and V arrays in the model's dtype (512 B a K+V row)
+        split     int8 K codes, int4 V codes, each with its float32 step and min arrays (six arrays, 224 B:
+                  how an int4_k_quant="int8" pool stores them now)
+        scales    the same with step and min in one array each for K and V (four arrays)
+        fused     the same 224 bytes as one uint8 row per token and head (one array)
+      us per step and GB/s; split / scales / fused isolate the arrays-per-row cost at equal bytes.
+
+Writes probe_row_gather.json / .md to --out (default $OUT or results/). --smoke: tiny sizes on any backend
+(CPU: interpret mode; the numbers mean nothing, the code paths and the row checks run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from kvoffload.offload.bench import median_time
+from kvoffload.offload.memory import host_sharding
+from kvoffload.pallas import gather as ga
+
+GIB = 2**30
+N_KV, BLK, D = 8, 64, 128
+
+
+def selection(rng, tokens: int, rows: int, run: int, n_kv: int = N_KV):
+    """[1, n_kv, rows] block ids and offsets: per head `rows // run` runs of `run` tokens at random run starts."""
+    runs = max(1, rows // run)
+    starts = np.stack([np.sort(rng.permutation(tokens // run)[:runs]) * run for _ in range(n_kv)])
+    tok = (starts[:, :, None] + np.arange(run)).reshape(n_kv, -1)[None]
+    return jnp.asarray(tok // BLK, jnp.int32), jnp.asarray(tok % BLK, jnp.int32)
+
+
+def host_array(shape, dtype, seed: int):
+    """A pinned_host array of random values: a tile of 64 blocks repeated (cheap to make at GiB sizes), and
+    that tile in NumPy (what `check_rows` reads instead of the host array). Off a GPU (interpret mode, which
+    cannot index a host operand) a device array."""
+    tile = jax.random.randint(jax.random.PRNGKey(seed), (min(shape[0], 64), *shape[1:]), 0, 127).astype(dtype)
+    reps = -(-shape[0] // tile.shape[0])
+    where = host_sharding() if jax.default_backend() == "gpu" else jax.devices()[0]
+    x = jax.device_put(jnp.tile(tile, (reps,) + (1,) * (len(shape) - 1))[: shape[0]], where)
+    jax.block_until_ready(x)
+    return x, np.asarray(tile)
+
+
+def check_rows(tile, block, off, got) -> bool:
+    """The gathered rows (every head's first 64) against the tile the host array repeats."""
+    b, o, g = np.asarray(block)[0], np.asarray(off)[0], np.asarray(got)[0]
+    heads = np.arange(b.shape[0])[:, None]
+    return bool(np.array_equal(tile[b[:, :64] % tile.shape[0], heads, o[:, :64]], g[:, :64]))
+
+
+def probe_one(args, rows_out, interpret):
+    rng = np.random.default_rng(0)
+    sizes = (2**20, 2**22) if args.smoke else (GIB // 4, GIB, 2 * GIB, 8 * GIB)
+    for dtype, d in ((jnp.bfloat16, D), (jnp.uint8, D)):
+        row_bytes = d * jnp.dtype(dtype).itemsize
+        for size in sizes:
+            E = max(1, size // (N_KV * BLK * row_bytes))
+            tokens = E * BLK
+            x, tile = host_array((E, N_KV, BLK, d), dtype, seed=E)
+            f = jax.jit(lambda x, b, o: ga.gather_rows_kernel(x, b, o, interpret=interpret))
+            for run in (1, 32):
+                block, off = selection(rng, tokens, tokens // 10, run)
+                ok = check_rows(tile, block, off, f(x, block, off))
+                t = median_time(lambda: f(x, block, off), reps=7, warmup=2)
+                nbytes = int(block.size) * row_bytes
+                rows_out.append(dict(probe="one", dtype=jnp.dtype(dtype).name, row_bytes=row_bytes,
+                                     pool_bytes=int(x.nbytes), run=run, rows=int(block.size), us=t * 1e6,
+                                     GBps=nbytes / t / 1e9, exact=ok))
+                print(f"one {jnp.dtype(dtype).name:8s} row {row_bytes:3d} B pool {x.nbytes / GIB:6.2f} GiB run {run:2d}: "
+                      f"{t * 1e6:9.1f} us {nbytes / t / 1e9:6.1f} GB/s rows ok {ok}", flush=True)
+            del x
+
+
+FORMS = {  # per layer: (name, dtype, columns) of each array a token's K+V row is stored over
+    "bf16": (("k", jnp.bfloat16, D), ("v", jnp.bfloat16, D)),
+    "split": (("k_codes", jnp.uint8, D), ("k_step", jnp.float32, D // 64), ("k_min", jnp.float32, D // 64),
+              ("v_codes", jnp.uint8, D // 2), ("v_step", jnp.float32, D // 64), ("v_min", jnp.float32, D // 64)),
+    "scales": (("k_codes", jnp.uint8, D), ("k_scales", jnp.float32, 2 * (D // 64)),
+               ("v_codes", jnp.uint8, D // 2), ("v_scales", jnp.float32, 2 * (D // 64))),
+    "fused": (("kv_row", jnp.uint8, D + D // 2 + 4 * 4 * (D // 64)),),
+}
+
+
+def probe_step(args, rows_out, interpret):
+    rng = np.random.default_rng(1)
+    layers, tokens = (2, 4096) if args.smoke else (args.layers, args.context)
+    E = tokens // BLK
+    sels = [selection(rng, tokens, tokens // 10, 32) for _ in range(layers)]
+    for form, arrays in FORMS.items():
+        made = [[host_array((E, N_KV, BLK, c), dt, seed=100 * l + i) for i, (_, dt, c) in enumerate(arrays)]
+                for l in range(layers)]
+        pool = [[x for x, _ in m] for m in made]
+        row_bytes = sum(c * jnp.dtype(dt).itemsize for _, dt, c in arrays)
+
+        @jax.jit
+        def step(pool, sels):
+            return [[ga.gather_rows_kernel(x, b, o, interpret=interpret) for x in xs] for xs, (b, o) in zip(pool, sels)]
+
+        got = step(pool, sels)
+        ok = all(check_rows(made[l][i][1], *sels[l], got[l][i]) for l in (0, layers - 1) for i in range(len(arrays)))
+        t = median_time(lambda: step(pool, sels), reps=7, warmup=2)
+        nbytes = sum(int(b.size) for b, _ in sels) * row_bytes
+        pool_bytes = sum(int(x.nbytes) for xs in pool for x in xs)
+        rows_out.append(dict(probe="step", form=form, arrays_per_layer=len(arrays), row_bytes=row_bytes,
+                             layers=layers, context=tokens, pool_bytes=pool_bytes, us=t * 1e6,
+                             GBps=nbytes / t / 1e9, bytes_per_step=nbytes, exact=ok))
+        print(f"step {form:6s} {len(arrays)} arrays, {row_bytes} B a K+V row, pool {pool_bytes / GIB:6.2f} GiB: "
+              f"{t * 1e6:9.1f} us ({nbytes / 2**20:.1f} MiB, {nbytes / t / 1e9:6.1f} GB/s) rows ok {ok}", flush=True)
+        del pool, made, got
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default="one,step", help="comma list of: one, step")
+    ap.add_argument("--layers", type=int, default=31, help="step: layers gathered per step (clo: 31 of 32)")
+    ap.add_argument("--context", type=int, default=131072, help="step: tokens per layer")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    interpret = jax.default_backend() != "gpu"
+    out = args.out or os.environ.get("OUT") or "results"
+    os.makedirs(out, exist_ok=True)
+    rows, t0 = [], time.time()
+    dev = jax.devices()[0]
+    print(f"[probe_row_gather] {dev.device_kind} jax {jax.__version__}{' (interpret)' if interpret else ''}", flush=True)
+    for name in args.only.split(","):
+        {"one": probe_one, "step": probe_step}[name](args, rows, interpret)
+    meta = dict(device=dev.device_kind, jax=jax.__version__, interpret=interpret, seconds=time.time() - t0,
+                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    with open(os.path.join(out, "probe_row_gather.json"), "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    lines = [f"{meta['device']}, JAX {meta['jax']}, {meta['date']}", "",
+             "| probe | form / dtype | row B | pool MiB | run | us | GB/s | rows ok |", "|---|---|--:|--:|--:|--:|--:|---|"]
+    for r in rows:
+        lines.append(f"| {r['probe']} | {r.get('form', r.get('dtype'))} | {r['row_bytes']} | {r['pool_bytes'] / 2**20:.1f} | "
+                     f"{r.get('run', 32)} | {r['us']:.1f} | {r['GBps']:.1f} | {r['exact']} |")
+    with open(os.path.join(out, "probe_row_gather.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
