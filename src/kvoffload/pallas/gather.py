@@ -221,10 +221,12 @@ def refill_rows_kernel(buf, extents, tokens, blk: int, *, interpret=False, block
     )(tokens.astype(jnp.int32), *extents, buf)
 
 
-def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, dp, K, block_k, bits, group_size):
+def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, width, K, block_k, bits, group_size):
     # tok_ref [K] (this (b, h)); refs: per extent its codes [E_e, blk, d or d / 2], step and min [E_e, blk, G] refs
     # (head h), buf's input ref (aliased, never read), o_ref [K, d]. A row's value is codes * step + min of its
-    # group (`quant.dequantize`), in float32, cast to the buffer's dtype
+    # group (`quant.dequantize`), in float32, cast to the buffer's dtype. Each row's bytes are read once: its
+    # codes as one tile of `width` columns (int4: the packed half, whose low nibbles are columns [0, d / 2) and
+    # high nibbles [d / 2, d), stored as two tiles) and its G steps and mins as G vectors
     from jax.experimental.pallas import triton as plgpu
 
     x_refs, o_ref = refs[:3 * len(sizes)], refs[-1]
@@ -233,27 +235,33 @@ def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, dp, K, block_k, bits, grou
     toks = load(tok_ref.at[rows], mask=row_in, other=-1)
     write = row_in & (toks >= 0)
     block, off = toks // blk, toks % blk
-    cols = jnp.arange(dp, dtype=jnp.int32)
-    col_ok = cols < d
-    half = d // 2
-    code_col = jnp.where(cols < half, cols, cols - half) if bits == 4 else cols  # split-half packing
-    group_col = cols // group_size
-    vals = jnp.zeros((block_k, dp), jnp.float32)
+    cols = jnp.arange(width, dtype=jnp.int32)
+    n_codes = d // 2 if bits == 4 else d
+    code_ok = cols < n_codes
+    parts = ((0, lambda c: c & 15), (d // 2, lambda c: c >> 4)) if bits == 4 else ((0, lambda c: c),)
+    groups = [(cols + first) // group_size for first, _ in parts]  # each output column's group
+    vals = [jnp.zeros((block_k, width), jnp.float32) for _ in parts]
     start = 0
     for e, E in enumerate(sizes):  # each row is read from the one extent that holds it (masked loads)
         codes_ref, step_ref, min_ref = x_refs[3 * e: 3 * e + 3]
         ok = write & (block >= start) & (block < start + E)
-        b_, o_ = jnp.clip(block - start, 0, E - 1)[:, None], jnp.clip(off, 0, blk - 1)[:, None]
-        m = ok[:, None] & col_ok[None, :]
-        codes = load(codes_ref.at[b_, o_, code_col[None, :]], mask=m, other=0)
-        if bits == 4:
-            codes = jnp.where(cols[None, :] < half, codes & 15, codes >> 4)
-        step = load(step_ref.at[b_, o_, group_col[None, :]], mask=m, other=0.0)
-        mn = load(min_ref.at[b_, o_, group_col[None, :]], mask=m, other=0.0)
-        vals = jnp.where(ok[:, None], codes.astype(jnp.float32) * step + mn, vals)
+        b_, o_ = jnp.clip(block - start, 0, E - 1), jnp.clip(off, 0, blk - 1)
+        codes = load(codes_ref.at[b_[:, None], o_[:, None], cols[None, :]], mask=ok[:, None] & code_ok[None, :],
+                     other=0)
+        steps = [load(step_ref.at[b_, o_, g], mask=ok, other=0.0) for g in range(d // group_size)]
+        mins = [load(min_ref.at[b_, o_, g], mask=ok, other=0.0) for g in range(d // group_size)]
+        for i, (_, nibble) in enumerate(parts):
+            step, mn = steps[0][:, None], mins[0][:, None]
+            for g in range(1, d // group_size):  # each column's group's step and min
+                at_g = groups[i][None, :] == g
+                step, mn = jnp.where(at_g, steps[g][:, None], step), jnp.where(at_g, mins[g][:, None], mn)
+            got = nibble(codes).astype(jnp.float32) * step + mn
+            vals[i] = jnp.where(ok[:, None], got, vals[i])
         start += E
     write = write & (block < start)
-    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], vals.astype(o_ref.dtype), mask=write[:, None] & col_ok[None, :])
+    for (first, _), v in zip(parts, vals):
+        plgpu.store(o_ref.at[rows[:, None], (cols + first)[None, :]], v.astype(o_ref.dtype),
+                    mask=write[:, None] & code_ok[None, :])
 
 
 def refill_rows_int_kernel(buf, extents, tokens, blk: int, *, interpret=False, block_k=None, num_warps=4,
@@ -274,9 +282,9 @@ def refill_rows_int_kernel(buf, extents, tokens, blk: int, *, interpret=False, b
                              f"{[(x.bits, x.group_size, x.scales) for x in extents]}")
         if x.codes.ndim != 4 or x.codes.shape[1:3] != (n_kv, blk) or x.shape[-1] != d:
             raise ValueError(f"extent {x.shape} must be [E, n_kv={n_kv}, blk={blk}, d={d}]")
-    block_k, dp = gather_tiles(K, d, block_k)
+    block_k, width = gather_tiles(K, d // 2 if bits == 4 else d, block_k)
     sizes = tuple(int(x.codes.shape[0]) for x in extents)
-    kernel = functools.partial(_refill_int_kernel, sizes=sizes, blk=blk, d=d, dp=dp, K=K, block_k=block_k,
+    kernel = functools.partial(_refill_int_kernel, sizes=sizes, blk=blk, d=d, width=width, K=K, block_k=block_k,
                                bits=bits, group_size=gs)
     arrays = [a for x in extents for a in (x.codes, x.step, x.mn)]
     n_in = len(arrays)
