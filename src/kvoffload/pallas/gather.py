@@ -165,17 +165,21 @@ def refill_rows_reference(buf, extents, tokens, blk: int):
     return out
 
 
+def _refill_tile(tok_ref, blk, K, block_k):
+    """This program's rows of a refill, whether each is written (a token >= 0) and its block and offset."""
+    rows = pl.program_id(2) * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    row_in = rows < K
+    toks = load(tok_ref.at[rows], mask=row_in, other=-1)
+    return rows, row_in & (toks >= 0), toks // blk, toks % blk
+
+
 def _refill_kernel(tok_ref, *refs, sizes, blk, d, dp, K, block_k):
     # tok_ref [K] (this (b, h)); refs: the extents' refs [E_e, blk, d] (head h), buf's input ref (aliased to the
     # output: never read, so a row the kernel does not store keeps its value), o_ref [K, d]
     from jax.experimental.pallas import triton as plgpu
 
     x_refs, o_ref = refs[:len(sizes)], refs[-1]
-    rows = pl.program_id(2) * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    row_in = rows < K
-    toks = load(tok_ref.at[rows], mask=row_in, other=-1)
-    write = row_in & (toks >= 0)
-    block, off = toks // blk, toks % blk
+    rows, write, block, off = _refill_tile(tok_ref, blk, K, block_k)
     cols = jnp.arange(dp, dtype=jnp.int32)
     col_ok = cols < d
     vals = jnp.zeros((block_k, dp), o_ref.dtype)
@@ -205,20 +209,27 @@ def refill_rows_kernel(buf, extents, tokens, blk: int, *, interpret=False, block
     block_k, dp = gather_tiles(K, d, block_k)
     sizes = tuple(int(x.shape[0]) for x in extents)
     kernel = functools.partial(_refill_kernel, sizes=sizes, blk=blk, d=d, dp=dp, K=K, block_k=block_k)
-    n_ext = len(extents)
+    return _refill_call(kernel, buf, tokens, list(extents), blk, block_k, "kvo_refill_rows", interpret=interpret,
+                        num_warps=num_warps, num_stages=num_stages)
+
+
+def _refill_call(kernel, buf, tokens, arrays, blk, block_k, name, **kw):
+    """A refill kernel's call: one program per (request, head, tile of block_k rows), each array [E, n_kv, blk, c]
+    seen as its head's [E, blk, c], buf aliased to the output (written in place where the caller donates it)."""
+    B, n_kv, K, d = buf.shape
     return pallas_call(
         kernel,
         grid=(B, n_kv, cdiv(K, block_k)),
         in_specs=[pl.BlockSpec((None, None, K), lambda b, h, t: (b, h, 0))]
-        + [pl.BlockSpec((E, None, blk, d), lambda b, h, t: (0, h, 0, 0)) for E in sizes]
+        + [pl.BlockSpec((a.shape[0], None, blk, a.shape[-1]), lambda b, h, t: (0, h, 0, 0)) for a in arrays]
         + [pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0))],
         out_specs=pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(buf.shape, buf.dtype),
-        input_output_aliases={1 + n_ext: 0},
-        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kvo_refill_rows",
-    )(tokens.astype(jnp.int32), *extents, buf)
+        input_output_aliases={1 + len(arrays): 0},
+        compiler_params=triton_params(num_warps=kw["num_warps"], num_stages=kw["num_stages"]),
+        interpret=kw["interpret"],
+        name=name,
+    )(tokens.astype(jnp.int32), *arrays, buf)
 
 
 def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, width, K, block_k, bits, group_size):
@@ -230,11 +241,7 @@ def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, width, K, block_k, bits, g
     from jax.experimental.pallas import triton as plgpu
 
     x_refs, o_ref = refs[:3 * len(sizes)], refs[-1]
-    rows = pl.program_id(2) * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    row_in = rows < K
-    toks = load(tok_ref.at[rows], mask=row_in, other=-1)
-    write = row_in & (toks >= 0)
-    block, off = toks // blk, toks % blk
+    rows, write, block, off = _refill_tile(tok_ref, blk, K, block_k)
     cols = jnp.arange(width, dtype=jnp.int32)
     n_codes = d // 2 if bits == 4 else d
     code_ok = cols < n_codes
@@ -287,17 +294,5 @@ def refill_rows_int_kernel(buf, extents, tokens, blk: int, *, interpret=False, b
     kernel = functools.partial(_refill_int_kernel, sizes=sizes, blk=blk, d=d, width=width, K=K, block_k=block_k,
                                bits=bits, group_size=gs)
     arrays = [a for x in extents for a in (x.codes, x.step, x.mn)]
-    n_in = len(arrays)
-    return pallas_call(
-        kernel,
-        grid=(B, n_kv, cdiv(K, block_k)),
-        in_specs=[pl.BlockSpec((None, None, K), lambda b, h, t: (b, h, 0))]
-        + [pl.BlockSpec((a.shape[0], None, blk, a.shape[-1]), lambda b, h, t: (0, h, 0, 0)) for a in arrays]
-        + [pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(buf.shape, buf.dtype),
-        input_output_aliases={1 + n_in: 0},
-        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kvo_refill_rows_int",
-    )(tokens.astype(jnp.int32), *arrays, buf)
+    return _refill_call(kernel, buf, tokens, arrays, blk, block_k, "kvo_refill_rows_int", interpret=interpret,
+                        num_warps=num_warps, num_stages=num_stages)
