@@ -139,7 +139,7 @@ def cmd_convert(args) -> int:
 _DELEGATED = {
     "profile": ("kvoffload.offload.cli", "profile_main", "measure the machine and write a JSON profile"),
     "bench": ("kvoffload.offload.cli", "bench_main", "decode benchmark of the KV policies"),
-    "eval": ("kvoffload.eval", "cli_main", "accuracy evaluation: ruler | longbench | ppl"),
+    "eval": ("kvoffload.eval", "cli_main", "accuracy evaluation: ruler | longbench | ppl | compare"),
     "train-importance": ("kvoffload.importance.cli", "train_importance_main", "train head-importance scores"),
     "train-hata": ("kvoffload.importance.cli", "train_hata_main", "train HATA hash codes"),
 }

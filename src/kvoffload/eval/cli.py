@@ -8,6 +8,7 @@ The main CLI calls :func:`cli_main` with the arguments after ``eval``, or adds
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -42,7 +43,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     from .longbench import LONGBENCH_DATASETS
     from .ruler import RULER_TASKS
 
-    sub = parser.add_subparsers(dest="eval_benchmark", metavar="{ruler,longbench,ppl}")
+    sub = parser.add_subparsers(dest="eval_benchmark", metavar="{ruler,longbench,ppl,compare}")
     sub.required = True
 
     r = sub.add_parser("ruler", help="RULER synthetic tasks (NVIDIA's generators) at given context lengths",
@@ -77,7 +78,43 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     pp.add_argument("--decode-tokens", type=int, default=None,
                     help="score only the last N tokens of each window (the rest is prefilled context)")
     pp.add_argument("--seed", type=int, default=0, help="seed of the random-token baseline")
+
+    cp = sub.add_parser("compare", help="each policy's score minus the baseline's on the same samples, with a "
+                                        "paired bootstrap interval, from results files of earlier runs")
+    cp.add_argument("results", nargs="+", help="*_results.jsonl files (RULER, LongBench, ppl; one run or several)")
+    cp.add_argument("--baseline", default="full", help="policy label the differences are taken from (default: full)")
+    cp.add_argument("--per-task", action="store_true", help="a row per task too, not only the average")
+    cp.add_argument("--draws", type=int, default=5000, help="bootstrap draws (default 5000)")
+    cp.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
+    cp.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    cp.add_argument("--out", default=None, help="also write compare.md and compare.json here")
     return parser
+
+
+def compare_from_args(args: argparse.Namespace) -> int:
+    """``kvoffload eval compare``: reads the results files and prints the comparison table."""
+    from kvoffload.cli import USER_ERRORS, one_line
+
+    from .compare import compare_records, format_comparison, write_comparison
+    from .report import load_records
+
+    try:
+        if not 0 < args.level < 1 or args.draws < 1:
+            raise ValueError(f"--level must be in (0, 1) and --draws >= 1, got {args.level}, {args.draws}")
+        records = []
+        for path in args.results:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no results file {path}")
+            records += load_records(path)
+        rows = compare_records(records, baseline=args.baseline, draws=args.draws, seed=args.seed, level=args.level)
+    except USER_ERRORS as e:
+        print(f"kvoffload eval compare: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    print(format_comparison(rows, args.per_task))
+    if args.out:
+        for k, v in write_comparison(args.out, rows, args.per_task).items():
+            print(f"{k}: {v}")
+    return 0
 
 
 def load_eval_model(spec: str | None, dtype: str = "float32"):
@@ -99,6 +136,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from . import runner
 
     bench = args.eval_benchmark
+    if bench == "compare":
+        return compare_from_args(args)
     progress = None if args.quiet else sys.stderr
     if args.resume and args.overwrite:
         print(f"kvoffload eval {bench}: error: --resume keeps earlier results, --overwrite replaces them: "
@@ -154,7 +193,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """``kvoffload eval ...`` entry point: ``argv`` are the arguments after ``eval``."""
     parser = argparse.ArgumentParser(prog="kvoffload eval",
-                                     description="Accuracy of KV policies: RULER, LongBench, perplexity")
+                                     description="Accuracy of KV policies: RULER, LongBench, perplexity; "
+                                                 "compare: differences with intervals from results files")
     add_eval_arguments(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     return run_from_args(args)

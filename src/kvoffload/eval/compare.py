@@ -1,0 +1,117 @@
+"""``kvoffload eval compare``: a policy's score against a baseline's on the same samples, with a paired bootstrap
+interval: what a run of 20 samples a task can and cannot tell apart.
+
+Records are the per-sample lines of ``*_results.jsonl`` files (RULER, LongBench, perplexity), from one run or
+several (each policy may come from its own run). A policy's sample is paired with the baseline's sample of the
+same benchmark, task, length and index whose prompt hash is the same. Per (benchmark, length) the score is the
+mean over tasks of each task's mean (the benchmarks' own average), and the interval resamples the paired
+samples within each task (with replacement, the tasks kept), so it is the spread of that average's difference
+over samples like these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Sequence
+
+import numpy as np
+
+from kvoffload.errors import KVOffloadError
+
+__all__ = ["CompareError", "compare_records", "format_comparison", "write_comparison"]
+
+
+class CompareError(KVOffloadError, ValueError):
+    """Results that cannot be compared (no baseline, nothing paired)."""
+
+
+def _key(r: dict) -> tuple:
+    return r.get("benchmark"), r.get("task"), r.get("length"), r.get("index"), r.get("prompt_sha")
+
+
+def compare_records(records: Sequence[dict], baseline: str = "full", draws: int = 5000, seed: int = 0,
+                    level: float = 0.95) -> list[dict]:
+    """One row per (policy, benchmark, length) and per task of it: tasks, paired samples, the baseline's and the
+    policy's mean, delta = policy - baseline and its paired bootstrap interval [lo, hi] at `level`
+    (the "average" row: mean over tasks; a task's row: that task alone). Samples without a partner are counted
+    (unpaired) and left out."""
+    by_policy: dict[str, dict] = defaultdict(dict)
+    for r in records:
+        if "score" in r and r.get("policy") is not None:
+            by_policy[r["policy"]][_key(r)] = float(r["score"])
+    if baseline not in by_policy:
+        raise CompareError(f"no records of the baseline policy {baseline!r}; the results hold "
+                           f"{sorted(by_policy) or 'no scored samples'}: pass --baseline with one of them")
+    base = by_policy[baseline]
+    rng = np.random.default_rng(seed)
+    rows = []
+    for policy, scores in by_policy.items():
+        if policy == baseline:
+            continue
+        groups: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        unpaired = defaultdict(int)
+        for k, s in scores.items():
+            bench, task, length = k[:3]
+            if k in base:
+                groups[(bench, length)][task].append((base[k], s))
+            else:
+                unpaired[(bench, length)] += 1
+        for (bench, length), tasks in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
+            names = sorted(tasks)
+            pairs = [np.asarray(tasks[t], np.float64) for t in names]  # per task [n, 2]: baseline, policy
+            deltas = [p[:, 1] - p[:, 0] for p in pairs]
+            boot = np.zeros((draws, len(names)))
+            for j, d in enumerate(deltas):  # resample each task's paired samples
+                boot[:, j] = d[rng.integers(0, len(d), (draws, len(d)))].mean(axis=1)
+            lo_q, hi_q = (1 - level) / 2 * 100, (1 + level) / 2 * 100
+
+            def row(task, cols, n_tasks):
+                b = np.mean([pairs[j][:, 0].mean() for j in cols])
+                p = np.mean([pairs[j][:, 1].mean() for j in cols])
+                lo, hi = np.percentile(boot[:, cols].mean(axis=1), [lo_q, hi_q])
+                return dict(policy=policy, baseline=baseline, benchmark=bench, length=length, task=task,
+                            tasks=n_tasks, samples=int(sum(len(pairs[j]) for j in cols)), baseline_score=float(b),
+                            score=float(p), delta=float(p - b), lo=float(lo), hi=float(hi), level=level,
+                            unpaired=int(unpaired[(bench, length)]) if task == "average" else 0)
+
+            rows.append(row("average", list(range(len(names))), len(names)))
+            rows += [row(t, [j], 1) for j, t in enumerate(names)]
+    if len(by_policy) == 1:
+        raise CompareError(f"no policy other than the baseline {baseline!r} in the results: give the results of "
+                           "the policies to compare too")
+    if not rows:
+        raise CompareError(f"no sample of {sorted(set(by_policy) - {baseline})} pairs with one of {baseline!r}'s "
+                           "(same benchmark, task, length, index and prompt): were they run with the same seed "
+                           "and lengths?")
+    return rows
+
+
+def format_comparison(rows: Sequence[dict], per_task: bool = False) -> str:
+    """A markdown table: per policy, benchmark and length the average's delta and interval (and with per_task
+    each task's)."""
+    level = rows[0]["level"] if rows else 0.95
+    head = (f"| policy | benchmark | length | task | samples | {rows[0]['baseline'] if rows else 'baseline'} | "
+            f"policy | delta | {level:.0%} interval |")
+    lines = [head, "|---|---|--:|---|--:|--:|--:|--:|---|"]
+    for r in rows:
+        if r["task"] != "average" and not per_task:
+            continue
+        name = f"**{r['task']}** ({r['tasks']} task{'s' if r['tasks'] != 1 else ''})" if r["task"] == "average" else r["task"]
+        note = f" ({r['unpaired']} unpaired left out)" if r.get("unpaired") else ""
+        lines.append(f"| {r['policy']} | {r['benchmark']} | {r['length']} | {name} | {r['samples']}{note} | "
+                     f"{r['baseline_score']:.2f} | {r['score']:.2f} | {r['delta']:+.2f} | "
+                     f"[{r['lo']:+.2f}, {r['hi']:+.2f}] |")
+    return "\n".join(lines)
+
+
+def write_comparison(out_dir: str | os.PathLike, rows: Sequence[dict], per_task: bool = False) -> dict[str, str]:
+    """compare.md and compare.json in out_dir; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    md, js = os.path.join(out_dir, "compare.md"), os.path.join(out_dir, "compare.json")
+    with open(md, "w", encoding="utf-8") as f:
+        f.write(format_comparison(rows, per_task) + "\n")
+    with open(js, "w", encoding="utf-8") as f:
+        json.dump(list(rows), f, indent=1)
+    return {"markdown": md, "json": js}
