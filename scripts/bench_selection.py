@@ -141,8 +141,9 @@ from kvoffload.offload.bench import random_kv_prefill  # noqa: E402
 
 
 def bandwidth_probes(smoke: bool) -> dict:
-    """GPU memory bandwidth (a jitted x * 2 reading and writing an array) and host->GPU bandwidth (an eager
-    device_put of one pinned_host array), measured here."""
+    """GPU memory bandwidth (a jitted x * 2 reading and writing an array), host->GPU bandwidth (an eager
+    device_put of one pinned_host array) and, on a GPU, the zero-copy row gather's rate out of a 2 GiB pool,
+    measured here."""
     from kvoffload.offload.bench import median_time
 
     import jax
@@ -167,6 +168,25 @@ def bandwidth_probes(smoke: bool) -> dict:
     t = median_time(lambda: M.to_device(h))
     out["pcie_bytes_per_s"] = n / t
     out["pcie_probe"] = f"device_put of one {n >> 20} MiB {kind} array to the device, median of 5: {t * 1e3:.2f} ms"
+    del h
+    if jax.default_backend() == "gpu":  # the zero-copy row gather out of a 2 GiB pool (its rate falls with the
+        # pool's size and swings between processes: BENCHMARKS, twentieth session)
+        import numpy as np
+
+        from kvoffload.pallas import gather as ga
+
+        E, n_kv, blk, d, rows = 16384, 8, 64, 128, 13107
+        try:
+            pool = jax.block_until_ready(M.to_host(jnp.ones((E, n_kv, blk, d), jnp.bfloat16)))
+            tok = np.stack([np.sort(np.random.default_rng(h).permutation(E * blk)[:rows]) for h in range(n_kv)])[None]
+            b, o = jnp.asarray(tok // blk, jnp.int32), jnp.asarray(tok % blk, jnp.int32)
+            gather = jax.jit(ga.gather_rows_kernel)
+            t = median_time(lambda: gather(pool, b, o))
+            out["row_gather_bytes_per_s"] = rows * n_kv * d * 2 / t
+            out["row_gather_probe"] = (f"kvo_gather_rows of {rows} random rows x {n_kv} heads (bf16, d {d}) from a "
+                                       f"2 GiB {kind} extent, median of 5: {t * 1e6:.1f} us")
+        except Exception as e:  # noqa: BLE001  (a diagnostic: the runs go on without it)
+            out["row_gather_probe"] = f"failed: {type(e).__name__}: {e}"[:500]
     return out
 
 
@@ -582,7 +602,9 @@ def table(doc) -> str:
     full = {(r["context"], r["batch"]): r for r in rows if r["variant"] == "full" and "step_s" in r}
     lines = [f"device {doc['meta']['device']} | jax {doc['meta']['jax']} | {doc['meta']['shape']} "
              f"{doc['meta']['dtype']} | HBM {fmt(doc['meta']['probes']['hbm_bytes_per_s'], '{:.0f}', 1e-9)} GB/s, "
-             f"h2d {fmt(doc['meta']['probes'].get('pcie_bytes_per_s'), '{:.1f}', 1e-9)} GB/s (measured)", "",
+             f"h2d {fmt(doc['meta']['probes'].get('pcie_bytes_per_s'), '{:.1f}', 1e-9)} GB/s, row gather "
+             f"{fmt(doc['meta']['probes'].get('row_gather_bytes_per_s'), '{:.1f}', 1e-9)} GB/s (2 GiB pool) (measured)",
+             "",
              "| policy | ctx | b | replay | step ms | / full | attn/layer us (replay / miss / hit) | floor us | "
              "attn/floor | hit rate | GPU KV GB (state) | / full | rows or extents MB/step | note |",
              "|---|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|---|"]
