@@ -133,6 +133,20 @@ def _run(model, policy, steps=6, prompts=PROMPTS, **opts):
     return pol, state
 
 
+def test_a_long_decode_keeps_the_last_step_records_unless_traced(monkeypatch, tmp_path):
+    """Without a trace the state keeps the last RECORDS_KEPT step records (a long generation's grew without
+    bound, copied whole every step); with one it keeps them all, as the trace file does."""
+    from kvoffload.offload import pipeline as P
+
+    monkeypatch.setattr(P, "RECORDS_KEPT", 2)
+    model = tiny_random_model("llama", seed=3)
+    _, state = _run(model, "offload", steps=5)
+    assert [r["step"] for r in state.records] == [3, 4] and state.step == 5
+    assert state.records[0]["time_s"] is not None  # a kept step's time is still filled in by the next step
+    _, traced = _run(model, "offload", steps=5, trace=str(tmp_path / "t.json"))
+    assert [r["step"] for r in traced.records] == [0, 1, 2, 3, 4]
+
+
 def test_scheduler_recomputes_for_mha_and_traces(tmp_path):
     """MHA OPT (an activation is half its K/V): the scheduler recomputes some extents; the trace records
     the split and is drawable."""

@@ -147,11 +147,13 @@ class DecodeState:
     groups: tuple  # of GroupState
     batch: int
     step: int = 0
-    records: tuple = ()  # one dict per decode step (see LayerPipeline.record)
+    records: tuple = ()  # one dict per decode step, the last RECORDS_KEPT (all with a trace; LayerPipeline.record)
     step_started: float | None = None  # host clock at the previous step's start (trace timing)
 
 
 _register(DecodeState, ("batch", "step", "records", "step_started"))
+RECORDS_KEPT = 1024  # step records a DecodeState keeps without PipelineOptions.trace (a long generation's grew a
+# tuple copied whole every step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1289,8 +1291,11 @@ class LayerPipeline:
             new_groups.append(gr)
         moved.update(self.hooks.step_record(self, new_groups))
         rec = self.record(model, state, plans, moved, d2h)
+        records += (rec,)
+        if not o.trace:  # a trace file holds every step; the state the last RECORDS_KEPT
+            records = records[-RECORDS_KEPT:]
         return logits, DecodeState(groups=tuple(new_groups), batch=state.batch, step=state.step + 1,
-                                   records=records + (rec,), step_started=now)
+                                   records=records, step_started=now)
 
     def flush(self, gr: GroupState):
         """Every request's oldest blk tail tokens become a new pool block (one per request, lockstep)."""
