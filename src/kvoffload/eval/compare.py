@@ -98,7 +98,8 @@ def format_comparison(rows: Sequence[dict], per_task: bool = False) -> str:
     for r in rows:
         if r["task"] != "average" and not per_task:
             continue
-        name = f"**{r['task']}** ({r['tasks']} task{'s' if r['tasks'] != 1 else ''})" if r["task"] == "average" else r["task"]
+        tasks = f"{r['tasks']} task{'s' if r['tasks'] != 1 else ''}"
+        name = f"**{r['task']}** ({tasks})" if r["task"] == "average" else r["task"]
         note = f" ({r['unpaired']} unpaired left out)" if r.get("unpaired") else ""
         lines.append(f"| {r['policy']} | {r['benchmark']} | {r['length']} | {name} | {r['samples']}{note} | "
                      f"{r['baseline_score']:.2f} | {r['score']:.2f} | {r['delta']:+.2f} | "
