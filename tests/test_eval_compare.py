@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvoffload.eval import cli
-from kvoffload.eval.compare import CompareError, compare_records, format_comparison
+from kvoffload.eval.compare import CompareError, compare_records, format_comparison, short_labels
 
 
 def _rec(policy, task, length, index, score, sha=None, bench="ruler"):
@@ -78,3 +78,15 @@ def test_cli_reads_result_files_and_writes_the_table(tmp_path, capsys):
     assert "| clo:topk=8 | ruler | 4096 | **average** (1 task) | 8 | 3.50 | 5.50 | +2.00 | [+2.00, +2.00] |" in out
     rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert rows[0]["delta"] == pytest.approx(2.0) and (tmp_path / "cmp" / "compare.md").exists()
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 1000
+
+
+def test_plot_labels_keep_what_tells_the_policies_apart():
+    labels = short_labels(["clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=native",
+                           "clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=int8", "full"])
+    assert labels == {"clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=native": "clo:retrieval=quest,topk_ratio=0.1,"
+                      "int4_k_quant=native", "clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=int8":
+                      "clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=int8", "full": "full"}
+    labels = short_labels(["clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=native",
+                           "clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=int8"])
+    assert set(labels.values()) == {"clo:int4_k_quant=native", "clo:int4_k_quant=int8"}

@@ -87,7 +87,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     cp.add_argument("--draws", type=int, default=5000, help="bootstrap draws (default 5000)")
     cp.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
     cp.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    cp.add_argument("--out", default=None, help="also write compare.md and compare.json here")
+    cp.add_argument("--out", default=None, help="also write compare.md, compare.json and compare.png here")
+    cp.add_argument("--no-plot", action="store_true", help="skip the plot (compare.png)")
     return parser
 
 
@@ -112,7 +113,7 @@ def compare_from_args(args: argparse.Namespace) -> int:
         return 2
     print(format_comparison(rows, args.per_task))
     if args.out:
-        for k, v in write_comparison(args.out, rows, args.per_task).items():
+        for k, v in write_comparison(args.out, rows, args.per_task, plot=not args.no_plot).items():
             print(f"{k}: {v}")
     return 0
 

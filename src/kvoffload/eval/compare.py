@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections import defaultdict
 from typing import Sequence
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from kvoffload.errors import KVOffloadError
 
-__all__ = ["CompareError", "compare_records", "format_comparison", "write_comparison"]
+__all__ = ["CompareError", "compare_records", "format_comparison", "plot_comparison", "write_comparison"]
 
 
 class CompareError(KVOffloadError, ValueError):
@@ -107,12 +108,59 @@ def format_comparison(rows: Sequence[dict], per_task: bool = False) -> str:
     return "\n".join(lines)
 
 
-def write_comparison(out_dir: str | os.PathLike, rows: Sequence[dict], per_task: bool = False) -> dict[str, str]:
-    """compare.md and compare.json in out_dir; returns their paths."""
+def short_labels(policies: Sequence[str]) -> dict[str, str]:
+    """Each policy label ("name:k=v,k=v") without the options every one of them shares: what tells them apart."""
+    def opts(p):
+        return p.split(":", 1)[1].split(",") if ":" in p else []
+
+    shared = set.intersection(*(set(opts(p)) for p in policies)) if policies else set()
+    out = {}
+    for p in policies:
+        rest = [o for o in opts(p) if o not in shared]
+        out[p] = p.split(":", 1)[0] + (":" + ",".join(rest) if rest else "")
+    return out
+
+
+def plot_comparison(rows: Sequence[dict], path: str | os.PathLike, band: float | None = 2.0) -> str:
+    """Each policy's average delta per benchmark and length with its interval (a forest plot), 0 marked, and
+    +-band shaded (the issues' "within 2 points")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    avg = [r for r in rows if r["task"] == "average"]
+    short = short_labels(list(dict.fromkeys(r["policy"] for r in avg)))
+    labels = [textwrap.fill(f"{short[r['policy']]}".replace(",", ", ") + f" | {r['benchmark']} {r['length']}", 60,
+                            break_on_hyphens=False) for r in avg]
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.2 * sum(1 + lb.count("\n") for lb in labels) + 0.2 * len(avg)))
+    y = np.arange(len(avg))[::-1]
+    ax.errorbar([r["delta"] for r in avg], y, xerr=[[r["delta"] - r["lo"] for r in avg],
+                                                     [r["hi"] - r["delta"] for r in avg]], fmt="o", capsize=3)
+    ax.axvline(0.0, color="black", lw=0.8)
+    if band:
+        ax.axvspan(-band, band, color="tab:green", alpha=0.08, label=f"within {band:g}")
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    level = avg[0]["level"] if avg else 0.95
+    ax.set_xlabel(f"score - {avg[0]['baseline'] if avg else 'baseline'} (points), {level:.0%} paired bootstrap")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout(pad=1.5)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def write_comparison(out_dir: str | os.PathLike, rows: Sequence[dict], per_task: bool = False,
+                     plot: bool = True) -> dict[str, str]:
+    """compare.md, compare.json and (plot) compare.png in out_dir; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     md, js = os.path.join(out_dir, "compare.md"), os.path.join(out_dir, "compare.json")
     with open(md, "w", encoding="utf-8") as f:
         f.write(format_comparison(rows, per_task) + "\n")
     with open(js, "w", encoding="utf-8") as f:
         json.dump(list(rows), f, indent=1)
-    return {"markdown": md, "json": js}
+    files = {"markdown": md, "json": js}
+    if plot:
+        files["plot"] = plot_comparison(rows, os.path.join(out_dir, "compare.png"))
+    return files
