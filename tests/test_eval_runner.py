@@ -101,6 +101,12 @@ def test_ruler_two_policies_end_to_end(model, two_policies, tmp_path):
     assert (tmp_path / "ruler_plot.png").read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((tmp_path / "ruler_summary.json").read_text())
     assert summary["meta"]["chat_template"] is False and summary["meta"]["seed"] == 42
+    # the renamed full policy minus full on paired samples: 0 with an interval of no width, per task too
+    cmp = json.loads((tmp_path / "compare.json").read_text())
+    assert {(r["task"], r["length"]) for r in cmp} == {(t, L) for t in ("average", "niah_single_1", "niah_multikey_2")
+                                                       for L in (1024, 1536)}
+    assert all(r["policy"] == SECOND and r["delta"] == r["lo"] == r["hi"] == 0.0 for r in cmp)
+    assert res.files["compare_plot"].endswith("compare.png") and (tmp_path / "compare.md").exists()
 
 
 def test_ruler_refuses_lengths_up_front(model, tmp_path):

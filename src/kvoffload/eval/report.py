@@ -204,7 +204,9 @@ def plot_scores(summary: Sequence[dict], benchmark: str, path: str | os.PathLike
 
 def write_report(out_dir: str | os.PathLike, benchmark: str, records: Sequence[dict], summary: Sequence[dict],
                  meta: dict | None = None, baseline: str = "full", plot: bool = True) -> dict[str, str]:
-    """Writes ``{benchmark}_summary.{md,csv,json}`` and ``{benchmark}_plot.png``; returns their paths."""
+    """Writes ``{benchmark}_summary.{md,csv,json}`` and ``{benchmark}_plot.png``, and where the baseline and
+    another policy ran, ``compare.{md,json,png}`` (each policy minus the baseline with a paired bootstrap interval,
+    per task too); returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {"results": str(out / f"{benchmark}_results.jsonl")}
@@ -233,6 +235,18 @@ def write_report(out_dir: str | os.PathLike, benchmark: str, records: Sequence[d
     files["json"] = str(js)
     if plot and summary:
         files["plot"] = plot_scores(summary, benchmark, out / f"{benchmark}_plot.png")
+    policies = {r.get("policy") for r in records if "score" in r}
+    # the deltas with paired intervals (`kvoffload eval compare`); not for perplexity (one window set a text)
+    if benchmark != "ppl" and baseline in policies and len(policies) > 1:
+        from .compare import CompareError, compare_records, write_comparison
+
+        try:
+            rows = compare_records(records, baseline=baseline)
+        except CompareError:  # nothing pairs (e.g. every other policy failed on the baseline's samples)
+            rows = None
+        if rows:
+            cmp = write_comparison(out, rows, per_task=True, plot=plot)
+            files.update({f"compare_{k}": v for k, v in cmp.items()})
     return files
 
 
