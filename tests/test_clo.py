@@ -552,6 +552,41 @@ def test_quest_int4_v_rows_with_native_or_int8_keys(k_quant):
     assert rows > 0 and c["v_bytes_fetched"] == rows * v_row and c["k_bytes_fetched"] == rows * k_row
 
 
+@pytest.mark.slow  # ~20 s, and it clears JAX's caches (the kernel itself: test_gather, in the default suite)
+def test_int_rows_refilled_by_the_dequantizing_kernel_give_the_same_logits(monkeypatch):
+    """clo quest with int8 K and int4 V rows, its buffers refilled by ``refill_rows_int_kernel`` (interpret mode:
+    what KVOFFLOAD_INT_REFILL_KERNEL=1 runs on a GPU) instead of the gathers + dequantize + where: the same
+    logits (up to the kernel's fused multiply-add), and the kernel really ran."""
+    model = tiny_random_model("llama", seed=1)
+    opts = dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5, host_dtype="int4",
+                int4_k_quant="int8", int4_group_size=8)
+    _, want, _ = _decode(model, "clo", NEW, **opts)
+    real, calls = ops.refill_block_rows, []
+
+    def through_the_kernel(buf, extents, tokens, blk, **kw):
+        if any(isinstance(x, ops.QuantizedInt) for x in extents):
+            calls.append(len(extents))
+            kw = {**kw, "impl": "kernel", "interpret": True}
+        return real(buf, extents, tokens, blk, **kw)
+
+    monkeypatch.setattr(ops, "refill_block_rows", through_the_kernel)
+    monkeypatch.setattr(ops._ga, "refill_rows_int_kernel", _counted(ops._ga.refill_rows_int_kernel, calls))
+    jax.clear_caches()  # the layer programs were traced with the reference path: trace them again
+    try:
+        _, got, _ = _decode(model, "clo", NEW, **opts)
+    finally:
+        jax.clear_caches()  # and let no later test reuse the kernel's traces
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert "kernel" in calls and len(calls) > 1
+
+
+def _counted(fn, calls):
+    def run(*a, **kw):
+        calls.append("kernel")
+        return fn(*a, **kw)
+    return run
+
+
 def test_quest_bounds_equal_numpy_upper_bound():
     rng = np.random.default_rng(3)
     B, H, n_kv, d, E, blk, page = 2, 6, 2, 8, 5, 16, 4
