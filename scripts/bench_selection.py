@@ -385,6 +385,14 @@ def attention_bench(pol, model, state, layer: int, reps: int, extremes: bool, ti
     return out
 
 
+def gathered_row_bytes(pol, d: int, itemsize: int) -> int:
+    """Bytes one gathered token moves per KV head, as the host pool stores them (int4: codes + scales): its V row,
+    and its K row where K is on the host too (clo quest / hata)."""
+    pipe = pol.pipeline
+    k_too = not pipe.hooks.keys_on_device(pipe)
+    return pipe.host_row_bytes(d, itemsize) + (pipe.host_row_bytes(d, itemsize, key=True) if k_too else 0)
+
+
 def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict) -> dict:
     """Bytes one call of the layer's attend must read, per case of the microbenchmark: {case: (GPU memory
     bytes, PCIe bytes)} from the measured scoring fraction and rows fetched."""
@@ -417,10 +425,7 @@ def attention_bytes(pol, cfg, slot, pool_tokens: int, itemsize: int, bench: dict
                 score = pages * (2 * cfg.head_dim + 4) if int8 else 2 * kv_pool // hooks.attend.page_size
             else:
                 score = kv_pool
-            k_too = not hooks.keys_on_device(pol.pipeline)  # quest / hata gather K rows from the host too
-            pipe, d = pol.pipeline, cfg.head_dim  # rows as the host pool stores them (int4: codes + scales)
-            row_kv = pipe.host_row_bytes(d, itemsize) + (pipe.host_row_bytes(d, itemsize, key=True) if k_too else 0)
-            fetched = m.get("v_rows_fetched_per_call", 0.0) * row_kv
+            fetched = m.get("v_rows_fetched_per_call", 0.0) * gathered_row_bytes(pol, cfg.head_dim, itemsize)
             out[case] = (f * score + 2 * rows, fetched)
     return out
 
@@ -500,9 +505,8 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         itemsize = jnp.dtype(model.params.layers[0].wk.dtype).itemsize
         row = pol.pipeline.host_row_bytes(cfg.head_dim, itemsize)  # as the host pool stores it
         if policy == "clo":  # clo's counters: rows of the missed heads (and the guesses')
-            k_too = not pol.pipeline.hooks.keys_on_device(pol.pipeline)  # quest / hata: K on the host too
-            row_kv = row + (pol.pipeline.host_row_bytes(cfg.head_dim, itemsize, key=True) if k_too else 0)
-            r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * row_kv / len(times)
+            rows_kv = gathered_row_bytes(pol, cfg.head_dim, itemsize)
+            r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * rows_kv / len(times)
             r["bytes_rows_note"] = "clo's counters: V rows (and K for quest / hata) of missed heads, guesses included"
         elif pol.pipeline.hooks.split:  # tokenselect kv=split gathers every selected V row each step
             K = state.groups[0].slots[0].indices.shape[-1]

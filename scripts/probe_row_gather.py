@@ -58,14 +58,18 @@ def selection(rng, tokens: int, rows: int, run: int, n_kv: int = N_KV):
     return jnp.asarray(tok // BLK, jnp.int32), jnp.asarray(tok % BLK, jnp.int32)
 
 
+def pool_place():
+    """Where a probed pool lives: pinned host memory on a GPU; elsewhere the device (interpret mode cannot index
+    a host operand)."""
+    return host_sharding() if jax.default_backend() == "gpu" else jax.devices()[0]
+
+
 def host_array(shape, dtype, seed: int):
     """A pinned_host array of random values: a tile of 64 blocks repeated (cheap to make at GiB sizes), and
-    that tile in NumPy (what `check_rows` reads instead of the host array). Off a GPU (interpret mode, which
-    cannot index a host operand) a device array."""
+    that tile in NumPy (what `check_rows` reads instead of the host array), placed by `pool_place`."""
     tile = jax.random.randint(jax.random.PRNGKey(seed), (min(shape[0], 64), *shape[1:]), 0, 127).astype(dtype)
     reps = -(-shape[0] // tile.shape[0])
-    where = host_sharding() if jax.default_backend() == "gpu" else jax.devices()[0]
-    x = jax.device_put(jnp.tile(tile, (reps,) + (1,) * (len(shape) - 1))[: shape[0]], where)
+    x = jax.device_put(jnp.tile(tile, (reps,) + (1,) * (len(shape) - 1))[: shape[0]], pool_place())
     jax.block_until_ready(x)
     return x, np.asarray(tile)
 
@@ -142,9 +146,8 @@ def probe_step(args, rows_out, interpret):
 def quantized_host(tile, E: int, bits: int):
     """A pinned_host QuantizedInt extent of E blocks repeating `tile` [T, n_kv, blk, d] (per-token groups of 64)."""
     q = (ops.quantize_int8 if bits == 8 else ops.quantize_int4)(tile, 64)
-    where = host_sharding() if jax.default_backend() == "gpu" else jax.devices()[0]
     rep = lambda a: jnp.tile(a, (-(-E // a.shape[0]),) + (1,) * (a.ndim - 1))[:E]  # noqa: E731
-    return jax.device_put(jax.tree.map(rep, q), where)
+    return jax.device_put(jax.tree.map(rep, q), pool_place())
 
 
 def probe_refill(args, rows_out, interpret):

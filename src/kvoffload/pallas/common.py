@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -147,11 +148,8 @@ def check_triton_offsets(name: str, arrays) -> None:
     address on an H200, or a silent read of whatever lies below the array. Wider dtypes stay under 2**31
     elements at 4 GiB, and larger arrays get 64-bit offsets. arrays: anything with .shape and .dtype."""
     for i, a in enumerate(x for x in jax.tree.leaves(arrays) if hasattr(x, "shape") and hasattr(x, "dtype")):
-        itemsize = jnp.dtype(a.dtype).itemsize
-        n = 1
-        for s in a.shape:
-            n *= int(s)
-        if itemsize == 1 and 2**31 < n <= 2**32:
+        n = math.prod(int(s) for s in a.shape)
+        if jnp.dtype(a.dtype).itemsize == 1 and 2**31 < n <= 2**32:
             raise KernelAddressingError(
                 f"kernel {name}: operand {i} ({jnp.dtype(a.dtype).name} {tuple(a.shape)}, {n:,} bytes) is a "
                 f"1-byte array of more than 2 GiB and at most 4 GiB, which JAX's Triton lowering addresses with "

@@ -103,10 +103,8 @@ def quantize_int4(x, group_size=64, scales="token"):
         return QuantizedInt(pack_int4(codes), step, mn, group_size, scales)
     if D % group_size or D % 2:
         raise ValueError(f"group_size {group_size} must divide D={D} (D even)")
-    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], D // group_size, group_size)
-    mn = jnp.min(xf, axis=-1)
-    codes, step = _codes_of(xf, mn[..., None], jnp.max(xf, axis=-1)[..., None])
-    return QuantizedInt(pack_int4(codes.reshape(x.shape)), step[..., 0], mn, group_size)
+    codes, step, mn = _token_groups(x, group_size, 15)
+    return QuantizedInt(pack_int4(codes), step, mn, group_size)
 
 
 def quantize_int8(x, group_size=64):
@@ -115,10 +113,16 @@ def quantize_int8(x, group_size=64):
     D = x.shape[-1]
     if D % group_size:
         raise ValueError(f"group_size {group_size} must divide D={D}")
-    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], D // group_size, group_size)
+    codes, step, mn = _token_groups(x, group_size, 255)
+    return QuantizedInt(codes, step, mn, group_size, "token", 8)
+
+
+def _token_groups(x, group_size, top):
+    """(codes [..., D] uint8 in [0, top], step, min [..., D // group_size]): x's groups of group_size along D."""
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
     mn = jnp.min(xf, axis=-1)
-    codes, step = _codes_of(xf, mn[..., None], jnp.max(xf, axis=-1)[..., None], top=255)
-    return QuantizedInt(codes.reshape(x.shape), step[..., 0], mn, group_size, "token", 8)
+    codes, step = _codes_of(xf, mn[..., None], jnp.max(xf, axis=-1)[..., None], top)
+    return codes.reshape(x.shape), step[..., 0], mn
 
 
 def dequantize(qx: QuantizedInt, dtype=jnp.float32):
