@@ -555,7 +555,7 @@ def test_quest_int4_v_rows_with_native_or_int8_keys(k_quant):
 @pytest.mark.slow  # ~20 s, and it clears JAX's caches (the kernel itself: test_gather, in the default suite)
 def test_int_rows_refilled_by_the_dequantizing_kernel_give_the_same_logits(monkeypatch):
     """clo quest with int8 K and int4 V rows, its buffers refilled by ``refill_rows_int_kernel`` (interpret mode:
-    what KVOFFLOAD_INT_REFILL_KERNEL=1 runs on a GPU) instead of the gathers + dequantize + where: the same
+    what runs on a GPU by default) instead of the gathers + dequantize + where: the same
     logits (up to the kernel's fused multiply-add), and the kernel really ran."""
     model = tiny_random_model("llama", seed=1)
     opts = dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5, host_dtype="int4",

@@ -80,10 +80,11 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "kernel", "reference")
-# refill_block_rows' dequantizing kernel for int4 / int8 extents under impl="auto" on a GPU: off until it has run
-# and matched its reference there (scripts/check_kernels.py, the "refill ... int4 / int8 host" cases); set
-# KVOFFLOAD_INT_REFILL_KERNEL=1 to run it (and to time it against the gather + dequantize + where it replaces)
-INT_REFILL_KERNEL = os.environ.get("KVOFFLOAD_INT_REFILL_KERNEL", "0") == "1"
+# refill_block_rows' dequantizing kernel for int4 / int8 extents under impl="auto" on a GPU: on (it matched its
+# reference on an H200, check_kernels' "refill ... int4 / int8 host" cases, and took a 128K clo step with int8 K /
+# int4 V rows from 1.23-1.24x `full` to 1.15-1.16x: BENCHMARKS, twenty-first session). KVOFFLOAD_INT_REFILL_KERNEL=0
+# turns it off (the gathers + dequantize + where it replaced), to time one against the other.
+INT_REFILL_KERNEL = os.environ.get("KVOFFLOAD_INT_REFILL_KERNEL", "1") != "0"
 # a prefill chunk's attention also has cuDNN's flash attention ("auto" on a GPU, for 16-bit inputs)
 PREFILL_IMPLS = ("auto", "cudnn", "kernel", "reference")
 RECOMPUTE_KERNEL_MIN_TOKENS = 64  # tokens per sequence below which "auto" recompute uses XLA
@@ -676,7 +677,7 @@ def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=
     On the GPU one Pallas kernel reads every extent and writes only the rows replaced, in place (aliased: no
     copy where the caller's jit donates buf): ``refill_rows_kernel`` for native extents, ``refill_rows_int_kernel``
     for int4 / int8 extents with per-token group scales (codes, step and min read, dequantized in the kernel;
-    under impl="auto" only with ``INT_REFILL_KERNEL``). Elsewhere (impl="reference", per-channel int4 scales)
+    under impl="auto" unless ``INT_REFILL_KERNEL`` is off). Elsewhere (impl="reference", per-channel int4 scales)
     the rows are gathered per extent (``gather_pool_rows``), dequantized and merged with a ``where``."""
     tokens = tokens.astype(jnp.int32)
     quantized = [isinstance(x, QuantizedInt) for x in extents]
