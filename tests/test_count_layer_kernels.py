@@ -30,6 +30,12 @@ def test_count_layer_kernels_counts_the_launches_of_a_dumped_program(tmp_path):
             assert r["by_opcode"].get("sort") == 1
         assert "parameter" not in r["by_opcode"] and any(s.startswith("mixing") for s in r["by_scope"])
         assert json.loads((tmp_path / "k.json").read_text())["modules"][0]["launches"] == r["launches"]
+        # every launch listed, with the program's source lines (a fusion's: of the ops fused into it)
+        assert len(r["launch_list"]) == r["launches"]
+        lines = {src for launch in r["launch_list"] for src in launch["sources"]}
+        assert "prog.py:5 (layer_body)" in lines and "prog.py:6 (layer_body)" in lines
+        assert all(launch["shape"] for launch in r["launch_list"])
+        assert "prog.py:5" in ck.table(recs, listing=True)
         assert ck.scope_of("jit(layer_body)/kvo_select_count/pallas_call") == "kvo_select_count"
         with pytest.raises(SystemExit, match="no optimized module"):
             ck.main([str(tmp_path / "dump"), "--modules", "nothing"])
