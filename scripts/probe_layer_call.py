@@ -17,7 +17,10 @@ device runs behind), and the time until its result is ready the block's. Variant
 - ``one layer``: as run, but layer 1 every call: no buffer of the program changes between calls but the hidden
   state, so XLA need not re-point its CUDA graph at another layer's buffers (the share of that update);
 - ``as run, KEY=VALUE`` (with ``--versus KEY=VALUE``, repeatable): a second state prefilled with those options
-  changed (e.g. ``extent_mb=256``: one pool extent instead of four at 128K, fewer leaves a call), as run.
+  changed (e.g. ``extent_mb=256``: one pool extent instead of four at 128K, fewer leaves a call), as run;
+- ``N layers a program`` (with ``--per-program N``, repeatable): as run, but N consecutive layers in one
+  `pipeline.layers_step` call (what ``layers_per_program=N`` runs): a call's fixed costs (the launch, the
+  command buffer's update) paid once for N layers, its kernels and leaves N times. Its times are per layer.
 
 Policies without a split skip ``whole slots``. Reported per variant: host us per call (median and min over
 --rounds blocks), block us per call, and the layer program's argument and output leaves.
@@ -43,6 +46,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=8, help="blocks per variant, interleaved")
     ap.add_argument("--versus", action="append", default=[], metavar="KEY=VALUE",
                     help="also a second state with these options changed (repeatable), its layers as run")
+    ap.add_argument("--per-program", action="append", type=int, default=[], metavar="N",
+                    help="also N layers in one program call (repeatable); reported per layer")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -94,22 +99,40 @@ def main(argv=None) -> dict:
     attend = base[3]
     has_split = getattr(attend, "split_slots", None) is not None
 
-    def block(setup, split: bool, cycle: list):
+    def block(setup, split: bool, cycle: list, per_program: int = 1):
+        """One block of --calls layer calls; (host, whole) seconds per layer."""
         calls, live, _, attend = setup
         t0 = time.perf_counter()
         last = None
-        for n in range(args.calls):
-            i = cycle[n % len(cycle)]
-            (cfg, lp, h, pos, _, _, _, tail_len, src, tables, _, _, _, opts) = calls[i]
-            cur = live[i]
-            slot, fixed = PL.split_slots(attend, cur["slots"]) if split else (cur["slots"], None)
-            _, cur["k"], cur["v"], cur["x"], slot = PL.layer_step(cfg, lp, h, pos, cur["k"], cur["v"], cur["x"],
-                                                                  tail_len, src, tables, slot, fixed, attend, opts)
-            cur["slots"] = PL.join_slots(attend, slot, fixed)
-            last = slot
+        if per_program > 1:  # groups of consecutive distinct layers (each buffer donated once a call)
+            for n in range(0, args.calls, per_program):
+                idx = [cycle[(n + j) % len(cycle)] for j in range(per_program)]
+                cfg, _, h, pos, _, _, _, tail_len, _, tables, _, _, _, opts = calls[idx[0]]
+                moving, fixed = zip(*(PL.split_slots(attend, live[i]["slots"]) for i in idx))
+                _, ks, vs, xs, sls = PL.layers_step(
+                    cfg, tuple(calls[i][1] for i in idx), h, pos, tuple(live[i]["k"] for i in idx),
+                    tuple(live[i]["v"] for i in idx), tuple(live[i]["x"] for i in idx), tail_len,
+                    tuple(calls[i][8] for i in idx), tables, moving, fixed, attend, opts)
+                for j, i in enumerate(idx):
+                    cur = live[i]
+                    cur["k"], cur["v"], cur["x"] = ks[j], vs[j], xs[j]
+                    cur["slots"] = PL.join_slots(attend, sls[j], fixed[j])
+                last = sls
+            n_layers = len(range(0, args.calls, per_program)) * per_program
+        else:
+            for n in range(args.calls):
+                i = cycle[n % len(cycle)]
+                (cfg, lp, h, pos, _, _, _, tail_len, src, tables, _, _, _, opts) = calls[i]
+                cur = live[i]
+                slot, fixed = PL.split_slots(attend, cur["slots"]) if split else (cur["slots"], None)
+                _, cur["k"], cur["v"], cur["x"], slot = PL.layer_step(cfg, lp, h, pos, cur["k"], cur["v"], cur["x"],
+                                                                      tail_len, src, tables, slot, fixed, attend, opts)
+                cur["slots"] = PL.join_slots(attend, slot, fixed)
+                last = slot
+            n_layers = args.calls
         t_host = time.perf_counter() - t0
         jax.block_until_ready(last)
-        return t_host / args.calls, (time.perf_counter() - t0) / args.calls
+        return t_host / n_layers, (time.perf_counter() - t0) / n_layers
 
     layers = base[2]
     variants = {"as run": (base, has_split, layers)}
@@ -119,8 +142,14 @@ def main(argv=None) -> dict:
     if versus:
         other = watched_state({**options, **versus})
         variants["as run, " + ", ".join(args.versus)] = (other, has_split, other[2])
-    for setup, split, cycle in variants.values():  # compile each variant before timing
-        block(setup, split, cycle)
+    for n in args.per_program:
+        if not 1 < n <= len(layers):
+            raise SystemExit(f"--per-program {n}: give 2..{len(layers)} (the layers cycled)")
+        if not has_split:
+            raise SystemExit("--per-program needs a policy whose slots split (clo)")
+        variants[f"{n} layers a program"] = (base, has_split, layers, n)
+    for v in variants.values():  # compile each variant before timing
+        block(*v)
     times = {name: ([], []) for name in variants}
     for _ in range(args.rounds):
         for name, v in variants.items():
@@ -128,28 +157,32 @@ def main(argv=None) -> dict:
             times[name][0].append(host)
             times[name][1].append(whole)
 
-    def leaves(setup, split: bool):
+    def leaves(setup, split: bool, n: int = 1):
+        """(argument leaves, output leaves) of one call: of layer_step, or of layers_step over n layers."""
         calls, live, layers, attend = setup
-        i = layers[0]
-        slot, fixed = PL.split_slots(attend, live[i]["slots"]) if split else (live[i]["slots"], None)
-        c = calls[i]
-        ins = jax.tree.leaves((c[1], c[2], c[3], live[i]["k"], live[i]["v"], live[i]["x"], c[7], c[8], c[9], slot,
-                               fixed))
-        outs = 1 + len(jax.tree.leaves((live[i]["k"], live[i]["v"], live[i]["x"], slot)))
+        idx = layers[:n]
+        parts = [PL.split_slots(attend, live[i]["slots"]) if split else (live[i]["slots"], None) for i in idx]
+        c = calls[idx[0]]
+        per_layer = [(calls[i][1], live[i]["k"], live[i]["v"], live[i]["x"], calls[i][8], part)
+                     for i, part in zip(idx, parts)]
+        ins = jax.tree.leaves((c[2], c[3], c[7], c[9], per_layer))
+        outs = 1 + len(jax.tree.leaves([(live[i]["k"], live[i]["v"], live[i]["x"], part[0])
+                                        for i, part in zip(idx, parts)]))
         return len(ins), outs
 
     rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, policy=args.policy, shape=args.shape,
                batch=args.batch, prompt=args.prompt, options=options, calls_per_block=args.calls,
-               rounds=args.rounds, versus=versus, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               rounds=args.rounds, versus=versus, per_program=args.per_program,
+               xla_flags=os.environ.get("XLA_FLAGS", ""),
                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), variants={})
-    for name, (setup, split, _) in variants.items():
+    for name, (setup, split, _, *per) in variants.items():
         host, whole = (np.array(t) * 1e6 for t in times[name])
-        n_in, n_out = leaves(setup, split)
+        n_in, n_out = leaves(setup, split, per[0] if per else 1)
         rec["variants"][name] = dict(host_us_median=float(np.median(host)), host_us_min=float(host.min()),
                                      block_us_median=float(np.median(whole)), host_us_each=host.tolist(),
                                      arguments=n_in, outputs=n_out)
     print(f"device {rec['device']} | jax {rec['jax']} | {args.policy} {args.shape} b{args.batch} ctx {args.prompt}")
-    print("| variant | host us/call (median) | min | block us/call | arguments | outputs |")
+    print("| variant | host us a layer (median) | min | block us a layer | arguments a call | outputs a call |")
     print("|---|--:|--:|--:|--:|--:|")
     for name, v in rec["variants"].items():
         print(f"| {name} | {v['host_us_median']:.1f} | {v['host_us_min']:.1f} | {v['block_us_median']:.1f} | "

@@ -59,7 +59,7 @@ def test_probe_layer_call_times_the_real_layer_program_with_and_without_the_slot
     with script_module("probe_layer_call") as pl:
         rec = pl.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=quest", "--option", "topk=80",
                        "--option", "block_tokens=16", "--option", "quest_dtype=int8", "--calls", "4", "--rounds",
-                       "2", "--versus", "extent_mb=0.002", "--out", str(tmp_path / "c.json")])
+                       "2", "--versus", "extent_mb=0.002", "--per-program", "2", "--out", str(tmp_path / "c.json")])
     split, whole, one = (rec["variants"][k] for k in ("as run", "whole slots", "one layer"))
     # a second state with extents of 2 KB of K (several where the default holds the prompt in one), as run:
     # each extent brings its pool arrays, block table, counts and Quest pages
@@ -73,3 +73,9 @@ def test_probe_layer_call_times_the_real_layer_program_with_and_without_the_slot
     # scale) are no longer returned
     assert whole["outputs"] - split["outputs"] >= 1 + 3
     assert json.loads((tmp_path / "c.json").read_text())["variants"]["as run"]["outputs"] == split["outputs"]
+    # layers 1 and 2 in one layers_step call: both layers' leaves, one hidden state, positions, tail length and
+    # block tables; timed per layer
+    two = rec["variants"]["2 layers a program"]
+    assert rec["per_program"] == [2] and len(two["host_us_each"]) == 2 and two["host_us_min"] > 0
+    assert two["outputs"] == 2 * split["outputs"] - 1
+    assert split["arguments"] < two["arguments"] < 2 * split["arguments"]
