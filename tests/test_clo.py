@@ -21,7 +21,7 @@ from kvoffload.plan.clo import CloProfile, kv_thresholds, plan_persistent_heads,
 from kvoffload.policies import clo as clo_mod
 from kvoffload.policies import make_policy
 from kvoffload.policies.clo import CloAttend, CloOptionError, CloSlots, exact_scores
-from kvoffload.policies.tokenselect import SelectionCache, SelectSources, selection_counts
+from kvoffload.policies.tokenselect import COUNTS, SelectionCache, SelectSources
 # the same ragged prompts, blocks and decode loop as tokenselect's tests
 from test_tokenselect import BLOCK, NEW, PROMPTS, _decode, _pool, _with_cosine
 
@@ -166,9 +166,9 @@ def test_cache_reuses_exactly_when_the_aggregated_similarity_clears_tau(aggregat
     marker_v = np.full((B, n_kv, K, d), 7.0, np.float32)  # the cached V rows: a value no gather gives
 
     def slots(persistent=(False, False), pool=pool_tokens):
-        sel = SelectionCache(query=jnp.asarray(q0), indices=jnp.full((B, n_kv, K), 3, jnp.int32),
-                             num_valid=jnp.full((B, n_kv), 1, jnp.int32), pool_tokens=jnp.asarray(pool, jnp.int32),
-                             steps=jnp.zeros((B,), jnp.int32), counts=selection_counts(B, n_kv))
+        sel = SelectionCache.of(jnp.asarray(q0), jnp.full((B, n_kv, K), 3, jnp.int32),
+                                num_valid=jnp.full((B, n_kv), 1, jnp.int32), pool_tokens=jnp.asarray(pool, jnp.int32),
+                                steps=jnp.zeros((B,), jnp.int32))
         return CloSlots(selection=sel, v_rows=jnp.asarray(marker_v), rule=clo_mod.rule_array(tau, weights, persistent),
                         k_rows=jnp.zeros((B, n_kv, K, d), jnp.float32))
 
@@ -1136,8 +1136,7 @@ def test_split_slots_takes_out_the_read_only_fields_and_join_restores_them(repla
 
     a = lambda *s: jnp.asarray(np.random.default_rng(len(s)).normal(size=s), jnp.float32)  # noqa: E731
     draw = ReplayDraw(rate=a(), key=jnp.zeros((2,), jnp.uint32)) if replay else None
-    sel = SelectionCache(query=a(1, 4, 8), indices=a(1, 2, 5), num_valid=a(1, 2), pool_tokens=a(1), steps=a(1),
-                         counts=a(1, 2, 5), replay=draw)
+    sel = SelectionCache(query=a(1, 4, 8), indices=a(1, 2, 5), counts=a(1, 2, len(COUNTS)), replay=draw)
     meta = tuple((a(3, 2, 2, 8), a(3, 2, 2, 8), a(3, 2, 2)) for _ in range(2))
     slots = CloSlots(selection=sel, v_rows=a(1, 2, 5, 8), rule=a(2, 4), meta=meta, k_rows=a(1, 2, 5, 8))
     attend = CloAttend(None, 0.5, 1, 1, "harmonic")

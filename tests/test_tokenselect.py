@@ -20,12 +20,12 @@ from kvoffload.offload.pipeline import PoolSources
 from kvoffload.offload.pool import BlockAllocator, PoolLayout
 from kvoffload.policies import make_policy
 from kvoffload.policies.tokenselect import (
+    COUNTS,
     SelectionCache,
     SelectSources,
     TokenSelectAttend,
     TokenSelectOptionError,
     empty_selection,
-    selection_counts,
     soft_vote,
     with_replay,
 )
@@ -279,10 +279,8 @@ def test_cache_reuses_exactly_when_the_similarity_clears_the_threshold():
     pool_tokens = np.asarray([len(t) for t in alloc.tables]) * layout.block_tokens
     q0 = rng.normal(size=(B, H, d)).astype(np.float32)
     marker = np.full((B, n_kv, 8), 3, np.int32)  # a cached "selection" no vote would give
-    cache = SelectionCache(query=jnp.asarray(q0), indices=jnp.asarray(marker),
-                           num_valid=jnp.full((B, n_kv), 1, jnp.int32),
-                           pool_tokens=jnp.asarray(pool_tokens, jnp.int32), steps=jnp.zeros((B,), jnp.int32),
-                           counts=selection_counts(B, n_kv))
+    cache = SelectionCache.of(jnp.asarray(q0), jnp.asarray(marker), num_valid=jnp.full((B, n_kv), 1, jnp.int32),
+                              pool_tokens=jnp.asarray(pool_tokens, jnp.int32), steps=jnp.zeros((B,), jnp.int32))
     src = SelectSources(pool=PoolSources(k=tuple(map(jnp.asarray, keys)), v=tuple(map(jnp.asarray, vals)),
                                          x=(None,) * len(keys), recompute=jnp.int32(0)),
                         tail_len=jnp.asarray([5, 2], jnp.int32))
@@ -330,7 +328,7 @@ def test_cache_reuses_exactly_when_the_similarity_clears_the_threshold():
     (_, _), again = run(q0 * 3, cache)
     assert int(again.scored) == 0 and (np.asarray(again.hits) == 1).all()
     # the pool grew (a flush): re-selected even at cosine 1
-    grown = SelectionCache(**{**cache.__dict__, "pool_tokens": cache.pool_tokens - layout.block_tokens})
+    grown = cache.written(pool_tokens=cache.pool_tokens - layout.block_tokens)
     (_, _), after = run(q0, grown)
     assert int(after.scored) == 1 and (np.asarray(after.hits) == 0).all()
     assert not (np.asarray(after.indices) == 3).all(axis=-1).any()
@@ -398,8 +396,7 @@ def test_replay_half_reuses_at_that_rate_per_request_and_head():
 
     def run(rate, looks, grown=False):
         cache = with_replay(empty_selection(B, H, n_kv, d, 8), rate, layer=1)
-        cache = dataclasses.replace(cache, pool_tokens=jnp.asarray(pool_tokens - (layout.block_tokens if grown else 0),
-                                                                   jnp.int32))
+        cache = cache.written(pool_tokens=jnp.asarray(pool_tokens - (layout.block_tokens if grown else 0)))
         reused = []
         for t in range(looks):
             before = np.asarray(cache.hits)
@@ -407,7 +404,7 @@ def test_replay_half_reuses_at_that_rate_per_request_and_head():
                             tables, cache, "reference", "reference")
             reused.append(np.asarray(cache.hits) - before)
             if grown:  # stays invalid
-                cache = dataclasses.replace(cache, pool_tokens=cache.pool_tokens - layout.block_tokens)
+                cache = cache.written(pool_tokens=cache.pool_tokens - layout.block_tokens)
         return np.stack(reused), cache
 
     reused, cache = run(0.5, 300)
@@ -538,3 +535,33 @@ def test_gpu_split_compiles_and_matches_gpu_placement():
     _, got, state = _decode(model, "tokenselect", NEW, kv="split", **opts)
     assert {M.memory_kind_of(a) for layer in state.groups[0].pool_v for a in layer} == {"pinned_host"}
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_selection_state_and_statistics_share_one_array():
+    """SelectionCache keeps its valid counts, pool tokens and steps in `counts` with the run's statistics (one
+    leaf of the layer program, not four): `of` writes them, `counted` adds and replaces columns, a per-request
+    value lands in every head's column, and an empty selection's pool tokens are -1 (it selects first)."""
+    B, n_kv, K = 2, 3, 4
+    sel = SelectionCache.of(jnp.zeros((B, 8, 4)), jnp.zeros((B, n_kv, K), jnp.int32),
+                            num_valid=jnp.asarray([[1, 2, 3], [4, 5, 6]]), pool_tokens=jnp.asarray([64, 128]),
+                            steps=jnp.asarray([7, 9]))
+    assert len(jax.tree.leaves(sel)) == 3  # query, indices, counts
+    np.testing.assert_array_equal(sel.num_valid, [[1, 2, 3], [4, 5, 6]])
+    np.testing.assert_array_equal(sel.pool_tokens, [64, 128])
+    np.testing.assert_array_equal(sel.steps, [7, 9])
+    assert int(sel.scored) == 0 and not np.asarray(sel.hits).any()
+    counts = sel.counted(dict(pool_tokens=jnp.asarray([192, 128]), num_valid=0), steps=1, scored=True,
+                         hits=jnp.asarray([[1, 0, 1], [0, 0, 1]]), x_rows=jnp.asarray([3, 4]))
+    after = dataclasses.replace(sel, counts=counts)
+    assert (np.asarray(sel.written(steps=3).steps) == 3).all() and (np.asarray(sel.steps) == [7, 9]).all()
+    np.testing.assert_array_equal(after.pool_tokens, [192, 128])
+    np.testing.assert_array_equal(after.num_valid, 0)
+    np.testing.assert_array_equal(after.steps, [8, 10])
+    np.testing.assert_array_equal(after.hits, [[1, 0, 1], [0, 0, 1]])
+    np.testing.assert_array_equal(after.x_rows, [3, 4])
+    assert int(after.scored) == 1
+    # per request: the same value in every head's column (the array splits by head under tensor parallelism)
+    assert (np.asarray(counts[..., COUNTS["steps"]]) == np.asarray([[8], [10]])).all()
+    empty = empty_selection(B, 8, n_kv, 4, K)
+    np.testing.assert_array_equal(empty.pool_tokens, [-1, -1])
+    assert not np.asarray(empty.num_valid).any() and not np.asarray(empty.steps).any()

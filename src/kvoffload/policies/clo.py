@@ -507,7 +507,7 @@ class CloAttend:
         if slots.dense:  # every head persistent: the layer's blocks in device memory, attended as `full` does
             acc, _ = attend_pool(cfg, lp, q, acc, src.pool, tables, None, recompute_impl, attention_impl)
             sel = slots.selection
-            return acc, dataclasses.replace(slots, selection=dataclasses.replace(sel, steps=sel.steps + 1))
+            return acc, dataclasses.replace(slots, selection=dataclasses.replace(sel, counts=sel.counted(steps=1)))
         keys = src.pool.k
         B, H, d = q.shape
         sel = slots.selection
@@ -551,10 +551,10 @@ class CloAttend:
 
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
         cached = ~slots.persistent[None]
+        counts = sel.counted(dict(num_valid=num_valid, pool_tokens=pool_tokens), steps=1, hits=reuse & cached,
+                             scored=jnp.any(~reuse), x_rows=x_rows, rule_hits=rule_hits, rows_fetched=fetched)
         new_sel = SelectionCache(query=jnp.where(keep_q, sel.query, q.astype(jnp.float32)), indices=indices,
-                                 num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32), steps=sel.steps + 1,
-                                 counts=sel.counted(hits=reuse & cached, scored=jnp.any(~reuse), x_rows=x_rows,
-                                                    rule_hits=rule_hits, rows_fetched=fetched), replay=sel.replay)
+                                 counts=counts, replay=sel.replay)
         new = dataclasses.replace(slots, selection=new_sel, v_rows=v_sel, k_rows=k_rows, **spec)
         return acc, constrain_slots(new, clo_slot_specs(new))
 

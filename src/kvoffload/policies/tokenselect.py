@@ -86,33 +86,60 @@ class TokenSelectOptionError(KVOffloadError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class SelectionCache:
     """One layer's slots: the selection per (request, KV head) and what it was made from.
-    Token indices are in the pool's block-id space: block id * block_tokens + offset in the block."""
+    Token indices are in the pool's block-id space: block id * block_tokens + offset in the block.
+    Build one with `SelectionCache.of` (its parts) or `empty_selection`."""
 
     query: jax.Array  # [B, H, d] f32: the query of the last selection (per query head)
     indices: jax.Array  # [B, n_kv, K] int32: selected tokens, the first num_valid valid (ascending)
-    num_valid: jax.Array  # [B, n_kv] int32
-    pool_tokens: jax.Array  # [B] int32: the request's pool tokens when selected (-1: never)
-    steps: jax.Array  # [B] int32: steps run
-    # [B, n_kv, len(COUNTS)] int32: the run's statistics (`COUNTS`), one array because every leaf of the layer
-    # program costs the host ~4 us a call (BENCHMARKS, eighteenth session); per-request and per-layer counts are
-    # written alike into every head's column, so the array splits by head like the rest
+    # [B, n_kv, len(COUNTS)] int32: the selection's small integers (`COUNTS`: its valid count per head, the
+    # request's pool tokens when selected, steps run) and the run's statistics, one array because every leaf
+    # of the layer program costs the host ~4 us a call (BENCHMARKS, eighteenth session); per-request and
+    # per-layer values are written alike into every head's column, so the array splits by head like the rest
     counts: jax.Array
     replay: "ReplayDraw | None" = None  # with replay_hit_rate: the replayed reuse decisions (else None)
 
+    num_valid = property(lambda self: self.counts[..., COUNTS["num_valid"]])  # [B, n_kv]
+    pool_tokens = property(lambda self: self.counts[:, 0, COUNTS["pool_tokens"]])  # [B]: when selected (-1: never)
+    steps = property(lambda self: self.counts[:, 0, COUNTS["steps"]])  # [B]: steps run
     hits = property(lambda self: self.counts[..., COUNTS["hits"]])  # [B, n_kv]: steps that reused the selection
     rule_hits = property(lambda self: self.counts[..., COUNTS["rule_hits"]])  # [B, n_kv]: `ReplayDraw`
     rows_fetched = property(lambda self: self.counts[..., COUNTS["rows_fetched"]])  # [B, n_kv]: clo's misses
     x_rows = property(lambda self: self.counts[:, 0, COUNTS["x_rows"]])  # [B]: X rows read (store=act)
     scored = property(lambda self: self.counts[0, 0, COUNTS["scored"]])  # []: steps on which scoring ran
 
-    def counted(self, **adds) -> jax.Array:
-        """counts with adds by name (`COUNTS`): [B, n_kv] per head, [B] per request, [] per layer."""
-        c = self.counts
-        cols = [c[..., i] for i in range(c.shape[-1])]
-        for name, a in adds.items():
-            a = jnp.asarray(a, jnp.int32)
-            cols[COUNTS[name]] = cols[COUNTS[name]] + (a[:, None] if a.ndim == 1 else a)
-        return jnp.stack(cols, -1)
+    @classmethod
+    def of(cls, query, indices, num_valid, pool_tokens, steps, counts=None, replay=None) -> "SelectionCache":
+        """A selection cache from its parts: num_valid [B, n_kv], pool_tokens and steps [B] (int32), counts
+        the statistics' array to start from (`selection_counts` when None)."""
+        B, n_kv = indices.shape[:2]
+        counts = selection_counts(B, n_kv) if counts is None else counts
+        return cls(query=query, indices=indices, replay=replay,
+                   counts=count_columns(counts, written=dict(num_valid=num_valid, pool_tokens=pool_tokens,
+                                                             steps=steps)))
+
+    def counted(self, written=None, **adds) -> jax.Array:
+        """counts with adds by name (`COUNTS`) and the columns of `written` (a dict by name) replaced."""
+        return count_columns(self.counts, written, **adds)
+
+    def written(self, **values) -> "SelectionCache":
+        """This selection with the named `COUNTS` columns replaced (e.g. pool_tokens=...)."""
+        return dataclasses.replace(self, counts=count_columns(self.counts, values))
+
+
+def count_columns(counts, written=None, **adds) -> jax.Array:
+    """counts [B, n_kv, len(COUNTS)] with adds by name added to their columns and the columns named in
+    written (a dict) replaced; each value [B, n_kv] per head, [B] per request or [] per layer. One stack."""
+    cols = [counts[..., i] for i in range(counts.shape[-1])]
+
+    def column(a):
+        a = jnp.asarray(a, jnp.int32)
+        return a[:, None] if a.ndim == 1 else a
+
+    for name, a in adds.items():
+        cols[COUNTS[name]] = cols[COUNTS[name]] + column(a)
+    for name, a in (written or {}).items():
+        cols[COUNTS[name]] = jnp.broadcast_to(column(a), cols[COUNTS[name]].shape)
+    return jnp.stack(cols, -1)
 
 
 jax.tree_util.register_dataclass(SelectionCache, data_fields=[f.name for f in dataclasses.fields(SelectionCache)],
@@ -120,12 +147,14 @@ jax.tree_util.register_dataclass(SelectionCache, data_fields=[f.name for f in da
 
 # SelectionCache.counts' columns: reuses of the cached selection (per head), looks on which the similarity rule
 # would have reused under replay (per head), rows gathered from the host on misses (per head; clo), activation
-# rows read (per request; store=act), steps on which the scoring ran (per layer)
-COUNTS = {"hits": 0, "rule_hits": 1, "rows_fetched": 2, "x_rows": 3, "scored": 4}
+# rows read (per request; store=act), steps on which the scoring ran (per layer); and the selection's own
+# state: its valid count (per head), the request's pool tokens when it was made and the steps run (per request)
+COUNTS = {"hits": 0, "rule_hits": 1, "rows_fetched": 2, "x_rows": 3, "scored": 4, "num_valid": 5,
+          "pool_tokens": 6, "steps": 7}
 
 
 def selection_counts(batch: int, n_kv: int) -> jax.Array:
-    """SelectionCache.counts of a selection that has counted nothing."""
+    """SelectionCache.counts of a selection that has counted nothing (its state columns 0)."""
     return jnp.zeros((batch, n_kv, len(COUNTS)), jnp.int32)
 
 
@@ -197,7 +226,7 @@ def selection_specs(sel: SelectionCache) -> SelectionCache:
     select from, so each device keeps its own heads' (query head h goes with KV head h // G: contiguous groups,
     one device's), the counts too (axis 1); per request parts (pool tokens, steps) and scalars replicated."""
     heads, rep = S.KV_SPEC, S.REPLICATED
-    return SelectionCache(query=heads, indices=heads, num_valid=heads, pool_tokens=rep, steps=rep, counts=heads,
+    return SelectionCache(query=heads, indices=heads, counts=heads,
                           replay=None if sel.replay is None else ReplayDraw(rate=rep, key=rep))
 
 
@@ -642,10 +671,10 @@ class TokenSelectAttend:
         acc = ops.merge_attention_into(acc, part)
 
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
+        counts = slots.counted(dict(num_valid=num_valid, pool_tokens=pool_tokens), steps=1, hits=reuse,
+                               scored=jnp.any(~reuse), x_rows=x_rows, rule_hits=rule_hits)
         new = SelectionCache(query=jnp.where(keep_q, slots.query, q.astype(jnp.float32)), indices=indices,
-                             num_valid=num_valid, pool_tokens=pool_tokens.astype(jnp.int32), steps=slots.steps + 1,
-                             counts=slots.counted(hits=reuse, scored=jnp.any(~reuse), x_rows=x_rows,
-                                                  rule_hits=rule_hits), replay=slots.replay)
+                             counts=counts, replay=slots.replay)
         return acc, constrain_slots(new, selection_specs(new))
 
 
@@ -656,10 +685,8 @@ class TokenSelectAttend:
 
 def empty_selection(batch, H, n_kv, d, K) -> SelectionCache:
     """A selection cache that has selected nothing yet (pool_tokens -1: the first step selects)."""
-    zeros = lambda shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    return SelectionCache(query=jnp.zeros((batch, H, d), jnp.float32), indices=zeros((batch, n_kv, K)),
-                          num_valid=zeros((batch, n_kv)), pool_tokens=jnp.full((batch,), -1, jnp.int32),
-                          steps=zeros((batch,)), counts=selection_counts(batch, n_kv))
+    return SelectionCache.of(jnp.zeros((batch, H, d), jnp.float32), jnp.zeros((batch, n_kv, K), jnp.int32),
+                             num_valid=0, pool_tokens=jnp.full((batch,), -1, jnp.int32), steps=0)
 
 
 def _tree_nbytes(tree) -> int:
