@@ -224,7 +224,8 @@ def selection_specs(sel: SelectionCache) -> SelectionCache:
     """Where a selection cache lives on a tensor-parallel mesh (PartitionSpecs in its place): per head parts
     (queries per query head, selections and counters per KV head: axis 1) split by head like the K/V they
     select from, so each device keeps its own heads' (query head h goes with KV head h // G: contiguous groups,
-    one device's), the counts too (axis 1); per request parts (pool tokens, steps) and scalars replicated."""
+    one device's), the counts too (axis 1; their per-request columns, pool tokens and steps, hold the same value
+    in every head's column); the replayed draw's rate and key replicated."""
     heads, rep = S.KV_SPEC, S.REPLICATED
     return SelectionCache(query=heads, indices=heads, counts=heads,
                           replay=None if sel.replay is None else ReplayDraw(rate=rep, key=rep))
