@@ -1,5 +1,6 @@
-"""scripts/host_time.py (slow: the whole decode path on a tiny shape, ~10-20 s of compilation) and
-scripts/probe_launch_cost.py on the CPU: the records they write."""
+"""The host-cost probes on the CPU: scripts/host_time.py (slow: the whole decode path on a tiny shape, ~10-20 s
+of compilation), probe_launch_cost.py, probe_layer_call.py (slow), probe_scan_layers.py (slow) and
+probe_stacked_linear.py: the records they write."""
 
 import json
 
@@ -81,16 +82,17 @@ def test_probe_layer_call_times_the_real_layer_program_with_and_without_the_slot
     assert split["arguments"] < two["arguments"] < 2 * split["arguments"]
 
 
+@pytest.mark.slow  # ~12 s: a tiny model's set-up and ~60 small compilations
 def test_probe_scan_layers_runs_the_step_as_calls_and_as_one_loop_with_the_same_result(tmp_path):
-    """A tiny Llama's 3 layers as 3 calls and as one fori_loop over stacked weights and caches, each layer also
+    """A tiny Llama's 2 layers as 2 calls and as one fori_loop over stacked weights and caches, each layer also
     refilling rows from a host extent (the loop's from one extent of every layer's blocks): the same hidden
     state bit for bit (same layer code, same order), both variants timed, the loop's large writes listed."""
     cfg = tmp_path / "tiny.json"
     cfg.write_text(json.dumps(TINY_LLAMA))
     with script_module("probe_scan_layers") as ps:
-        rec = ps.main(["--shape", str(cfg), "--context", "40", "--glue", "2", "--steps", "2", "--rounds", "1",
-                       "--host-rows", "8", "--out", str(tmp_path / "s.json")])
-    assert rec["layers"] == 3 and rec["host_rows"] == 8 and rec["max_abs_diff"] == 0.0
+        rec = ps.main(["--shape", str(cfg), "--layers", "2", "--context", "40", "--glue", "1", "--steps", "2",
+                       "--rounds", "1", "--host-rows", "8", "--out", str(tmp_path / "s.json")])
+    assert rec["layers"] == 2 and rec["host_rows"] == 8 and rec["max_abs_diff"] == 0.0
     for v in ("calls", "loop"):
         d = rec["variants"][v]
         assert len(d["step_ms"]) == len(d["issued_ms"]) == 2
@@ -103,10 +105,10 @@ def test_probe_stacked_linear_times_each_form_separate_and_looped(tmp_path):
     """Every linear form over separate per-layer weights and over a stacked weight in a loop; the reference
     (einsum, fp32 accumulation, separate) differs from itself by nothing and the others by bf16 rounding."""
     with script_module("probe_stacked_linear") as pl:
-        rec = pl.main(["--layers", "3", "--din", "64", "--dout", "48", "--reps", "2", "--out", str(tmp_path / "l.json")])
+        rec = pl.main(["--layers", "2", "--din", "64", "--dout", "48", "--reps", "2", "--out", str(tmp_path / "l.json")])
     forms = rec["forms"]
     assert set(forms) == {f"{f} {h}" for f in pl.FORMS for h in ("separate", "loop")}
     assert forms["einsum_f32 separate"]["max_abs_diff"] == 0.0
-    # 3 layers summed, each output ~N(0, 1): a bf16 ulp or two of a different summation order, never more
+    # 2 layers summed, each output ~N(0, 1): a bf16 ulp or two of a different summation order, never more
     assert all(0 <= r["max_abs_diff"] < 0.1 and r["us_per_layer"] > 0 for r in forms.values())
     assert json.loads((tmp_path / "l.json").read_text())["din"] == 64
