@@ -1,6 +1,6 @@
 """The host-cost probes on the CPU: scripts/host_time.py (slow: the whole decode path on a tiny shape, ~10-20 s
 of compilation), probe_launch_cost.py, probe_layer_call.py (slow), probe_scan_layers.py (slow) and
-probe_stacked_linear.py: the records they write."""
+probe_stacked_linear.py, probe_scan_clo.py (slow): the records they write."""
 
 import json
 
@@ -112,3 +112,25 @@ def test_probe_stacked_linear_times_each_form_separate_and_looped(tmp_path):
     # 2 layers summed, each output ~N(0, 1): a bf16 ulp or two of a different summation order, never more
     assert all(0 <= r["max_abs_diff"] < 0.1 and r["us_per_layer"] > 0 for r in forms.values())
     assert json.loads((tmp_path / "l.json").read_text())["din"] == 64
+
+
+@pytest.mark.slow  # ~25 s: a tiny clo model prefilled and decoded, then its layers compiled twice over
+def test_probe_scan_clo_loops_the_real_clo_layers_with_the_calls_bits(tmp_path):
+    """clo Quest int8 pages with int8 K / int4 V rows on the host, a replayed hit rate of 0.5 (rows refilled
+    from the host every step): layers 1..L-1 as one loop over stacked layers, reading one host extent of all
+    their blocks at offset token ids, give the calls' hidden state, tails and slots bit for bit."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 4}))
+    with script_module("probe_scan_clo") as ps:
+        rec = ps.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=quest", "--option", "topk=80",
+                       "--option", "block_tokens=16", "--option", "quest_dtype=int8", "--option",
+                       "replay_hit_rate=0.5", "--option", "host_dtype=int4", "--option", "int4_k_quant=int8",
+                       "--option", "int4_group_size=16", "--steps", "2", "--rounds", "1",
+                       "--out", str(tmp_path / "c.json")])
+    assert rec["layers_looped"] == 3 and rec["max_abs_diff"] == {"hidden": 0.0, "tails": 0.0, "slots": 0.0}
+    for v in ("calls", "loop"):
+        d = rec["variants"][v]
+        assert len(d["step_ms"]) == 2 and all(0 < i <= s for i, s in zip(d["issued_ms"], d["step_ms"]))
+    assert json.loads((tmp_path / "c.json").read_text())["extent_blocks"] == rec["extent_blocks"] > 0
+    with pytest.raises(SystemExit, match="Quest or HATA"):
+        ps.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=exact"])

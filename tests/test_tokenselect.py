@@ -21,6 +21,7 @@ from kvoffload.offload.pool import BlockAllocator, PoolLayout
 from kvoffload.policies import make_policy
 from kvoffload.policies.tokenselect import (
     COUNTS,
+    HostRows,
     SelectionCache,
     SelectSources,
     TokenSelectAttend,
@@ -565,3 +566,31 @@ def test_selection_state_and_statistics_share_one_array():
     empty = empty_selection(B, 8, n_kv, 4, K)
     np.testing.assert_array_equal(empty.pool_tokens, [-1, -1])
     assert not np.asarray(empty.num_valid).any() and not np.asarray(empty.steps).any()
+
+
+def test_host_rows_offset_reads_one_layers_blocks_from_an_extent_of_several():
+    """A step looping over stacked layers reads layer j's rows from one extent holding every layer's blocks, at
+    token ids offset by j x E x blk (`SelectSources.row_offset`): the same rows as from layer j's own extent,
+    gathered or refilled (a row past num_valid keeps its value); X extents refuse an offset."""
+    rng = np.random.default_rng(3)
+    E, n_kv, blk, d, K = 3, 2, 4, 8, 5
+    layers = [jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), jnp.float32) for _ in range(3)]
+    both = jnp.concatenate(layers)
+    indices = jnp.asarray(rng.integers(0, E * blk, (1, n_kv, K)), jnp.int32)
+    num_valid = jnp.asarray([[K, 2]], jnp.int32)
+    buf = jnp.asarray(rng.standard_normal((1, n_kv, K, d)), jnp.float32)
+    for j, own in enumerate(layers):
+        want = HostRows(extents=((own,),))
+        got = HostRows(extents=((both,),), offset=jnp.int32(j * E * blk))
+        (w,), _ = want.refill((buf,), indices, num_valid, blk)
+        (g,), _ = got.refill((buf,), indices, num_valid, blk)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert not np.array_equal(np.asarray(g), np.asarray(buf))  # rows were replaced
+        np.testing.assert_array_equal(np.asarray(g[0, 1, 2:]), np.asarray(buf[0, 1, 2:]))  # past num_valid: kept
+        (wr,), _ = want(indices, num_valid, (jnp.float32,), blk)
+        (gr,), _ = got(indices, num_valid, (jnp.float32,), blk)
+        np.testing.assert_array_equal(np.asarray(gr), np.asarray(wr))
+    pool = PoolSources(k=[None], v=[None], x=[jnp.zeros((E, blk, 16), jnp.float32)], recompute=jnp.int32(0),
+                       prompt_extents=1)
+    with pytest.raises(ValueError, match="row offset"):
+        HostRows.of(None, None, pool, None, ("v",), offset=jnp.int32(E * blk))

@@ -508,6 +508,10 @@ class CloAttend:
             acc, _ = attend_pool(cfg, lp, q, acc, src.pool, tables, None, recompute_impl, attention_impl)
             sel = slots.selection
             return acc, dataclasses.replace(slots, selection=dataclasses.replace(sel, counts=sel.counted(steps=1)))
+        if src.row_offset is not None and (self.speculative or self.retrieval not in ("quest", "hata")):
+            # the guesses and exact scores read keys at the selection's own ids; only `HostRows` adds the offset
+            raise ValueError("a row offset (several layers' blocks in one extent) takes Quest or HATA retrieval "
+                             "without speculative prefetch")
         keys = src.pool.k
         B, H, d = q.shape
         sel = slots.selection
@@ -517,7 +521,8 @@ class CloAttend:
         reuse, select, rule_hits = self.selection_rule(q, src, tables, slots)
         indices, num_valid = reuse_or_select(reuse, sel, select, self.conditionals)
         # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
-        rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl)
+        rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl,
+                           offset=src.row_offset)
         miss_nv = jnp.where(reuse, 0, num_valid)  # the hit heads' rows come from the buffers
         no_x = jnp.zeros((B,), jnp.int32)
         spec = {}

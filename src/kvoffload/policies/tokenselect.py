@@ -272,9 +272,13 @@ class SelectSources:
     # static: the most blocks one request owns (`request_token_bound` / blk), the size of the per-request
     # token space the selection scores and ranks (`TokenSpace`); 0: not known (the whole pool's space)
     request_blocks: int = 0
+    # [] int32 added to every pool token id a row is read at, or None (0): an extent holding several layers'
+    # blocks, layer j's at j x E x blk (a step run as one loop over stacked layers, `scripts/probe_scan_clo.py`)
+    row_offset: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len"], meta_fields=["request_blocks"])
+jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len", "row_offset"],
+                                 meta_fields=["request_blocks"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,21 +538,29 @@ class HostRows:
     lp: object = None
     positions: object = None  # [N] int32
     impl: str = "reference"
+    offset: object = None  # [] int32 added to the token ids read from the extents (`SelectSources.row_offset`)
 
     @classmethod
-    def of(cls, cfg, lp, pool, tables, parts, impl="reference"):
-        """The rows of parts ("v", or "k" and "v") of a layer's sources."""
+    def of(cls, cfg, lp, pool, tables, parts, impl="reference", offset=None):
+        """The rows of parts ("v", or "k" and "v") of a layer's sources; offset: `SelectSources.row_offset`."""
         if stores_acts(pool):
+            if offset is not None:
+                raise ValueError("a row offset (several layers' blocks in one extent) needs K/V extents, not X")
             return cls(acts=pool.x, cfg=cfg, lp=lp, positions=token_positions(tables, pool_block_tokens(pool)),
                        impl=impl)
-        return cls(extents=tuple(pool.k if p == "k" else pool.v for p in parts))
+        return cls(extents=tuple(pool.k if p == "k" else pool.v for p in parts), offset=offset)
+
+    def tokens(self, indices, num_valid):
+        """The token ids read: indices (+ offset) for the first num_valid of each row, -1 (read nothing) after."""
+        ids = indices if self.offset is None else indices + self.offset
+        return jnp.where(jnp.arange(indices.shape[-1]) < num_valid[..., None], ids, -1)
 
     def __call__(self, indices, num_valid, dtypes, blk):
         """(rows [B, n_kv, K, d], one per part in `dtypes`, x_rows [B] int32: the X rows read) for indices
         [B, n_kv, K], the first num_valid [B, n_kv] of each (request, head) wanted (the others come back 0 and
         cost no transfer: a hit head's count of 0 moves nothing)."""
         if self.acts is None:  # rows past num_valid are not read (-1: outside every extent; a masked load)
-            indices = jnp.where(jnp.arange(indices.shape[-1]) < num_valid[..., None], indices, -1)
+            indices = self.tokens(indices, num_valid)
             rows = tuple(native_extent(ops.gather_pool_rows(ext, indices, blk), dt).astype(dt)
                          for ext, dt in zip(self.extents, dtypes))
             return rows, jnp.zeros(indices.shape[:1], jnp.int32)
@@ -562,7 +574,7 @@ class HostRows:
         rows past num_valid keep theirs, never read). Extents: ``ops.refill_block_rows`` (on the GPU one kernel
         per buffer writing only the replaced rows, in place); X rows: recomputed (``__call__``) and merged."""
         if self.acts is None:
-            tokens = jnp.where(jnp.arange(indices.shape[-1]) < num_valid[..., None], indices, -1)
+            tokens = self.tokens(indices, num_valid)
             return (tuple(ops.refill_block_rows(buf, ext, tokens, blk) for buf, ext in zip(buffers, self.extents)),
                     jnp.zeros(indices.shape[:1], jnp.int32))
         rows, x_rows = self(indices, num_valid, tuple(b.dtype for b in buffers), blk)
