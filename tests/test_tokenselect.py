@@ -573,7 +573,7 @@ def test_host_rows_offset_reads_one_layers_blocks_from_an_extent_of_several():
     token ids offset by j x E x blk (`SelectSources.row_offset`): the same rows as from layer j's own extent,
     gathered or refilled (a row past num_valid keeps its value); X extents refuse an offset."""
     rng = np.random.default_rng(3)
-    E, n_kv, blk, d, K = 3, 2, 4, 8, 5
+    E, n_kv, blk, d, K = 3, 2, 16, 64, 5  # shapes the GPU's refill kernel runs in its own tests
     layers = [jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), jnp.float32) for _ in range(3)]
     both = jnp.concatenate(layers)
     indices = jnp.asarray(rng.integers(0, E * blk, (1, n_kv, K)), jnp.int32)
