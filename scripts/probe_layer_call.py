@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from kvoffload.offload import pipeline as PL
-    from kvoffload.offload.bench import decode_steps, random_prompt_state
+    from kvoffload.offload.bench import decode_steps, random_prompt_state, watch_layer_calls
 
     options = parse_options(args.option)
     versus = parse_options(args.versus)
@@ -70,18 +70,7 @@ def main(argv=None) -> dict:
                                                      3, args.dtype, model=shared.get("model"))
         shared.setdefault("model", model)  # room for 3 more tokens: two warm-up steps and the watched one
         _, _, state, nxt = decode_steps(pol, model, state, nxt, 2)  # compiled, warm
-        calls = []
-        real = PL.layer_step
-
-        def watched(*a):
-            calls.append(a)
-            return real(*a)
-
-        PL.layer_step = watched
-        try:
-            _, state = pol.decode_step(model, state, nxt)
-        finally:
-            PL.layer_step = real
+        calls, state = watch_layer_calls(pol, model, state, nxt)
         if len(state.groups) != 1:
             raise SystemExit("probe_layer_call takes one GPU batch (its layers' buffers are read from groups[0])")
         gr = state.groups[0]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv=None) -> dict:
-    from kvoffload.offload.bench import add_random_prompt_args, parse_options, write_json
+    from kvoffload.offload.bench import add_random_prompt_args, parse_options, report_variants, use_mulsum_linear
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_random_prompt_args(ap, policy="clo", shape="llama-3-8b", batch=1, prompt=8192)
@@ -53,15 +52,11 @@ def main(argv=None) -> dict:
     import numpy as np
 
     if args.linear == "mulsum":  # before anything compiles: both variants use it
-        from kvoffload.models import common, llama
-
-        def linear(x, w, b=None):
-            y = jnp.sum(x.astype(jnp.float32)[..., :, None] * w.astype(jnp.float32), axis=-2)
-            return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
-        common.linear = llama.linear = linear
+        use_mulsum_linear()
 
     from kvoffload.offload import pipeline as PL
-    from kvoffload.offload.bench import decode_steps, random_prompt_state
+    from kvoffload.offload.bench import (decode_steps, random_prompt_state, time_variants,
+                                        watch_layer_calls)
     from kvoffload.policies.tokenselect import SelectSources
 
     options = parse_options(args.option)
@@ -70,18 +65,7 @@ def main(argv=None) -> dict:
     model, pol, state, nxt = random_prompt_state(args.shape, args.policy, options, args.batch, args.prompt, 3,
                                                  args.dtype)
     _, _, state, nxt = decode_steps(pol, model, state, nxt, 2)
-    calls = []
-    real = PL.layer_step
-
-    def watched(*a):
-        calls.append(a)
-        return real(*a)
-
-    PL.layer_step = watched
-    try:
-        _, state = pol.decode_step(model, state, nxt)
-    finally:
-        PL.layer_step = real
+    calls, state = watch_layer_calls(pol, model, state, nxt)
     if len(state.groups) != 1:
         raise SystemExit("probe_scan_clo takes one GPU batch")
     gr = state.groups[0]
@@ -164,29 +148,14 @@ def main(argv=None) -> dict:
                                                      for j in range(n)]))
     print(f"loop vs calls, max |diff|: hidden {check['hidden']:.3g}, tails {check['tails']:.3g}, "
           f"slots {check['slots']:.3g}", flush=True)
-    res = {v: {"issued_ms": [], "step_ms": []} for v in ("calls", "loop")}
-    for r in range(args.rounds):
-        for variant in res:
-            run(variant)
-            for _ in range(args.steps):
-                _, issued, wall = run(variant)
-                res[variant]["issued_ms"].append(1e3 * issued)
-                res[variant]["step_ms"].append(1e3 * wall)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{v} {np.median(res[v]['step_ms'][-args.steps:]):.2f} ms" for v in res), flush=True)
+    variants = time_variants(run, ("calls", "loop"), args.steps, args.rounds)
     rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=args.shape, batch=args.batch,
                prompt=args.prompt, options=options, linear=args.linear, layers_looped=n, extent_blocks=E,
                steps=args.steps, rounds=args.rounds, max_abs_diff=check,
                xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               variants={v: dict(step_ms_median=float(np.median(d["step_ms"])), step_ms_min=float(np.min(d["step_ms"])),
-                                 issued_ms_median=float(np.median(d["issued_ms"])), **d) for v, d in res.items()})
+               variants=variants)
     print(f"layers 1..{L - 1} of clo {args.shape} b{args.batch} ctx {args.prompt}, linear {args.linear}")
-    print("| variant | step ms (median) | min | host issued ms (median) |\n|---|--:|--:|--:|")
-    for v, d in rec["variants"].items():
-        print(f"| {v} | {d['step_ms_median']:.2f} | {d['step_ms_min']:.2f} | {d['issued_ms_median']:.2f} |")
-    if args.out:
-        write_json(args.out, rec)
-    return rec
+    return report_variants(rec, args.out)
 
 
 if __name__ == "__main__":

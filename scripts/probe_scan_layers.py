@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import re
 import sys
@@ -52,17 +51,12 @@ def main(argv=None) -> dict:
 
     from kvoffload import ops
     from kvoffload.models.transformer import family, init_params
-    from kvoffload.offload.bench import write_json
+    from kvoffload.offload.bench import report_variants, time_variants, use_mulsum_linear
     from kvoffload.offload.pipeline import put_rows
     from kvoffload.plan.profiler import model_shape
 
-    if args.linear == "mulsum":
-        from kvoffload.models import common, llama
-
-        def linear(x, w, b=None):
-            y = jnp.sum(x.astype(jnp.float32)[..., :, None] * w.astype(jnp.float32), axis=-2)
-            return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
-        common.linear = llama.linear = linear
+    if args.linear == "mulsum":  # before anything compiles: both variants use it
+        use_mulsum_linear()
 
     cfg = model_shape(args.shape)
     n_layers = args.layers or cfg.num_layers
@@ -183,32 +177,15 @@ def main(argv=None) -> dict:
     k, v, bf = state["loop"]
     big = hlo_copies(loop_call.lower(stacked, h0, length[:, None], k, v, length, host["loop"], bf, toks).compile())
     print(f"loop program: {len(big)} instructions writing >= 1 MiB", *big[:40], sep="\n  ", flush=True)
-    res = {v: {"issued_ms": [], "step_ms": []} for v in ("calls", "loop")}
-    n = 1
-    for r in range(args.rounds):
-        for variant in ("calls", "loop"):
-            for _ in range(2):
-                step(variant, n)
-                n += 1
-            for _ in range(args.steps):
-                _, issued, wall = step(variant, n)
-                n += 1
-                res[variant]["issued_ms"].append(1e3 * issued)
-                res[variant]["step_ms"].append(1e3 * wall)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{v} {np.median(res[v]['step_ms'][-args.steps:]):.2f} ms" for v in res), flush=True)
+    tokens = iter(range(1, 1 << 30))  # each step one token further (the tails have room for 64)
+    variants = time_variants(lambda v: step(v, next(tokens) % 63), ("calls", "loop"), args.steps, args.rounds,
+                             warmup=2)
     rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=args.shape, layers=n_layers,
-               context=args.context, glue=args.glue, linear=args.linear, host_rows=args.host_rows, attention=args.attention, steps=args.steps, rounds=args.rounds,
+               context=args.context, glue=args.glue, linear=args.linear, host_rows=args.host_rows,
+               attention=args.attention, steps=args.steps, rounds=args.rounds,
                xla_flags=os.environ.get("XLA_FLAGS", ""), max_abs_diff=diff, loop_big_writes=big,
-               date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               variants={v: dict(step_ms_median=float(np.median(d["step_ms"])), step_ms_min=float(np.min(d["step_ms"])),
-                                 issued_ms_median=float(np.median(d["issued_ms"])), **d) for v, d in res.items()})
-    print("| variant | step ms (median) | min | host issued ms (median) |\n|---|--:|--:|--:|")
-    for v, d in rec["variants"].items():
-        print(f"| {v} | {d['step_ms_median']:.2f} | {d['step_ms_min']:.2f} | {d['issued_ms_median']:.2f} |")
-    if args.out:
-        write_json(args.out, rec)
-    return rec
+               date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), variants=variants)
+    return report_variants(rec, args.out)
 
 
 if __name__ == "__main__":

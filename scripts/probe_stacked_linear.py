@@ -15,7 +15,6 @@ from the per-layer einsum's result (bf16 rounding of a different summation order
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

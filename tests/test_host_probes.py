@@ -134,3 +134,27 @@ def test_probe_scan_clo_loops_the_real_clo_layers_with_the_calls_bits(tmp_path):
     assert json.loads((tmp_path / "c.json").read_text())["extent_blocks"] == rec["extent_blocks"] > 0
     with pytest.raises(SystemExit, match="Quest or HATA"):
         ps.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=exact"])
+
+
+def test_mulsum_linear_is_the_same_product_and_is_undone():
+    """The probes' --linear mulsum: every family's linear becomes an fp32 multiply and sum of the same product
+    (close to the einsum's, bf16 rounding apart), and the returned function puts the einsum back."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvoffload.models import common, llama, opt
+    from kvoffload.offload.bench import use_mulsum_linear
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((48, 20)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((20,)), jnp.float32)
+    einsum = common.linear
+    want = np.asarray(einsum(x, w, b))
+    restore = use_mulsum_linear()
+    try:
+        assert llama.linear is opt.linear is common.linear is not einsum
+        np.testing.assert_allclose(np.asarray(llama.linear(x, w, b)), want, rtol=1e-5, atol=1e-5)
+    finally:
+        restore()
+    assert llama.linear is opt.linear is common.linear is einsum

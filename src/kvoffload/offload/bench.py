@@ -250,6 +250,82 @@ def decode_steps(pol, model, state, nxt, n_steps: int, logits=None, issued: list
     return times, logits, state, nxt
 
 
+def watch_layer_calls(pol, model, state, nxt):
+    """One decode step with `pipeline.layer_step` watched: (the arguments of each layer call in order, the state
+    after the step). The host probes re-run the real layer programs from these."""
+    from kvoffload.offload import pipeline as PL
+
+    calls = []
+    real = PL.layer_step
+
+    def watched(*a):
+        calls.append(a)
+        return real(*a)
+
+    PL.layer_step = watched
+    try:
+        _, state = pol.decode_step(model, state, nxt)
+    finally:
+        PL.layer_step = real
+    return calls, state
+
+
+def use_mulsum_linear():
+    """Runs the model families' linear layers as an fp32 multiply and sum from here on (the host probes'
+    --linear mulsum, before anything compiles): inside a loop over stacked layers XLA reads a weight's slice
+    in place in that form, where for its dot it writes the slice out in fp32 first (BENCHMARKS, twenty-second
+    session). Bits differ from the default einsum's (another summation order). Returns a function that puts
+    the default back (for programs compiled after it)."""
+    import jax.numpy as jnp
+
+    from kvoffload.models import common, llama, opt
+
+    def linear(x, w, b=None):
+        y = jnp.sum(x.astype(jnp.float32)[..., :, None] * w.astype(jnp.float32), axis=-2)
+        return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
+
+    modules = (common, llama, opt)
+    saved = [m.linear for m in modules]
+    for m in modules:
+        m.linear = linear
+
+    def restore():
+        for m, f in zip(modules, saved):
+            m.linear = f
+    return restore
+
+
+def time_variants(run, variants, steps: int, rounds: int, warmup: int = 1) -> dict:
+    """Step timings of several variants in interleaved rounds (a lent host's speed moves over stretches: every
+    variant sees it alike). run(variant) -> (out, issued s, wall s): one step, issued when the host has dispatched
+    it. Per round and variant: warmup untimed steps, then `steps` timed. Returns per variant issued_ms and
+    step_ms (each) with their medians and the step's minimum; prints each round's medians."""
+    res = {v: {"issued_ms": [], "step_ms": []} for v in variants}
+    for r in range(rounds):
+        for v in variants:
+            for _ in range(warmup):
+                run(v)
+            for _ in range(steps):
+                _, issued, wall = run(v)
+                res[v]["issued_ms"].append(1e3 * issued)
+                res[v]["step_ms"].append(1e3 * wall)
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{v} {np.median(res[v]['step_ms'][-steps:]):.2f} ms"
+                                                    for v in variants), flush=True)
+    return {v: dict(step_ms_median=float(np.median(d["step_ms"])), step_ms_min=float(np.min(d["step_ms"])),
+                    issued_ms_median=float(np.median(d["issued_ms"])), **d) for v, d in res.items()}
+
+
+def report_variants(rec: dict, out=None) -> dict:
+    """Prints the table of rec["variants"] (`time_variants`' result), writes rec to out (when given) and
+    returns it."""
+    print("| variant | step ms (median) | min | host issued ms (median) |\n|---|--:|--:|--:|")
+    for v, d in rec["variants"].items():
+        print(f"| {v} | {d['step_ms_median']:.2f} | {d['step_ms_min']:.2f} | {d['issued_ms_median']:.2f} |")
+    if out:
+        write_json(out, rec)
+    return rec
+
+
 def median_time(fn, reps: int = 5, warmup: int = 1) -> float:
     """Median seconds of fn() until its outputs are ready (after warm-up calls)."""
     import jax
