@@ -30,26 +30,14 @@ import subprocess
 import sys
 import tempfile
 
-# instructions that launch nothing
-FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
-        "replica-id", "opt-barrier"}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from kvoffload.hlo_text import FREE, computations, entry_lines, instruction  # noqa: E402
+
 _FILE = re.compile(r"^module_(\d+)\.(.+?)\.(?:sm_[\w.]+_gpu_|cpu_|)after_optimizations\.txt$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = .+? ([a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
-_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (.+?) [a-z][a-z0-9\-]*\(")
-_COMPUTATION = re.compile(r"^%?([\w.\-]+) \(.*\{$")
-
-
-def entry_lines(text: str) -> list[str]:
-    """The lines of the module's ENTRY computation."""
-    start = text.find("\nENTRY")
-    if start < 0:
-        return []
-    body = text[start + 1:]
-    end = body.find("\n}")
-    return body[:end].splitlines()[1:] if end >= 0 else body.splitlines()[1:]
 
 
 def _table(text: str, name: str) -> dict:
@@ -88,20 +76,6 @@ def source_lines(text: str) -> dict:
     return out
 
 
-def computations(text: str) -> dict:
-    """{computation name: its lines} of every non-entry computation (fused computations, regions)."""
-    out, name = {}, None
-    for line in text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m and not line.startswith("ENTRY"):
-            name, out[m.group(1)] = m.group(1), []
-        elif line.startswith("}"):
-            name = None
-        elif name is not None:
-            out[name].append(line)
-    return out
-
-
 def scope_of(op_name: str) -> str:
     """The source scope of an op: its op_name without the module's own jit(...) and the final primitive
     ("jit(layer_body)/kvo_select_count/pallas_call" -> "kvo_select_count"); the primitive alone at top level."""
@@ -129,18 +103,17 @@ def count_module(text: str) -> dict:
     frames, comps = source_lines(text), computations(text)
     listed = []
     for line in entry_lines(text):
-        m = _INSTR.match(line)
-        if not m or m.group(1) in FREE:
+        ins = instruction(line)
+        if not ins or ins[2] in FREE:
             continue
-        op = m.group(1)
+        _, result, op = ins
         name = _OP_NAME.search(line)
         scope = scope_of(name.group(1)) if name else f"({op}, no op_name)"
         by_op[op] += 1
         by_scope[scope] += 1
         called = _CALLS.search(line)
         body = comps.get(called.group(1), []) if called and op == "fusion" else []
-        shape = _SHAPE.match(line)
-        listed.append({"opcode": op, "shape": shape.group(1) if shape else "", "scope": scope,
+        listed.append({"opcode": op, "shape": result, "scope": scope,
                        "sources": _sources([line] + body, frames)})
     return {"launches": sum(by_op.values()), "by_opcode": dict(by_op.most_common()),
             "by_scope": dict(by_scope.most_common()), "launch_list": listed}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import sys
 import time
 
@@ -50,6 +49,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from kvoffload import ops
+    from kvoffload.hlo_text import FREE, array_bytes, computations, entry_lines, instruction
     from kvoffload.models.transformer import family, init_params
     from kvoffload.offload.bench import report_variants, time_variants, use_mulsum_linear
     from kvoffload.offload.pipeline import put_rows
@@ -106,23 +106,17 @@ def main(argv=None) -> dict:
         return jax.lax.fori_loop(0, n_layers, body, (h, kcs, vcs, bufs))
 
     def hlo_copies(compiled, min_bytes=1 << 20):
-        """The compiled program's instructions that write >= min_bytes: copies / dynamic slices the loop adds."""
-        out, fused = [], False
-        for line in compiled.as_text().splitlines():
-            head = re.match(r"(?:ENTRY )?%?([\w.-]+) .*\{$", line)
-            if head:  # a computation: the entry, a loop body, or one fused into a kernel (its values stay inside)
-                fused = any(w in head.group(1) for w in ("fused", "wrapped", "region", "add", "max", "min"))
-                continue
-            if fused:
-                continue
-            m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\w+)\[([\d,]*)\][^ ]* (\w[\w-]*)\(", line)
-            if not m or m.group(4) in ("parameter", "get-tuple-element", "bitcast", "tuple", "constant"):
-                continue
-            n = int(np.prod([int(d) for d in m.group(3).split(",") if d])) * jnp.dtype(
-                {"bf16": jnp.bfloat16, "f32": jnp.float32, "s32": jnp.int32, "u8": jnp.uint8,
-                 "s8": jnp.int8}.get(m.group(2), jnp.float32)).itemsize
-            if n >= min_bytes:
-                out.append(f"{m.group(4)} {m.group(2)}[{m.group(3)}] {n / 2**20:.1f} MiB ({m.group(1)})")
+        """The compiled program's instructions that write >= min_bytes: copies / dynamic slices the loop adds.
+        Read in the entry and every computation not fused into a kernel (a fused one's values stay inside)."""
+        text = compiled.as_text()
+        kept = [lines for name, lines in computations(text).items()
+                if not any(w in name for w in ("fused", "wrapped", "region", "add", "max", "min"))]
+        out = []
+        for line in [x for lines in [entry_lines(text)] + kept for x in lines]:
+            ins = instruction(line)
+            size = ins and ins[2] not in FREE and array_bytes(ins[1])
+            if size and size[0] >= min_bytes:
+                out.append(f"{ins[2]} {size[1]} {size[0] / 2**20:.1f} MiB ({ins[0]})")
         return out
 
     rng = np.random.default_rng(0)

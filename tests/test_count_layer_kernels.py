@@ -39,3 +39,19 @@ def test_count_layer_kernels_counts_the_launches_of_a_dumped_program(tmp_path):
         assert ck.scope_of("jit(layer_body)/kvo_select_count/pallas_call") == "kvo_select_count"
         with pytest.raises(SystemExit, match="no optimized module"):
             ck.main([str(tmp_path / "dump"), "--modules", "nothing"])
+
+
+def test_hlo_text_reads_an_instruction_and_its_array_bytes():
+    from kvoffload.hlo_text import array_bytes, computations, entry_lines, instruction
+
+    line = "  ROOT %fusion.3 = bf16[1,8,64]{2,1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_computation.3"
+    assert instruction(line) == ("fusion.3", "bf16[1,8,64]{2,1,0}", "fusion")
+    assert instruction("HloModule jit_f") is None
+    assert array_bytes("bf16[1,8,64]{2,1,0}") == (1024, "bf16[1,8,64]")
+    assert array_bytes("pred[4,4]{1,0}") == (16, "pred[4,4]")
+    assert array_bytes("f32[]") == (4, "f32[]")
+    assert array_bytes("(f32[2]{0}, s32[])") is None
+    text = ("HloModule m\n\n%fused_computation.3 (p: f32[2]) -> f32[2] {\n  %p = f32[2]{0} parameter(0)\n}\n\n"
+            "ENTRY %main (a: f32[2]) -> f32[2] {\n  %a = f32[2]{0} parameter(0)\n  ROOT %n = f32[2]{0} negate(%a)\n}\n")
+    assert list(computations(text)) == ["fused_computation.3"]
+    assert [instruction(x)[2] for x in entry_lines(text)] == ["parameter", "negate"]

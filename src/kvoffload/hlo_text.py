@@ -1,0 +1,57 @@
+"""Reading XLA's optimized HLO text (a dump's `*after_optimizations.txt`, or `Compiled.as_text()`): its
+computations, their instructions' names, result shapes and opcodes, and an array result's bytes. Used by the
+host probes and `scripts/count_layer_kernels.py`."""
+
+from __future__ import annotations
+
+import math
+import re
+
+# instructions that launch nothing
+FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
+        "replica-id", "opt-barrier"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\(")
+_COMPUTATION = re.compile(r"^%?([\w.\-]+) \(.*\{$")
+_ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+             "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+
+
+def instruction(line: str):
+    """(name, result shape text, opcode) of an instruction line, or None."""
+    m = _INSTRUCTION.match(line)
+    return m.groups() if m else None
+
+
+def array_bytes(result: str):
+    """(bytes, "dtype[dims]") of an array result shape ("bf16[1,8,64]{2,1,0}"); None for a tuple or an
+    unknown element type."""
+    m = _ARRAY.match(result)
+    if not m or m.group(1) not in _ITEMSIZE:
+        return None
+    n = math.prod(int(d) for d in m.group(2).split(",") if d)
+    return n * _ITEMSIZE[m.group(1)], m.group(0)
+
+
+def entry_lines(text: str) -> list[str]:
+    """The lines of the module's ENTRY computation."""
+    start = text.find("\nENTRY")
+    if start < 0:
+        return []
+    body = text[start + 1:]
+    end = body.find("\n}")
+    return body[:end].splitlines()[1:] if end >= 0 else body.splitlines()[1:]
+
+
+def computations(text: str) -> dict:
+    """{computation name: its lines} of every non-entry computation (fused computations, regions)."""
+    out, name = {}, None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith("ENTRY"):
+            name, out[m.group(1)] = m.group(1), []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            out[name].append(line)
+    return out
