@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from kvoffload.offload.bench import write_json
+    from kvoffload.offload.bench import mulsum_linear, write_json
 
     L, B, H, O = args.layers, args.rows, args.din, args.dout
     rng = np.random.default_rng(0)
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
         if form == "einsum_bf16":
             return jnp.einsum("bi,io->bo", x, w)
         if form == "mulsum_f32":
-            return jnp.sum(x.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32), axis=1).astype(x.dtype)
+            return mulsum_linear(x, w)
         return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
 
     # each layer's output feeds nothing back (x stays), so every form reads L weights; the outputs are summed

@@ -270,24 +270,27 @@ def watch_layer_calls(pol, model, state, nxt):
     return calls, state
 
 
+def mulsum_linear(x, w, b=None):
+    """x @ w (+ b) as an fp32 multiply and sum, in x's dtype: the form in which XLA reads a stacked weight's
+    slice in place inside a loop (`use_mulsum_linear`)."""
+    import jax.numpy as jnp
+
+    y = jnp.sum(x.astype(jnp.float32)[..., :, None] * w.astype(jnp.float32), axis=-2)
+    return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
+
+
 def use_mulsum_linear():
     """Runs the model families' linear layers as an fp32 multiply and sum from here on (the host probes'
     --linear mulsum, before anything compiles): inside a loop over stacked layers XLA reads a weight's slice
     in place in that form, where for its dot it writes the slice out in fp32 first (BENCHMARKS, twenty-second
     session). Bits differ from the default einsum's (another summation order). Returns a function that puts
     the default back (for programs compiled after it)."""
-    import jax.numpy as jnp
-
     from kvoffload.models import common, llama, opt
-
-    def linear(x, w, b=None):
-        y = jnp.sum(x.astype(jnp.float32)[..., :, None] * w.astype(jnp.float32), axis=-2)
-        return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
 
     modules = (common, llama, opt)
     saved = [m.linear for m in modules]
     for m in modules:
-        m.linear = linear
+        m.linear = mulsum_linear
 
     def restore():
         for m, f in zip(modules, saved):

@@ -550,10 +550,15 @@ class HostRows:
                        impl=impl)
         return cls(extents=tuple(pool.k if p == "k" else pool.v for p in parts), offset=offset)
 
+    @staticmethod
+    def wanted(indices, num_valid):
+        """[B, n_kv, K] bool: the first num_valid entries of each (request, head)."""
+        return jnp.arange(indices.shape[-1]) < num_valid[..., None]
+
     def tokens(self, indices, num_valid):
         """The token ids read: indices (+ offset) for the first num_valid of each row, -1 (read nothing) after."""
         ids = indices if self.offset is None else indices + self.offset
-        return jnp.where(jnp.arange(indices.shape[-1]) < num_valid[..., None], ids, -1)
+        return jnp.where(self.wanted(indices, num_valid), ids, -1)
 
     def __call__(self, indices, num_valid, dtypes, blk):
         """(rows [B, n_kv, K, d], one per part in `dtypes`, x_rows [B] int32: the X rows read) for indices
@@ -564,9 +569,8 @@ class HostRows:
             rows = tuple(native_extent(ops.gather_pool_rows(ext, indices, blk), dt).astype(dt)
                          for ext, dt in zip(self.extents, dtypes))
             return rows, jnp.zeros(indices.shape[:1], jnp.int32)
-        valid = jnp.arange(indices.shape[-1]) < num_valid[..., None]
-        return act_rows(self.cfg, self.lp, self.acts, blk, self.positions, indices, valid, len(dtypes) == 2,
-                        dtypes[-1], self.impl)
+        return act_rows(self.cfg, self.lp, self.acts, blk, self.positions, indices, self.wanted(indices, num_valid),
+                        len(dtypes) == 2, dtypes[-1], self.impl)
 
     def refill(self, buffers, indices, num_valid, blk):
         """(buffers, x_rows [B]): each buffer [B, n_kv, K, d] (one per part) with rows [0, num_valid) of every
@@ -578,7 +582,7 @@ class HostRows:
             return (tuple(ops.refill_block_rows(buf, ext, tokens, blk) for buf, ext in zip(buffers, self.extents)),
                     jnp.zeros(indices.shape[:1], jnp.int32))
         rows, x_rows = self(indices, num_valid, tuple(b.dtype for b in buffers), blk)
-        keep = (jnp.arange(indices.shape[-1]) < num_valid[..., None])[..., None]
+        keep = self.wanted(indices, num_valid)[..., None]
         return tuple(jnp.where(keep, r, buf) for r, buf in zip(rows, buffers)), x_rows
 
 
