@@ -206,11 +206,17 @@ def lower_only_checks():
             buf = jnp.asarray(rng.standard_normal((B, n_kv, K, d)), dt)
             cases.append((f"refill E{E},3 blk{blk} K{K} {tag}", lambda u, x, b, blk=blk:
                           _ga.refill_rows_kernel(u, (x, x[:3].astype(jnp.float32)), b, blk), (buf, xb, bo)))
+            bufs = jnp.concatenate([buf, buf, buf], axis=2)  # three layers' rows a head: the middle one refilled
+            cases.append((f"refill at a row offset E{E} blk{blk} K{K} {tag}", lambda u, x, b, blk=blk, K=K:
+                          _ga.refill_rows_kernel(u, (x,), b, blk, row_offset=jnp.int32(K)), (bufs, xb, bo)))
             for bits, gs in ((4, 16), (8, d // 2 if d % 32 == 0 else 16)):  # int extents, dequantized in the kernel
                 quantize = _q.quantize_int4 if bits == 4 else _q.quantize_int8
                 xq = (quantize(xb.astype(jnp.float32), gs), quantize(xb[:3].astype(jnp.float32), gs))
                 cases.append((f"refill int{bits} g{gs} E{E},3 blk{blk} K{K} {tag}", lambda u, x, b, blk=blk:
                               _ga.refill_rows_int_kernel(u, x, b, blk), (buf, xq, bo)))
+                cases.append((f"refill int{bits} at a row offset g{gs} E{E} blk{blk} K{K} {tag}",
+                              lambda u, x, b, blk=blk, K=K: _ga.refill_rows_int_kernel(
+                                  u, x[:1], b, blk, row_offset=jnp.int32(2 * K)), (bufs, xq, bo)))
         if d in (64, 128):
             kq = _q.quantize_int4(k.astype(jnp.float32), 64)
             cases.append((f"int4 {tag}", lambda q, a, L: _q.decode_attention_int4_kernel(
@@ -225,6 +231,12 @@ def lower_only_checks():
         want = jnp.full((R,), kk // 2, jnp.int32)
         cases.append((f"select_rows R{R} N{N} k{kk}", lambda x, n, kk=kk: _sel.select_rows_kernel(x, n, kk),
                       (keys, want)))
+    from kvoffload.pallas import stacked_linear as _sl
+    for L, M, K, N in ((3, 1, 300, 130), (2, 70, 4096, 1024), (3, 5, 1100, 48)):
+        xs = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+        ws = jnp.asarray(rng.standard_normal((L, K, N)), jnp.bfloat16)
+        cases.append((f"stacked_linear L{L} M{M} K{K} N{N}", lambda x, w: _sl.stacked_linear_kernel(
+            x, w, jnp.int32(L - 1), poison=True), (xs, ws)))
     x = jnp.asarray(rng.standard_normal((1, 40, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((128, 128)), jnp.bfloat16)
     cases.append(("recompute", lambda x, w: _rc.recompute_kv_kernel(x, w, None, w, None, None,

@@ -10,11 +10,17 @@ looped layer's blocks, layer j's rows at token ids offset by j x E x blk (`Selec
 A prefilled state is decoded two steps (compiled, warm), one more step is watched to take each layer's
 arguments, and layers 1..L-1 (layer 0 is clo's dense layer, a call of its own either way) are then run from
 those arguments both ways: once to check that the loop's hidden state, tails and slots equal the calls' bit for
-bit (`--linear einsum`, the model's), then --rounds interleaved blocks of --steps each, timed as a step is (the
-host's time to issue, the wall time with the hidden state waited for). The stacked copies (weights on the GPU,
-the pool on the host) are made once, outside the timing. `--linear mulsum` runs the model's matmuls as a multiply
-and sum in both variants (XLA reads a stacked weight's slice in place only so; `probe_stacked_linear.py`): its
-bits differ from the einsum's, so the check compares the loop with the calls in the same form.
+bit, then --rounds interleaved blocks of --steps each, timed as a step is (the host's time to issue, the wall
+time with the hidden state waited for). The stacked copies (weights on the GPU, the pool on the host; a 1-byte
+extent of 2-4 GiB padded past 4 GiB, `addressable_rows`) are made once, outside the timing, and the loop is
+compiled once, ahead, its writes of >= --list-min-kib listed (what it copies that the calls do not).
+
+Weights (`--linear`): `einsum`, the model's (the loop slices each layer's: XLA writes the slice out in fp32);
+`pallas`, read by index from the stacked arrays through the stacked-linear kernel (`models.common.LayerWeight`)
+in the loop and in the calls alike, so the bits compare, with a third variant `calls_einsum` timing the calls as
+the pipeline runs them; `mulsum`, a multiply and sum in both (reads in place; too slow for a long prefill).
+Row buffers (`--buffers`): `in-place`, every layer's along the rows of one array a kind, refilled and attended
+in place (`tokenselect.LayerRows`); `sliced`, stacked [n, ...] and sliced like the other slots.
 
 Takes one GPU batch, a single pool extent per kind (clo's default extent size holds a 128K prompt's K in one),
 Quest or HATA retrieval (exact retrieval reads every key of the pool: not offset here) and no speculative
@@ -37,9 +43,16 @@ def main(argv=None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_random_prompt_args(ap, policy="clo", shape="llama-3-8b", batch=1, prompt=8192)
-    ap.add_argument("--linear", default="einsum", choices=("einsum", "mulsum"))
+    ap.add_argument("--linear", default="einsum", choices=("einsum", "mulsum", "pallas"),
+                    help="pallas: 2-D weights read from the stacked arrays by layer index (models.common."
+                         "LayerWeight, the stacked_linear kernel), in the loop and in the calls alike")
     ap.add_argument("--steps", type=int, default=8, help="timed steps a block")
     ap.add_argument("--rounds", type=int, default=3, help="blocks per variant, interleaved")
+    ap.add_argument("--buffers", default="in-place", choices=("in-place", "sliced"),
+                    help="the selection's row buffers: all layers' along the rows of one array a kind, each layer's "
+                         "refilled and read in place at its row offset (tokenselect.LayerRows), or stacked [n, ...] "
+                         "and sliced per layer like the other slots (XLA copies the slice out and back)")
+    ap.add_argument("--list-min-kib", type=int, default=1024, help="list the loop's writes of at least this size")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.policy != "clo":
@@ -54,10 +67,13 @@ def main(argv=None) -> dict:
     if args.linear == "mulsum":  # before anything compiles: both variants use it
         use_mulsum_linear()
 
+    from kvoffload.hlo_text import large_writes
+    from kvoffload.models.common import layer_weights
     from kvoffload.offload import pipeline as PL
+    from kvoffload.pallas.common import addressable_rows
     from kvoffload.offload.bench import (decode_steps, random_prompt_state, time_variants,
                                         watch_layer_calls)
-    from kvoffload.policies.tokenselect import SelectSources
+    from kvoffload.policies.tokenselect import LayerRows, SelectSources
 
     options = parse_options(args.option)
     if options.get("retrieval", "quest") == "exact" or str(options.get("speculative_prefetch", "")).lower() == "true":
@@ -93,12 +109,41 @@ def main(argv=None) -> dict:
 
     def one_extent(part):  # every looped layer's extent of a kind, concatenated on the host, in host memory
         exts = [getattr(calls[i][8].pool, part)[0] for i in idx]
-        return jax.tree.map(lambda *a: jax.device_put(np.concatenate([np.asarray(x) for x in a]), host_kind), *exts)
+        whole = jax.tree.map(lambda *a: np.concatenate([np.asarray(x) for x in a]), *exts)
+        # 1-byte codes of 2-4 GiB (int8 K of 31 layers at 128K) would be addressed with wrapping 32-bit offsets:
+        # unread blocks take such an extent past 4 GiB
+        leaves = jax.tree.leaves(whole)
+        rows = max([addressable_rows(a.shape[0], a[0].nbytes) for a in leaves if a.itemsize == 1],
+                   default=leaves[0].shape[0])
+        return jax.tree.map(lambda a: jax.device_put(
+            np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)]), host_kind), whole)
 
     pool = dataclasses.replace(src1.pool, k=[one_extent("k")], v=[one_extent("v")])
+    in_place = args.buffers == "in-place"
+    K_rows = split[0][0].v_rows.shape[2]
+    moving_st = stack([m for m, _ in split])
+    if in_place:  # layer j's buffer rows at [j K, (j + 1) K) of one [B, n_kv, n K, d] array a kind
+        moving_st = dataclasses.replace(moving_st, **{f: jnp.concatenate([getattr(m, f) for m, _ in split], axis=2)
+                                                      for f in ("k_rows", "v_rows")})
     stacked = dict(lp=stack([calls[i][1] for i in idx]), k=stack([live[i]["k"] for i in idx]),
-                   v=stack([live[i]["v"] for i in idx]), moving=stack([m for m, _ in split]),
+                   v=stack([live[i]["v"] for i in idx]), moving=moving_st,
                    fixed=stack([f for _, f in split]))
+    BUFFERS = ("k_rows", "v_rows")
+
+    def layer_moving(moving, j):
+        """Layer j's moving slots from the stacked ones: its buffers as LayerRows (in place) or slices."""
+        sliced = jax.tree.map(lambda a: a[j], dataclasses.replace(moving, **dict.fromkeys(BUFFERS)) if in_place
+                              else moving)
+        if not in_place:
+            return sliced
+        off = (j * K_rows).astype(jnp.int32) if hasattr(j, "astype") else jnp.int32(j * K_rows)
+        return dataclasses.replace(sliced, **{f: LayerRows(getattr(moving, f), off, K_rows) for f in BUFFERS})
+
+    def set_layer_moving(moving, j, m):
+        """The stacked moving slots with layer j's replaced by m (an in-place buffer's stack is m's own)."""
+        rest = lambda t: dataclasses.replace(t, **dict.fromkeys(BUFFERS)) if in_place else t  # noqa: E731
+        out = jax.tree.map(lambda st, x: st.at[j].set(x), rest(moving), rest(m))
+        return dataclasses.replace(out, **{f: getattr(m, f).stacked for f in BUFFERS}) if in_place else out
     per_call = dict(k=[copy(live[i]["k"]) for i in idx], v=[copy(live[i]["v"]) for i in idx],
                     moving=[copy(m) for m, _ in split])
     fixed = [f for _, f in split]
@@ -110,26 +155,40 @@ def main(argv=None) -> dict:
         def body(j, carry):
             h, tk, tv, moving = carry
             at = functools.partial(jax.tree.map, lambda a: a[j])
+            lp_j = layer_weights(lp, j) if args.linear == "pallas" else at(lp)
             src = SelectSources(pool=pool, tail_len=tail_len, request_blocks=src1.request_blocks,
                                 row_offset=(j * E * blk).astype(jnp.int32))
-            h, k, v, _, m = PL.layer_body(cfg, at(lp), h, positions, tk[j], tv[j], None, tail_len, src, tables,
-                                          at(moving), at(fixed), attend, options)
-            return (h, tk.at[j].set(k), tv.at[j].set(v),
-                    jax.tree.map(lambda s, x: s.at[j].set(x), moving, m))
+            h, k, v, _, m = PL.layer_body(cfg, lp_j, h, positions, tk[j], tv[j], None, tail_len, src, tables,
+                                          layer_moving(moving, j), at(fixed), attend, options)
+            return h, tk.at[j].set(k), tv.at[j].set(v), set_layer_moving(moving, j, m)
         return jax.lax.fori_loop(0, n, body, (h, tk, tv, moving))
+
+    # compiled once, ahead: the program that runs, and the one whose large writes are listed (what the loop copies
+    # that the calls do not: a stacked array's slice an opaque kernel needs as its own buffer)
+    loop_exe = loop_step.lower(cfg, stacked["lp"], h0, pos, stacked["k"], stacked["v"], tail_len, pool, tables,
+                               stacked["moving"], stacked["fixed"], attend, opts).compile()
+    writes = large_writes(loop_exe.as_text(), args.list_min_kib << 10)
+    print(f"loop program: {len(writes)} instructions writing >= {args.list_min_kib} KiB", *writes[:40], sep="\n  ", flush=True)
+
+    # --linear pallas: the calls read the same stacked weights by index (the loop's bits); made once, outside the
+    # timing (an eager slice of each small leaf costs ~0.7 ms of host a layer). "calls_einsum" is then the calls
+    # as the pipeline runs them (each layer's own arrays, XLA's matmul): another summation order, timed only
+    lp_calls = ([layer_weights(stacked["lp"], j) for j in range(n)] if args.linear == "pallas"
+                else [calls[i][1] for i in idx])
 
     def run(variant):
         t = time.perf_counter()
-        if variant == "calls":
+        if variant in ("calls", "calls_einsum"):
             h = h0
             for j, i in enumerate(idx):
+                lp_i = lp_calls[j] if variant == "calls" else calls[i][1]
                 h, per_call["k"][j], per_call["v"][j], _, per_call["moving"][j] = PL.layer_step(
-                    cfg, calls[i][1], h, pos, per_call["k"][j], per_call["v"][j], None, tail_len, calls[i][8], tables,
+                    cfg, lp_i, h, pos, per_call["k"][j], per_call["v"][j], None, tail_len, calls[i][8], tables,
                     per_call["moving"][j], fixed[j], attend, opts)
         else:
-            h, stacked["k"], stacked["v"], stacked["moving"] = loop_step(
-                cfg, stacked["lp"], h0, pos, stacked["k"], stacked["v"], tail_len, pool, tables, stacked["moving"],
-                stacked["fixed"], attend, opts)
+            h, stacked["k"], stacked["v"], stacked["moving"] = loop_exe(
+                stacked["lp"], h0, pos, stacked["k"], stacked["v"], tail_len, pool, tables, stacked["moving"],
+                stacked["fixed"])
         issued = time.perf_counter() - t
         jax.block_until_ready(h)
         return h, issued, time.perf_counter() - t
@@ -144,14 +203,16 @@ def main(argv=None) -> dict:
     check = dict(hidden=max_diff(ha, hb), tails=max_diff((per_call["k"], per_call["v"]),
                                                          ([stacked["k"][j] for j in range(n)],
                                                           [stacked["v"][j] for j in range(n)])),
-                 slots=max_diff(per_call["moving"], [jax.tree.map(lambda a: a[j], stacked["moving"])
+                 slots=max_diff(per_call["moving"], [jax.tree.map(jnp.asarray, layer_moving(stacked["moving"], j),
+                                                                  is_leaf=lambda x: isinstance(x, LayerRows))
                                                      for j in range(n)]))
     print(f"loop vs calls, max |diff|: hidden {check['hidden']:.3g}, tails {check['tails']:.3g}, "
           f"slots {check['slots']:.3g}", flush=True)
-    variants = time_variants(run, ("calls", "loop"), args.steps, args.rounds)
+    names = ("calls", "loop") + (("calls_einsum",) if args.linear == "pallas" else ())
+    variants = time_variants(run, names, args.steps, args.rounds)
     rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=args.shape, batch=args.batch,
-               prompt=args.prompt, options=options, linear=args.linear, layers_looped=n, extent_blocks=E,
-               steps=args.steps, rounds=args.rounds, max_abs_diff=check,
+               prompt=args.prompt, options=options, linear=args.linear, buffers=args.buffers, layers_looped=n, extent_blocks=E,
+               steps=args.steps, rounds=args.rounds, max_abs_diff=check, loop_large_writes=writes,
                xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                variants=variants)
     print(f"layers 1..{L - 1} of clo {args.shape} b{args.batch} ctx {args.prompt}, linear {args.linear}")

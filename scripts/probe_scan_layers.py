@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from kvoffload import ops
-    from kvoffload.hlo_text import FREE, array_bytes, computations, entry_lines, instruction
+    from kvoffload.hlo_text import large_writes
     from kvoffload.models.transformer import family, init_params
     from kvoffload.offload.bench import report_variants, time_variants, use_mulsum_linear
     from kvoffload.offload.pipeline import put_rows
@@ -105,20 +105,6 @@ def main(argv=None) -> dict:
             return attend_rest(lp, h, q, kcs[i], vcs[i], length, buf), kcs, vcs, bufs
         return jax.lax.fori_loop(0, n_layers, body, (h, kcs, vcs, bufs))
 
-    def hlo_copies(compiled, min_bytes=1 << 20):
-        """The compiled program's instructions that write >= min_bytes: copies / dynamic slices the loop adds.
-        Read in the entry and every computation not fused into a kernel (a fused one's values stay inside)."""
-        text = compiled.as_text()
-        kept = [lines for name, lines in computations(text).items()
-                if not any(w in name for w in ("fused", "wrapped", "region", "add", "max", "min"))]
-        out = []
-        for line in [x for lines in [entry_lines(text)] + kept for x in lines]:
-            ins = instruction(line)
-            size = ins and ins[2] not in FREE and array_bytes(ins[1])
-            if size and size[0] >= min_bytes:
-                out.append(f"{ins[2]} {size[1]} {size[0] / 2**20:.1f} MiB ({ins[0]})")
-        return out
-
     rng = np.random.default_rng(0)
     kv_shape = (B, cfg.num_kv_heads, T, cfg.head_dim)
     k0 = jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16)
@@ -171,7 +157,7 @@ def main(argv=None) -> dict:
     hb, _, _ = step("loop", 0)
     diff = float(jnp.max(jnp.abs(ha.astype(jnp.float32) - hb.astype(jnp.float32))))
     print(f"hidden state, calls vs loop: max |diff| {diff:.3g}", flush=True)
-    big = hlo_copies(loop_exe)
+    big = large_writes(loop_exe.as_text())
     print(f"loop program: {len(big)} instructions writing >= 1 MiB", *big[:40], sep="\n  ", flush=True)
     tokens = iter(range(1, 1 << 30))  # each step one token further (the tails have room for 64)
     variants = time_variants(lambda v: step(v, next(tokens) % 63), ("calls", "loop"), args.steps, args.rounds,

@@ -21,7 +21,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-FORMS = ("einsum_f32", "einsum_bf16", "mulsum_f32", "dot_general_f32")
+FORMS = ("einsum_f32", "einsum_bf16", "mulsum_f32", "mulsum_t_f32", "dot_general_f32", "pallas_f32")
+# mulsum_t_f32: the weight stored transposed [O, H], summed along its rows (a row reduction, which XLA runs
+# faster than mulsum_f32's column reduction for a tall weight); pallas_f32: `pallas.stacked_linear`, the
+# stacked array and the layer index given to a kernel that reads the slice by pointer arithmetic
 
 
 def main(argv=None) -> dict:
@@ -39,6 +42,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from kvoffload.offload.bench import mulsum_linear, write_json
+    from kvoffload.pallas.stacked_linear import stacked_linear_kernel
 
     L, B, H, O = args.layers, args.rows, args.din, args.dout
     rng = np.random.default_rng(0)
@@ -46,7 +50,21 @@ def main(argv=None) -> dict:
     w_each = [w_st[i].copy() for i in range(L)]
     x = jnp.asarray(rng.standard_normal((B, H)), jnp.bfloat16)
 
-    def lin(form, x, w):
+    w_t = jnp.swapaxes(w_st, 1, 2)  # [L, O, H] for mulsum_t
+    w_t_each = [w_t[i].copy() for i in range(L)]
+    interpret = jax.default_backend() == "cpu"
+
+    # the weights are the programs' arguments (a closed-over array would be a constant of the program)
+    weights = dict(st=w_st, t=w_t, each=w_each, t_each=w_t_each)
+
+    def lin(form, ws, x, i, looped):
+        """Layer i's x @ W: from the stacked arrays (looped, i traced) or from separate per-layer arrays."""
+        if form == "pallas_f32":  # always the stacked array and an index: that is the kernel's point
+            return stacked_linear_kernel(x, ws["st"], jnp.int32(i) if not looped else i, interpret=interpret)
+        if form == "mulsum_t_f32":
+            wt = ws["t"][i] if looped else ws["t_each"][i]
+            return jnp.sum(x.astype(jnp.float32)[:, None, :] * wt.astype(jnp.float32), axis=-1).astype(x.dtype)
+        w = ws["st"][i] if looped else ws["each"][i]
         if form == "einsum_f32":
             return jnp.einsum("bi,io->bo", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
         if form == "einsum_bf16":
@@ -59,15 +77,15 @@ def main(argv=None) -> dict:
     # so no layer's work is dead
     def looped(form):
         @jax.jit
-        def f(w_st, x):
+        def f(ws, x):
             def body(i, acc):
-                return acc + lin(form, x, w_st[i]).astype(jnp.float32)
+                return acc + lin(form, ws, x, i, True).astype(jnp.float32)
             return jax.lax.fori_loop(0, L, body, jnp.zeros((B, O), jnp.float32))
-        return lambda: f(w_st, x)
+        return lambda: f(weights, x)
 
     def unrolled(form):  # separate per-layer arrays in one program: the layer programs' GPU work, no host cost
-        g = jax.jit(lambda ws, x: sum(lin(form, x, w).astype(jnp.float32) for w in ws))
-        return lambda: g(w_each, x)
+        g = jax.jit(lambda ws, x: sum(lin(form, ws, x, i, False).astype(jnp.float32) for i in range(L)))
+        return lambda: g(weights, x)
 
     def timed(fn):
         jax.block_until_ready(fn())

@@ -55,3 +55,28 @@ def test_hlo_text_reads_an_instruction_and_its_array_bytes():
             "ENTRY %main (a: f32[2]) -> f32[2] {\n  %a = f32[2]{0} parameter(0)\n  ROOT %n = f32[2]{0} negate(%a)\n}\n")
     assert list(computations(text)) == ["fused_computation.3"]
     assert [instruction(x)[2] for x in entry_lines(text)] == ["parameter", "negate"]
+
+
+def test_large_writes_reads_the_entry_and_loop_bodies_not_fused_kernels():
+    """A compiled loop over a stacked array that copies each layer's slice out (a slice an opaque consumer needs
+    as its own buffer): the copy is in the while body and is listed; an array under the bound is not; a fused
+    computation's insides are not read (they never reach memory)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvoffload.hlo_text import computations, control_computations, large_writes
+
+    def f(st, x):
+        def body(i, acc):
+            w = jax.lax.dynamic_index_in_dim(st, i, keepdims=False)
+            return acc + jnp.sort(w, axis=0)[0] * x  # sort takes the slice as a buffer of its own
+        return jax.lax.fori_loop(0, st.shape[0], body, jnp.zeros_like(x))
+
+    text = jax.jit(f).lower(jnp.ones((3, 512, 1024), jnp.float32), jnp.ones((1024,), jnp.float32)).compile().as_text()
+    ctrl = control_computations(text)
+    assert "ENTRY" in ctrl and any("body" in n or "region" in n or "while" in n for n in ctrl if n != "ENTRY")
+    assert not any(n.startswith("fused") for n in ctrl if n != "ENTRY")
+    assert set(ctrl) - {"ENTRY"} <= set(computations(text))
+    big = large_writes(text, 1 << 20)  # the [512, 1024] f32 slice (2 MiB) or its sort, in the loop
+    assert big and all("MiB" in b for b in big) and any("[512,1024]" in b for b in big)
+    assert large_writes(text, 64 << 20) == []

@@ -201,3 +201,18 @@ def test_kernels_refuse_1_byte_operands_the_triton_lowering_would_wrap():
     # interpret mode has no Triton offsets
     jax.eval_shape(lambda x, b, o: _ga.gather_rows_kernel(x, b, o, interpret=True),
                    S((32769, 8, 64, 128), jnp.uint8), rows, rows)
+
+
+def test_addressable_rows_takes_1_byte_arrays_of_2_to_4_gib_past_4_gib():
+    """An extent of 1-byte codes is padded out of the band the Triton lowering addresses wrongly, and only then."""
+    S = jax.ShapeDtypeStruct
+    row = 8 * 64 * 128
+    assert _c.addressable_rows(32768, row) == 32768  # 2 GiB exactly: fine as it is
+    assert _c.addressable_rows(100, row) == 100
+    assert _c.addressable_rows(65537, row) == 65537  # already past 4 GiB
+    for rows in (32769, 63488, 65536):
+        got = _c.addressable_rows(rows, row)
+        assert got == 65537 and got * row > 2**32
+        rows_ = S((1, 8, 16), jnp.int32)
+        assert jax.eval_shape(lambda x, b, o: _ga.gather_rows_kernel(x, b, o), S((got, 8, 64, 128), jnp.uint8),
+                              rows_, rows_).shape == (1, 8, 16, 128)

@@ -114,20 +114,24 @@ def test_probe_stacked_linear_times_each_form_separate_and_looped(tmp_path):
     assert json.loads((tmp_path / "l.json").read_text())["din"] == 64
 
 
-@pytest.mark.slow  # ~25 s: a tiny clo model prefilled and decoded, then its layers compiled twice over
-def test_probe_scan_clo_loops_the_real_clo_layers_with_the_calls_bits(tmp_path):
+@pytest.mark.slow  # ~25 s each: a tiny clo model prefilled and decoded, then its layers compiled twice over
+@pytest.mark.parametrize("linear,buffers", [("einsum", "in-place"), ("pallas", "sliced")])
+def test_probe_scan_clo_loops_the_real_clo_layers_with_the_calls_bits(tmp_path, linear, buffers):
     """clo Quest int8 pages with int8 K / int4 V rows on the host, a replayed hit rate of 0.5 (rows refilled
     from the host every step): layers 1..L-1 as one loop over stacked layers, reading one host extent of all
-    their blocks at offset token ids, give the calls' hidden state, tails and slots bit for bit."""
+    their blocks at offset token ids, give the calls' hidden state, tails and slots bit for bit -- with the
+    row buffers refilled and read in place (LayerRows) or sliced, the weights sliced or read by index."""
     cfg = tmp_path / "tiny.json"
     cfg.write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 4}))
     with script_module("probe_scan_clo") as ps:
         rec = ps.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=quest", "--option", "topk=80",
                        "--option", "block_tokens=16", "--option", "quest_dtype=int8", "--option",
                        "replay_hit_rate=0.5", "--option", "host_dtype=int4", "--option", "int4_k_quant=int8",
-                       "--option", "int4_group_size=16", "--steps", "2", "--rounds", "1",
-                       "--out", str(tmp_path / "c.json")])
+                       "--option", "int4_group_size=16", "--steps", "2", "--rounds", "1", "--linear", linear,
+                       "--buffers", buffers, "--list-min-kib", "4", "--out", str(tmp_path / "c.json")])
     assert rec["layers_looped"] == 3 and rec["max_abs_diff"] == {"hidden": 0.0, "tails": 0.0, "slots": 0.0}
+    assert rec["buffers"] == buffers and isinstance(rec["loop_large_writes"], list)
+    assert set(rec["variants"]) == {"calls", "loop"} | ({"calls_einsum"} if linear == "pallas" else set())
     for v in ("calls", "loop"):
         d = rec["variants"][v]
         assert len(d["step_ms"]) == 2 and all(0 < i <= s for i, s in zip(d["issued_ms"], d["step_ms"]))

@@ -55,3 +55,39 @@ def computations(text: str) -> dict:
         elif name is not None:
             out[name].append(line)
     return out
+
+
+_CONTROL = re.compile(r"\b(?:body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+
+
+def control_computations(text: str) -> dict:
+    """{name: lines} of the computations the program steps through itself: the entry and, from it, every while
+    loop's body and condition and every conditional's branches (recursively). Fused computations (a kernel's
+    inside, named by `calls=`) and reductions' `to_apply` are not among them: their values never reach memory."""
+    comps = computations(text)
+    out, todo = {"ENTRY": entry_lines(text)}, ["ENTRY"]
+    while todo:
+        for line in out[todo.pop()]:
+            names = _CONTROL.findall(line)
+            for group in _BRANCHES.findall(line):
+                names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+            for n in names:
+                if n in comps and n not in out:
+                    out[n] = comps[n]
+                    todo.append(n)
+    return out
+
+
+def large_writes(text: str, min_bytes: int = 1 << 20) -> list[str]:
+    """Instructions of the program's own computations (`control_computations`) whose array result is at least
+    min_bytes, as "opcode dtype[dims] MiB (name)": the copies and slices a program writes out, e.g. a loop over
+    stacked layers copying a layer's slice of a stacked array before a kernel reads it."""
+    out = []
+    for lines in control_computations(text).values():
+        for line in lines:
+            ins = instruction(line)
+            size = ins and ins[2] not in FREE and array_bytes(ins[1])
+            if size and size[0] >= min_bytes:
+                out.append(f"{ins[2]} {size[1]} {size[0] / 2**20:.1f} MiB ({ins[0]})")
+    return out

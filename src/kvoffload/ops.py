@@ -49,6 +49,7 @@ from kvoffload.pallas import prefill_attention as _pf
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
+from kvoffload.pallas import stacked_linear as _sl
 from kvoffload.pallas import topk as _tk
 from kvoffload.pallas.decode_attention import merge_attention  # noqa: F401  (public)
 from kvoffload.pallas.quant import SCALES as INT4_SCALES  # noqa: F401  (public)
@@ -104,6 +105,26 @@ def use_kernel(impl: str, supported: bool = True) -> bool:
     if impl == "kernel":
         return True
     return supported and _c.on_gpu()
+
+
+# ----------------------------------------------------------------------------
+# a linear layer's weight read from a stacked [L, K, N] array by layer index
+# ----------------------------------------------------------------------------
+
+
+def stacked_linear(x, w, layer, *, impl="auto", interpret=False, out_dtype=None):
+    """x [..., K] @ w[layer] for w [L, K, N] and a (traced) layer index, fp32 accumulation, in x's dtype (or
+    out_dtype). The kernel reads the layer's slice in place (`pallas.stacked_linear`): inside a loop over
+    stacked layers XLA would write the slice out before its own matmul. The reference is that XLA form. One
+    device only (a weight sharded over a mesh is not read by index here)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    layer = jnp.asarray(layer, jnp.int32)
+    if use_kernel(impl):
+        y = _sl.stacked_linear_kernel(x2, w, layer, interpret=interpret, out_dtype=out_dtype)
+    else:
+        y = _sl.stacked_linear_reference(x2, w, layer, out_dtype=out_dtype)
+    return y.reshape(*lead, w.shape[-1])
 
 
 # ----------------------------------------------------------------------------
@@ -669,7 +690,7 @@ def gather_pool_rows(extents, tokens, blk: int):
     return out
 
 
-def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=False, block_k=None):
+def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=False, block_k=None, row_offset=None):
     """buf [B, n_kv, K, d] with the rows of tokens [B, n_kv, K] (pool token ids; -1: the row keeps its value)
     read from the pool's extents [E_e, n_kv, blk, d] (consecutive in block-id order; host or device memory;
     native or int4). A selection cache's refill: a missed head's rows replaced, a hit head's (all -1) kept.
@@ -678,7 +699,10 @@ def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=
     copy where the caller's jit donates buf): ``refill_rows_kernel`` for native extents, ``refill_rows_int_kernel``
     for int4 / int8 extents with per-token group scales (codes, step and min read, dequantized in the kernel;
     under impl="auto" unless ``INT_REFILL_KERNEL`` is off). Elsewhere (impl="reference", per-channel int4 scales)
-    the rows are gathered per extent (``gather_pool_rows``), dequantized and merged with a ``where``."""
+    the rows are gathered per extent (``gather_pool_rows``), dequantized and merged with a ``where``.
+
+    row_offset ([] int32, traced): buf [B, n_kv, R, d] holds several layers' buffers along its rows and tokens'
+    row i goes to row row_offset + i (a step looping over stacked layers; the kernel writes them in place)."""
     tokens = tokens.astype(jnp.int32)
     quantized = [isinstance(x, QuantizedInt) for x in extents]
     # one kernel: native extents, or quantized ones of one form with per-token group scales (dequantized in it)
@@ -692,9 +716,13 @@ def refill_block_rows(buf, extents, tokens, blk: int, *, impl="auto", interpret=
         def run(b_, t_, *xs):
             if interpret:  # interpret mode cannot index host memory (tests only)
                 xs = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), xs)
-            return refill(b_, xs, t_, blk, interpret=interpret, block_k=block_k)
+            return refill(b_, xs, t_, blk, interpret=interpret, block_k=block_k, row_offset=row_offset)
         spec = _sh.KV_SPEC
         return _sh.per_shard(run, (spec, spec) + (spec,) * len(extents), spec)(buf, tokens, *extents)
+    if row_offset is not None:  # the reference on the layer's rows, written back
+        part = jax.lax.dynamic_slice_in_dim(buf, row_offset, tokens.shape[-1], axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(
+            buf, refill_block_rows(part, extents, tokens, blk, impl="reference"), row_offset, axis=2)
     rows = gather_pool_rows(extents, tokens, blk)
     rows = dequantize(rows, buf.dtype) if isinstance(rows, QuantizedInt) else rows
     block = tokens // blk

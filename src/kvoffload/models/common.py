@@ -35,7 +35,43 @@ def layer_norm(x, weight, bias, eps):
     return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+@dataclasses.dataclass
+class LayerWeight:
+    """Layer `index`'s [K, N] weight inside a stacked [L, K, N] array: what a step looping over stacked layers
+    gives `linear` (`layer_weights`), which then reads the slice in place (`ops.stacked_linear`); XLA
+    would write a dynamic slice out before its matmul, tripling the weights' traffic. Anything else reading it
+    as an array (`__jax_array__`) gets the slice itself."""
+
+    stacked: jax.Array
+    index: jax.Array
+
+    shape = property(lambda self: tuple(self.stacked.shape[1:]))
+    dtype = property(lambda self: self.stacked.dtype)
+    ndim = property(lambda self: self.stacked.ndim - 1)
+
+    def __jax_array__(self):
+        return self.stacked[self.index]
+
+    def astype(self, dtype):
+        return self.__jax_array__().astype(dtype)
+
+
+jax.tree_util.register_dataclass(LayerWeight, data_fields=["stacked", "index"], meta_fields=[])
+
+
+def layer_weights(stacked_params, index):
+    """Layer `index` of stacked layer parameters (every leaf [L, ...]): 2-D weights as `LayerWeight` (read in
+    place by `linear`), the rest (norms, biases) sliced."""
+    index = jnp.asarray(index, jnp.int32)
+    return jax.tree.map(lambda a: LayerWeight(a, index) if a.ndim == 3 else a[index], stacked_params)
+
+
 def linear(x, w, b=None):
+    if isinstance(w, LayerWeight):
+        y = ops.stacked_linear(x, w.stacked, w.index, out_dtype=jnp.float32)
+        if b is not None:
+            y = y + b.astype(jnp.float32)
+        return y.astype(x.dtype)
     y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.astype(jnp.float32)

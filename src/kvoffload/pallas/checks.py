@@ -23,6 +23,7 @@ from kvoffload.pallas import prefill_attention as _pf
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
+from kvoffload.pallas import stacked_linear as _sl
 from kvoffload.pallas import topk as _tk
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -656,7 +657,7 @@ def _np_dequantize(qx) -> np.ndarray:
 
 
 def check_refill(B=2, n_kv=2, sizes=(5, 3), blk=24, d=80, K=37, dtype="float32", mode="reference", seed=0,
-                 host=False, ext_dtype=None, bits=None, group_size=16, **kw):
+                 host=False, ext_dtype=None, bits=None, group_size=16, layers=1, layer=0, **kw):
     """A row buffer refilled from extents (``refill_rows_kernel``) vs NumPy, exactly: random buffer and extents
     (never zeros), per (request, head) a random count of rows replaced by random pool tokens spread over every
     extent (-1 past the count, and one head keeping all its rows: a hit), a few tokens past the last extent
@@ -664,9 +665,13 @@ def check_refill(B=2, n_kv=2, sizes=(5, 3), blk=24, d=80, K=37, dtype="float32",
     it differs from the buffer's (cast on the way). bits 4 / 8: the extents group-quantized (``QuantizedInt``,
     per-token groups of group_size; ``refill_rows_int_kernel``), against their dequantized values in NumPy
     (codes * step + min in float32, as ``quant.dequantize``): within one rounding of the buffer's dtype, since
-    the kernel may fuse the multiply-add."""
+    the kernel may fuse the multiply-add. layers > 1: the buffer holds that many layers' K rows a head and
+    layer `layer`'s are refilled (the row offset layer x K, traced); every other row must stay as it was."""
     rng = np.random.default_rng(seed)
-    buf, buf64 = _rand(rng, (B, n_kv, K, d), dtype)
+    buf, full64 = _rand(rng, (B, n_kv, layers * K, d), dtype)
+    rows_at = slice(layer * K, (layer + 1) * K)
+    buf64 = full64[:, :, rows_at]
+    row_offset = None if layers == 1 else jnp.int32(layer * K)
     exts, exts64 = zip(*[_rand(rng, (E, n_kv, blk, d), ext_dtype or dtype) for E in sizes])
     if bits:
         quantize = _q.quantize_int4 if bits == 4 else _q.quantize_int8
@@ -685,19 +690,20 @@ def check_refill(B=2, n_kv=2, sizes=(5, 3), blk=24, d=80, K=37, dtype="float32",
     want = np.where(inside[..., None], got_rows, buf64)
     if ext_dtype or bits:  # the extents' (dequantized) values as the buffer's dtype holds them
         want = np.asarray(jnp.asarray(want, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
+    want = np.concatenate([full64[:, :, :rows_at.start], want, full64[:, :, rows_at.stop:]], axis=2)
     if host:
         dev = jax.devices()[0]
         exts = jax.device_put(exts, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
     if mode == "reference":  # host or quantized extents: the op's fallback (a gather per extent, dequantized)
         from kvoffload import ops
 
-        ref = (lambda b_, t_, *xs: ops.refill_block_rows(b_, xs, t_, blk, impl="reference")) if host or bits else (
-            lambda b_, t_, *xs: _ga.refill_rows_reference(b_, xs, t_, blk))
-        out = jax.jit(ref)(buf, jnp.asarray(tokens), *exts)
+        ref = (lambda b_, t_, o_, *xs: ops.refill_block_rows(b_, xs, t_, blk, impl="reference", row_offset=o_)) if (
+            host or bits) else (lambda b_, t_, o_, *xs: _ga.refill_rows_reference(b_, xs, t_, blk, row_offset=o_))
+        out = jax.jit(ref)(buf, jnp.asarray(tokens), row_offset, *exts)
     else:
         refill = _ga.refill_rows_int_kernel if bits else _ga.refill_rows_kernel
-        out = jax.jit(lambda b_, t_, *xs: refill(b_, xs, t_, blk, interpret=(mode == "interpret"), **kw),
-                      donate_argnums=0)(buf, jnp.asarray(tokens), *exts)
+        out = jax.jit(lambda b_, t_, o_, *xs: refill(b_, xs, t_, blk, interpret=(mode == "interpret"), row_offset=o_,
+                                                     **kw), donate_argnums=0)(buf, jnp.asarray(tokens), row_offset, *exts)
     got = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
     if bits:  # within a rounding of the buffer's dtype (a bf16 ulp is up to 2**-7 of a value), relative to the
         # values' scale; a wrong row, nibble or group scale is off by a quantization step (~1/15 of a range) or more
@@ -757,6 +763,27 @@ def check_prefill(B=2, n_kv=2, G=4, T=300, Tc=70, q_start=150, d=128, dtype="flo
                 + (" cudnn" if impl == "cudnn" else ""), mode,
                 dict(err_out=err), TOL[dtype])
     r["ok"] = r["ok"] and out.dtype == q.dtype and out.shape == q.shape
+    return r
+
+
+def check_stacked_linear(L=3, M=1, K=300, N=130, dtype="float32", mode="reference", seed=0, **kw):
+    """x @ w[layer] for every layer of a stacked w, the layer a traced index (as in a loop over layers), vs
+    float64 NumPy: random x and w (never zeros), odd K and N (masked edges), several K splits."""
+    rng = np.random.default_rng(seed)
+    x, x64 = _rand(rng, (M, K), dtype)
+    w, w64 = _rand(rng, (L, K, N), dtype, scale=K ** -0.5)
+    if mode == "reference":
+        fn = jax.jit(_sl.stacked_linear_reference)
+    else:
+        fn = jax.jit(lambda x, w, i: _sl.stacked_linear_kernel(x, w, i, interpret=(mode == "interpret"),
+                                                               poison=True, **kw))
+    errs, ok = {}, True
+    for layer in range(L):
+        out = fn(x, w, jnp.int32(layer))
+        errs[f"err_layer{layer}"] = rel_err(out, x64 @ w64[layer])
+        ok = ok and out.dtype == x.dtype and out.shape == (M, N)
+    r = _result(f"stacked_linear L{L} M{M} K{K} N{N} {dtype}", mode, errs, TOL[dtype])
+    r["ok"] = r["ok"] and ok
     return r
 
 
@@ -854,7 +881,9 @@ def kernel_cases(full=False):
     cases += [(check_refill, dict()), (check_refill, dict(sizes=(3, 1, 4), blk=16, d=64, K=300, dtype="bfloat16")),
               (check_refill, dict(B=1, sizes=(2,), d=128, K=5, dtype="bfloat16", ext_dtype="float32", block_k=16)),
               (check_refill, dict(bits=4)), (check_refill, dict(bits=8, d=64, dtype="bfloat16", group_size=32)),
-              (check_refill, dict(bits=4, sizes=(3, 1, 4), blk=16, d=128, K=300, dtype="bfloat16", group_size=64))]
+              (check_refill, dict(bits=4, sizes=(3, 1, 4), blk=16, d=128, K=300, dtype="bfloat16", group_size=64)),
+              (check_refill, dict(layers=3, layer=1)), (check_refill, dict(layers=2, layer=1, K=20, d=64)),
+              (check_refill, dict(bits=8, d=64, dtype="bfloat16", group_size=32, layers=3, layer=2))]
     pf = ([(g, d, dt) for g in (1, 4, 7) for d in HEAD_DIMS for dt in DTYPES] if full else
           [(4, 128, "bfloat16"), (3, 80, "float32"), (1, 64, "float32")])
     for i, (g, d, dt) in enumerate(pf):
@@ -863,6 +892,8 @@ def kernel_cases(full=False):
     cases.append((check_prefill, dict(G=2, d=64, T=200, Tc=64, q_start=0, block_q=32, block_k=16)))
     cases += [(check_select_rows, dict(R=3, N=300, kind="normal")), (check_select_rows, dict(R=2, N=77, kind="ties")),
               (check_select_rows, dict(R=3, N=200, ratio=0.3, chunk=32, count_piece=16, compact_piece=8))]
+    cases += [(check_stacked_linear, dict()), (check_stacked_linear, dict(M=5, K=1100, N=48, dtype="bfloat16")),
+              (check_stacked_linear, dict(L=2, M=70, K=64, N=200, block_n=32, block_k=16))]
     return cases
 
 
@@ -979,6 +1010,9 @@ def gpu_cases():
                            group_size=64))
     add(check_refill, dict(B=1, n_kv=8, sizes=(256, 256, 256, 256), blk=128, d=128, K=13107, dtype="bfloat16",
                            host=True))
+    for bits in (None, 4, 8):  # one layer's rows of a buffer holding several layers' (a loop over stacked layers)
+        add(check_refill, dict(d=128, K=300, dtype="bfloat16", sizes=(13, 5), blk=16, host=True, bits=bits,
+                               layers=4, layer=3, group_size=64))
     add(check_prefill, dict(B=1, n_kv=8, G=4, d=128, dtype="bfloat16", T=6000, Tc=1024, q_start=4500))
     for d, T, Tc, start in ((128, 6000, 1024, 4500), (64, 300, 70, 150), (80, 129, 33, 96), (128, 200, 64, 0)):
         add(check_prefill, dict(B=2, n_kv=2, G=4, d=d, dtype="bfloat16", T=T, Tc=Tc, q_start=start, impl="cudnn"))
@@ -986,12 +1020,15 @@ def gpu_cases():
     add(check_select_rows, dict(R=8, N=131072, kind="ties"))
     add(check_select_rows, dict(R=16, N=20000, ratio=0.5))
     add(check_select_rows, dict(R=8, N=1048576))  # 64 programs of 16K keys per row
+    for M in (1, 64):  # Llama-3-8B's q / K / V, o, gate / up and down shapes, decode batch 1 and 64
+        for K, N in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)):
+            add(check_stacked_linear, dict(L=3, M=M, K=K, N=N, dtype="bfloat16"))
     return cases
 
 
 KERNEL_FNS = (check_decode, check_paged, check_sparse, check_recompute, check_scores_exact,
               check_int4_decode, check_quest, check_hata, check_tokenselect, check_gather, check_prefill,
-              check_select_rows, check_refill)
+              check_select_rows, check_refill, check_stacked_linear)
 
 
 def run_case(fn, kw, mode):

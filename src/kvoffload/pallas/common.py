@@ -157,6 +157,17 @@ def check_triton_offsets(name: str, arrays) -> None:
                 f"e.g. with a smaller extent_mb")
 
 
+def addressable_rows(rows: int, row_bytes_1byte: int) -> int:
+    """The fewest rows >= rows for which an array of 1-byte rows of row_bytes_1byte bytes each is addressed right by
+    the Triton lowering (`check_triton_offsets`): rows unchanged at 2 GiB or less, else more than 4 GiB (64-bit
+    offsets). For arrays that must hold many layers' blocks in one extent (a step looping over stacked layers reads
+    them at offset ids), where splitting the extent would need a branch per layer; the padding stays unread."""
+    n = int(rows) * int(row_bytes_1byte)
+    if 2**31 < n <= 2**32:
+        return 2**32 // int(row_bytes_1byte) + 1
+    return int(rows)
+
+
 def pallas_call(kernel, *, out_shape, in_specs, out_specs, poison=False, **kwargs):
     """pl.pallas_call wrapper; with poison=True the outputs start as NaN (floats) /
     min-int buffers aliased in, so elements the kernel never writes show up in checks. Compiled (not

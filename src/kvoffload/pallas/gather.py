@@ -147,13 +147,22 @@ def gather_rows_reference_host(x, block, offset):
 # ---------------------------------------------------------------------------------------------
 
 
-def refill_rows_reference(buf, extents, tokens, blk: int):
+def refill_rows_reference(buf, extents, tokens, blk: int, row_offset=None):
     """Pure-jnp refill of a row buffer (the kernel's semantics).
 
     buf [B, n_kv, K, d]; extents: per extent [E_e, n_kv, blk, d], consecutive in block-id order (extent e's
     first block id is the sum of the earlier ones' E); tokens [B, n_kv, K] int32: pool token ids (block id *
     blk + offset), -1 where the row keeps its value. Row (b, h, i) of the result is the token's row from its
-    extent, buf's where tokens[b, h, i] < 0 (or past the last extent)."""
+    extent, buf's where tokens[b, h, i] < 0 (or past the last extent).
+
+    row_offset ([] int32, traced): buf is [B, n_kv, R, d] holding several layers' buffers along its rows (a step
+    looping over stacked layers), and tokens' row i goes to buf row row_offset + i (rows [row_offset,
+    row_offset + K) must lie inside R); every other row is kept."""
+    if row_offset is not None:
+        K = tokens.shape[-1]
+        part = jax.lax.dynamic_slice_in_dim(buf, row_offset, K, axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(buf, refill_rows_reference(part, extents, tokens, blk),
+                                                   row_offset, axis=2)
     block, off = tokens // blk, tokens % blk
     out, start = buf, 0
     for x in extents:
@@ -173,9 +182,15 @@ def _refill_tile(tok_ref, blk, K, block_k):
     return rows, row_in & (toks >= 0), toks // blk, toks % blk
 
 
-def _refill_kernel(tok_ref, *refs, sizes, blk, d, dp, K, block_k):
-    # tok_ref [K] (this (b, h)); refs: the extents' refs [E_e, blk, d] (head h), buf's input ref (aliased to the
-    # output: never read, so a row the kernel does not store keeps its value), o_ref [K, d]
+def _out_rows(refs, rows, offset: bool):
+    """The output rows a refill program writes: rows, or rows + the row offset (the ref before buf's input)."""
+    return rows + load(refs[-3].at[jnp.zeros((1,), jnp.int32)]) if offset else rows
+
+
+def _refill_kernel(tok_ref, *refs, sizes, blk, d, dp, K, block_k, offset=False):
+    # tok_ref [K] (this (b, h)); refs: the extents' refs [E_e, blk, d] (head h), with a row offset its ref [1],
+    # buf's input ref (aliased to the output: never read, so a row the kernel does not store keeps its value),
+    # o_ref [R, d] (R = K without an offset)
     from jax.experimental.pallas import triton as plgpu
 
     x_refs, o_ref = refs[:len(sizes)], refs[-1]
@@ -191,48 +206,64 @@ def _refill_kernel(tok_ref, *refs, sizes, blk, d, dp, K, block_k):
         vals = jnp.where(ok[:, None], got.astype(o_ref.dtype), vals)
         start += E
     write = write & (block < start)
-    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], vals, mask=write[:, None] & col_ok[None, :])
+    out = _out_rows(refs, rows, offset)
+    plgpu.store(o_ref.at[out[:, None], cols[None, :]], vals, mask=write[:, None] & col_ok[None, :])
 
 
-def refill_rows_kernel(buf, extents, tokens, blk: int, *, interpret=False, block_k=None, num_warps=4, num_stages=1):
+def refill_rows_kernel(buf, extents, tokens, blk: int, *, interpret=False, block_k=None, num_warps=4, num_stages=1,
+                       row_offset=None):
     """Pallas (Triton) refill, ``refill_rows_reference``'s semantics, writing buf in place (aliased: under a jit
     that donates buf no copy is made; otherwise XLA copies buf first). Extents may be in pinned_host memory
     (read in place, only the rows written cross PCIe) or device memory, in buf's dtype or another native one.
     One program per (request, head, tile of block_k rows); a tile of a head that keeps every row (a cache hit:
-    tokens all -1) loads its tokens and stores nothing."""
-    B, n_kv, K, d = buf.shape
-    if tokens.shape != (B, n_kv, K):
-        raise ValueError(f"tokens {tokens.shape} must be [B, n_kv, K] = {(B, n_kv, K)}")
+    tokens all -1) loads its tokens and stores nothing. row_offset: as in the reference (buf [B, n_kv, R, d],
+    tokens' row i written to buf row row_offset + i, in place; the other rows untouched)."""
+    B, n_kv, K, d = _refill_shapes(buf, tokens, row_offset)
     for x in extents:
         if x.ndim != 4 or x.shape[1] != n_kv or x.shape[2] != blk or x.shape[3] != d:
             raise ValueError(f"extent {x.shape} must be [E, n_kv={n_kv}, blk={blk}, d={d}]")
     block_k, dp = gather_tiles(K, d, block_k)
     sizes = tuple(int(x.shape[0]) for x in extents)
-    kernel = functools.partial(_refill_kernel, sizes=sizes, blk=blk, d=d, dp=dp, K=K, block_k=block_k)
+    kernel = functools.partial(_refill_kernel, sizes=sizes, blk=blk, d=d, dp=dp, K=K, block_k=block_k,
+                               offset=row_offset is not None)
     return _refill_call(kernel, buf, tokens, list(extents), blk, block_k, "kvo_refill_rows", interpret=interpret,
-                        num_warps=num_warps, num_stages=num_stages)
+                        num_warps=num_warps, num_stages=num_stages, row_offset=row_offset)
 
 
-def _refill_call(kernel, buf, tokens, arrays, blk, block_k, name, **kw):
+def _refill_shapes(buf, tokens, row_offset):
+    """(B, n_kv, K, d) of a refill, checking tokens [B, n_kv, K] against buf [B, n_kv, K (R with an offset), d]."""
+    B, n_kv, R, d = buf.shape
+    K = tokens.shape[-1] if row_offset is not None else R
+    if tokens.shape != (B, n_kv, K) or K > R:
+        raise ValueError(f"tokens {tokens.shape} must be [B, n_kv, K] = {(B, n_kv, K)}"
+                         + (f" with K <= the buffer's {R} rows" if row_offset is not None else ""))
+    return B, n_kv, K, d
+
+
+def _refill_call(kernel, buf, tokens, arrays, blk, block_k, name, row_offset=None, **kw):
     """A refill kernel's call: one program per (request, head, tile of block_k rows), each array [E, n_kv, blk, c]
-    seen as its head's [E, blk, c], buf aliased to the output (written in place where the caller donates it)."""
-    B, n_kv, K, d = buf.shape
+    seen as its head's [E, blk, c], buf aliased to the output (written in place where the caller donates it);
+    with a row offset, its [1] array before buf."""
+    B, n_kv, R, d = buf.shape
+    K = tokens.shape[-1]
+    extra = [] if row_offset is None else [jnp.reshape(row_offset, (1,)).astype(jnp.int32)]
     return pallas_call(
         kernel,
         grid=(B, n_kv, cdiv(K, block_k)),
         in_specs=[pl.BlockSpec((None, None, K), lambda b, h, t: (b, h, 0))]
         + [pl.BlockSpec((a.shape[0], None, blk, a.shape[-1]), lambda b, h, t: (0, h, 0, 0)) for a in arrays]
-        + [pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, K, d), lambda b, h, t: (b, h, 0, 0)),
+        + [pl.BlockSpec((1,), lambda b, h, t: (0,)) for _ in extra]
+        + [pl.BlockSpec((None, None, R, d), lambda b, h, t: (b, h, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, R, d), lambda b, h, t: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(buf.shape, buf.dtype),
-        input_output_aliases={1 + len(arrays): 0},
+        input_output_aliases={1 + len(arrays) + len(extra): 0},
         compiler_params=triton_params(num_warps=kw["num_warps"], num_stages=kw["num_stages"]),
         interpret=kw["interpret"],
         name=name,
-    )(tokens.astype(jnp.int32), *arrays, buf)
+    )(tokens.astype(jnp.int32), *arrays, *extra, buf)
 
 
-def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, width, K, block_k, bits, group_size):
+def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, width, K, block_k, bits, group_size, offset=False):
     # tok_ref [K] (this (b, h)); refs: per extent its codes [E_e, blk, d or d / 2], step and min [E_e, blk, G] refs
     # (head h), buf's input ref (aliased, never read), o_ref [K, d]. A row's value is codes * step + min of its
     # group (`quant.dequantize`), in float32, cast to the buffer's dtype. Each row's bytes are read once: its
@@ -266,22 +297,21 @@ def _refill_int_kernel(tok_ref, *refs, sizes, blk, d, width, K, block_k, bits, g
             vals[i] = jnp.where(ok[:, None], got, vals[i])
         start += E
     write = write & (block < start)
+    out = _out_rows(refs, rows, offset)
     for (first, _), v in zip(parts, vals):
-        plgpu.store(o_ref.at[rows[:, None], (cols + first)[None, :]], v.astype(o_ref.dtype),
+        plgpu.store(o_ref.at[out[:, None], (cols + first)[None, :]], v.astype(o_ref.dtype),
                     mask=write[:, None] & code_ok[None, :])
 
 
 def refill_rows_int_kernel(buf, extents, tokens, blk: int, *, interpret=False, block_k=None, num_warps=4,
-                           num_stages=1):
+                           num_stages=1, row_offset=None):
     """``refill_rows_kernel`` for group-quantized extents (``QuantizedInt``, int4 or int8 codes, per-token group
     scales): one kernel reads a replaced row's codes, step and min from the extent that holds it (pinned_host:
     in place), dequantizes them and writes the row into buf in place; a kept row (token -1) is neither read nor
     written. Where int rows were gathered per array and extent, dequantized whole and merged with a ``where``
     over the buffer (the reference, ``ops.refill_block_rows`` with impl="reference"), this moves the same bytes
-    over PCIe and touches only the replaced rows in GPU memory."""
-    B, n_kv, K, d = buf.shape
-    if tokens.shape != (B, n_kv, K):
-        raise ValueError(f"tokens {tokens.shape} must be [B, n_kv, K] = {(B, n_kv, K)}")
+    over PCIe and touches only the replaced rows in GPU memory. row_offset: as ``refill_rows_kernel``'s."""
+    B, n_kv, K, d = _refill_shapes(buf, tokens, row_offset)
     bits, gs = extents[0].bits, extents[0].group_size
     for x in extents:
         if x.scales != "token" or (x.bits, x.group_size) != (bits, gs):
@@ -292,7 +322,7 @@ def refill_rows_int_kernel(buf, extents, tokens, blk: int, *, interpret=False, b
     block_k, width = gather_tiles(K, d // 2 if bits == 4 else d, block_k)
     sizes = tuple(int(x.codes.shape[0]) for x in extents)
     kernel = functools.partial(_refill_int_kernel, sizes=sizes, blk=blk, d=d, width=width, K=K, block_k=block_k,
-                               bits=bits, group_size=gs)
+                               bits=bits, group_size=gs, offset=row_offset is not None)
     arrays = [a for x in extents for a in (x.codes, x.step, x.mn)]
     return _refill_call(kernel, buf, tokens, arrays, blk, block_k, "kvo_refill_rows_int", interpret=interpret,
-                        num_warps=num_warps, num_stages=num_stages)
+                        num_warps=num_warps, num_stages=num_stages, row_offset=row_offset)

@@ -129,6 +129,7 @@ from kvoffload.policies.tokenselect import (
     check_store,
     reuse_or_select,
     unless_all,
+    rows_attention,
     conditionals_default,
     check_topk_method,
     selection_budget,
@@ -550,8 +551,7 @@ class CloAttend:
         if not self.speculative:
             fetched = jnp.where(reuse, 0, num_valid)
         slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
-        part = ops.sparse_attention(q, k_sel, v_sel.astype(k_sel.dtype), slot_ids, num_valid=num_valid,
-                                    impl=attention_impl)
+        part = rows_attention(q, k_sel, v_sel, slot_ids, num_valid, attention_impl)
         acc = ops.merge_attention_into(acc, part)
 
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]

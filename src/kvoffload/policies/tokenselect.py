@@ -527,6 +527,48 @@ def pool_block_tokens(pool) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerRows:
+    """One layer's row buffer [B, n_kv, K, d] held inside `stacked` [B, n_kv, R, d], the buffers of several layers
+    along the rows, the layer's at rows [offset, offset + K): what a step looping over stacked layers gives a
+    layer for its selection's buffers, so the refill kernel writes them in place (`HostRows.refill`) and sparse
+    attention reads them in place (at slot ids + offset). A dynamic slice of a stacked [n, ...] buffer would be
+    copied out and back by XLA every layer (2 x 25.6 MiB a layer at 128K: BENCHMARKS, twenty-third session).
+    Anything reading it as an array (`__jax_array__`) gets the layer's rows."""
+
+    stacked: jax.Array
+    offset: jax.Array  # [] int32
+    rows: int  # K (static)
+
+    shape = property(lambda self: tuple(self.stacked.shape[:2]) + (self.rows, self.stacked.shape[3]))
+    dtype = property(lambda self: self.stacked.dtype)
+    ndim = 4
+
+    def __jax_array__(self):
+        return jax.lax.dynamic_slice_in_dim(self.stacked, self.offset, self.rows, axis=2)
+
+    def astype(self, dtype):
+        return self if jnp.dtype(dtype) == self.dtype else self.__jax_array__().astype(dtype)
+
+    def with_stacked(self, stacked) -> "LayerRows":
+        return LayerRows(stacked=stacked, offset=self.offset, rows=self.rows)
+
+
+jax.tree_util.register_dataclass(LayerRows, data_fields=["stacked", "offset"], meta_fields=["rows"])
+
+
+def rows_attention(q, k_rows, v_rows, slot_ids, num_valid, impl):
+    """Sparse attention over a selection's row buffers at slot_ids [B, n_kv, K] (the first num_valid valid):
+    arrays, or `LayerRows` read in place at slot ids + the layer's offset."""
+    if isinstance(k_rows, LayerRows):
+        if not isinstance(v_rows, LayerRows) or v_rows.dtype != k_rows.dtype:
+            raise ValueError("K and V row buffers must both be LayerRows of one dtype")
+        return ops.sparse_attention(q, k_rows.stacked, v_rows.stacked, slot_ids + k_rows.offset, num_valid=num_valid,
+                                    impl=impl)
+    k, v = (b.__jax_array__() if isinstance(b, LayerRows) else b for b in (k_rows, v_rows))
+    return ops.sparse_attention(q, k, v.astype(k.dtype), slot_ids, num_valid=num_valid, impl=impl)
+
+
+@dataclasses.dataclass(frozen=True)
 class HostRows:
     """Where a layer's selected rows come from on the host side (built inside a layer program): gathered
     from the extents of each buffer's part (store=kv: V, or K and V), or recomputed from X rows (store=act,
@@ -579,8 +621,12 @@ class HostRows:
         per buffer writing only the replaced rows, in place); X rows: recomputed (``__call__``) and merged."""
         if self.acts is None:
             tokens = self.tokens(indices, num_valid)
-            return (tuple(ops.refill_block_rows(buf, ext, tokens, blk) for buf, ext in zip(buffers, self.extents)),
+            return (tuple(buf.with_stacked(ops.refill_block_rows(buf.stacked, ext, tokens, blk, row_offset=buf.offset))
+                          if isinstance(buf, LayerRows) else ops.refill_block_rows(buf, ext, tokens, blk)
+                          for buf, ext in zip(buffers, self.extents)),
                     jnp.zeros(indices.shape[:1], jnp.int32))
+        if any(isinstance(b, LayerRows) for b in buffers):
+            raise ValueError("row buffers of stacked layers (LayerRows) take K/V extents, not X")
         rows, x_rows = self(indices, num_valid, tuple(b.dtype for b in buffers), blk)
         keep = self.wanted(indices, num_valid)[..., None]
         return tuple(jnp.where(keep, r, buf) for r, buf in zip(rows, buffers)), x_rows
