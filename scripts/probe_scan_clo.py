@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     from kvoffload.pallas.common import addressable_rows
     from kvoffload.offload.bench import (decode_steps, random_prompt_state, time_variants,
                                         watch_layer_calls)
-    from kvoffload.policies.tokenselect import LayerRows, SelectSources
+    from kvoffload.policies.tokenselect import SelectSources
 
     options = parse_options(args.option)
     if options.get("retrieval", "quest") == "exact" or str(options.get("speculative_prefetch", "")).lower() == "true":
@@ -103,7 +103,6 @@ def main(argv=None) -> dict:
     E = jax.tree.leaves(src1.pool.k[0])[0].shape[0]
 
     copy = functools.partial(jax.tree.map, lambda a: a.copy())
-    stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
     split = [PL.split_slots(attend, live[i]["slots"]) for i in idx]
     host_kind = jax.tree.leaves(src1.pool.k[0])[0].sharding
 
@@ -119,62 +118,32 @@ def main(argv=None) -> dict:
             np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)]), host_kind), whole)
 
     pool = dataclasses.replace(src1.pool, k=[one_extent("k")], v=[one_extent("v")])
-    in_place = args.buffers == "in-place"
-    K_rows = split[0][0].v_rows.shape[2]
-    moving_st = stack([m for m, _ in split])
-    if in_place:  # layer j's buffer rows at [j K, (j + 1) K) of one [B, n_kv, n K, d] array a kind
-        moving_st = dataclasses.replace(moving_st, **{f: jnp.concatenate([getattr(m, f) for m, _ in split], axis=2)
-                                                      for f in ("k_rows", "v_rows")})
-    stacked = dict(lp=stack([calls[i][1] for i in idx]), k=stack([live[i]["k"] for i in idx]),
-                   v=stack([live[i]["v"] for i in idx]), moving=moving_st,
-                   fixed=stack([f for _, f in split]))
-    BUFFERS = ("k_rows", "v_rows")
-
-    def layer_moving(moving, j):
-        """Layer j's moving slots from the stacked ones: its buffers as LayerRows (in place) or slices."""
-        sliced = jax.tree.map(lambda a: a[j], dataclasses.replace(moving, **dict.fromkeys(BUFFERS)) if in_place
-                              else moving)
-        if not in_place:
-            return sliced
-        off = (j * K_rows).astype(jnp.int32) if hasattr(j, "astype") else jnp.int32(j * K_rows)
-        return dataclasses.replace(sliced, **{f: LayerRows(getattr(moving, f), off, K_rows) for f in BUFFERS})
-
-    def set_layer_moving(moving, j, m):
-        """The stacked moving slots with layer j's replaced by m (an in-place buffer's stack is m's own)."""
-        rest = lambda t: dataclasses.replace(t, **dict.fromkeys(BUFFERS)) if in_place else t  # noqa: E731
-        out = jax.tree.map(lambda st, x: st.at[j].set(x), rest(moving), rest(m))
-        return dataclasses.replace(out, **{f: getattr(m, f).stacked for f in BUFFERS}) if in_place else out
+    sources = SelectSources(pool=pool, tail_len=tail_len, request_blocks=src1.request_blocks)
+    # the library's stacked state and loop (`pipeline.stack_layers` / `loop_layers`), as the runtime would run them
+    lp_st, st, fixed_st = PL.stack_layers(attend, [calls[i][1] for i in idx], [live[i]["k"] for i in idx],
+                                          [live[i]["v"] for i in idx], [live[i]["slots"] for i in idx],
+                                          rows_in_place=args.buffers == "in-place")
+    stacked = dict(st=st)
     per_call = dict(k=[copy(live[i]["k"]) for i in idx], v=[copy(live[i]["v"]) for i in idx],
                     moving=[copy(m) for m, _ in split])
     fixed = [f for _, f in split]
-    jax.block_until_ready((pool, stacked, per_call))
+    jax.block_until_ready((pool, lp_st, st, fixed_st, per_call))
     n = len(idx)
-
-    @functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"), donate_argnames=("tk", "tv", "moving"))
-    def loop_step(cfg, lp, h, positions, tk, tv, tail_len, pool, tables, moving, fixed, attend, options):
-        def body(j, carry):
-            h, tk, tv, moving = carry
-            at = functools.partial(jax.tree.map, lambda a: a[j])
-            lp_j = layer_weights(lp, j) if args.linear == "pallas" else at(lp)
-            src = SelectSources(pool=pool, tail_len=tail_len, request_blocks=src1.request_blocks,
-                                row_offset=(j * E * blk).astype(jnp.int32))
-            h, k, v, _, m = PL.layer_body(cfg, lp_j, h, positions, tk[j], tv[j], None, tail_len, src, tables,
-                                          layer_moving(moving, j), at(fixed), attend, options)
-            return h, tk.at[j].set(k), tv.at[j].set(v), set_layer_moving(moving, j, m)
-        return jax.lax.fori_loop(0, n, body, (h, tk, tv, moving))
+    by_index = args.linear == "pallas"
+    loop_args = dict(cfg=cfg, attend=attend, options=opts, row_stride=E * blk, linear_by_index=by_index)
 
     # compiled once, ahead: the program that runs, and the one whose large writes are listed (what the loop copies
     # that the calls do not: a stacked array's slice an opaque kernel needs as its own buffer)
-    loop_exe = loop_step.lower(cfg, stacked["lp"], h0, pos, stacked["k"], stacked["v"], tail_len, pool, tables,
-                               stacked["moving"], stacked["fixed"], attend, opts).compile()
+    loop_exe = PL.loop_layers.lower(lp=lp_st, st=st, fixed=fixed_st, h=h0, positions=pos, tail_len=tail_len,
+                                    sources=sources, tables=tables, **loop_args).compile()
     writes = large_writes(loop_exe.as_text(), args.list_min_kib << 10)
-    print(f"loop program: {len(writes)} instructions writing >= {args.list_min_kib} KiB", *writes[:40], sep="\n  ", flush=True)
+    print(f"loop program: {len(writes)} instructions writing >= {args.list_min_kib} KiB", *writes[:40],
+          sep="\n  ", flush=True)
 
     # --linear pallas: the calls read the same stacked weights by index (the loop's bits); made once, outside the
     # timing (an eager slice of each small leaf costs ~0.7 ms of host a layer). "calls_einsum" is then the calls
     # as the pipeline runs them (each layer's own arrays, XLA's matmul): another summation order, timed only
-    lp_calls = ([layer_weights(stacked["lp"], j) for j in range(n)] if args.linear == "pallas"
-                else [calls[i][1] for i in idx])
+    lp_calls = [layer_weights(lp_st, j) for j in range(n)] if by_index else [calls[i][1] for i in idx]
 
     def run(variant):
         t = time.perf_counter()
@@ -186,9 +155,8 @@ def main(argv=None) -> dict:
                     cfg, lp_i, h, pos, per_call["k"][j], per_call["v"][j], None, tail_len, calls[i][8], tables,
                     per_call["moving"][j], fixed[j], attend, opts)
         else:
-            h, stacked["k"], stacked["v"], stacked["moving"] = loop_exe(
-                stacked["lp"], h0, pos, stacked["k"], stacked["v"], tail_len, pool, tables, stacked["moving"],
-                stacked["fixed"])
+            h, stacked["st"] = loop_exe(lp=lp_st, st=stacked["st"], fixed=fixed_st, h=h0, positions=pos,
+                                        tail_len=tail_len, sources=sources, tables=tables)
         issued = time.perf_counter() - t
         jax.block_until_ready(h)
         return h, issued, time.perf_counter() - t
@@ -200,12 +168,10 @@ def main(argv=None) -> dict:
         return max((float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) if x.size else 0.0)
                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
+    layers = [PL.unstack_layer(stacked["st"], j) for j in range(n)]
     check = dict(hidden=max_diff(ha, hb), tails=max_diff((per_call["k"], per_call["v"]),
-                                                         ([stacked["k"][j] for j in range(n)],
-                                                          [stacked["v"][j] for j in range(n)])),
-                 slots=max_diff(per_call["moving"], [jax.tree.map(jnp.asarray, layer_moving(stacked["moving"], j),
-                                                                  is_leaf=lambda x: isinstance(x, LayerRows))
-                                                     for j in range(n)]))
+                                                         ([t[0] for t in layers], [t[1] for t in layers])),
+                 slots=max_diff(per_call["moving"], [t[2] for t in layers]))
     print(f"loop vs calls, max |diff|: hidden {check['hidden']:.3g}, tails {check['tails']:.3g}, "
           f"slots {check['slots']:.3g}", flush=True)
     names = ("calls", "loop") + (("calls_einsum",) if args.linear == "pallas" else ())

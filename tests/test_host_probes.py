@@ -114,8 +114,10 @@ def test_probe_stacked_linear_times_each_form_separate_and_looped(tmp_path):
     assert json.loads((tmp_path / "l.json").read_text())["din"] == 64
 
 
-@pytest.mark.slow  # ~25 s each: a tiny clo model prefilled and decoded, then its layers compiled twice over
-@pytest.mark.parametrize("linear,buffers", [("einsum", "in-place"), ("pallas", "sliced")])
+# ~15-25 s each: a tiny clo model prefilled and decoded, then its layers compiled twice over. The default run
+# takes the library's loop as the runtime will (pipeline.loop_layers: weights by index, row buffers in place)
+@pytest.mark.parametrize("linear,buffers", [("pallas", "in-place"),
+                                            pytest.param("einsum", "sliced", marks=pytest.mark.slow)])
 def test_probe_scan_clo_loops_the_real_clo_layers_with_the_calls_bits(tmp_path, linear, buffers):
     """clo Quest int8 pages with int8 K / int4 V rows on the host, a replayed hit rate of 0.5 (rows refilled
     from the host every step): layers 1..L-1 as one loop over stacked layers, reading one host extent of all

@@ -393,6 +393,112 @@ def join_slots(attend, slot, fixed):
     return slot if fixed is None else attend.join_slots(slot, fixed)
 
 
+# ---------------------------------------------------------------------------------------------
+# a step's looped layers as one program (docs/ARCHITECTURE.md "A step in one program")
+# ---------------------------------------------------------------------------------------------
+
+# slot fields holding a selection's row buffers [B, n_kv, K, d]: stacked along their rows, not sliced (`LayerRows`)
+ROW_BUFFER_FIELDS = ("k_rows", "v_rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedLayers:
+    """What n consecutive decode layers change in a step, stacked for `loop_layers` (which donates it): tails
+    [n, ...] and the slots' moving part (leaves [n, ...], except the row buffers of `ROW_BUFFER_FIELDS`: every
+    layer's along the rows of one [B, n_kv, n K, d] array, K = `rows`, so they are refilled and attended in place).
+    The weights ([n, ...], read in place by index: `models.common.layer_weights`) and the slots' fixed part
+    ([n, ...]) travel beside it, read only. `stack_layers` builds all three; `layer_slots` gives a layer's back."""
+
+    tail_k: jax.Array
+    tail_v: jax.Array
+    moving: Any
+    rows: int = 0  # static: K, each layer's row-buffer rows (0: no row buffers)
+
+
+_register(StackedLayers, ("rows",))
+
+
+def _buffers(slots):
+    return [f for f in ROW_BUFFER_FIELDS if getattr(slots, f, None) is not None]
+
+
+def _without_buffers(slots):
+    fields = _buffers(slots)
+    return dataclasses.replace(slots, **dict.fromkeys(fields)) if fields else slots
+
+
+def stack_layers(attend, lps, tails_k, tails_v, slots, rows_in_place: bool = True):
+    """(weights, StackedLayers, fixed slots) of per-layer weights, tails and whole slots, one entry per layer, all
+    of one program (`program_key`); copies (the per-layer arrays stay the caller's). fixed is None where the
+    policy's slots have no read-only part (`split_slots`). rows_in_place=False stacks the row buffers [n, ...]
+    like the other slots (sliced in the loop, so copied out and back: for measuring that)."""
+    stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
+    split = [split_slots(attend, sl) for sl in slots]
+    moving = [m for m, _ in split]
+    fields = _buffers(moving[0]) if moving[0] is not None and rows_in_place else []
+    rows = int(getattr(moving[0], fields[0]).shape[2]) if fields else 0
+    st = stack([_without_buffers(m) for m in moving] if fields else moving)
+    if fields:
+        st = dataclasses.replace(st, **{f: jnp.concatenate([getattr(m, f) for m in moving], axis=2) for f in fields})
+    fixed = None if split[0][1] is None else stack([f for _, f in split])
+    return stack(lps), StackedLayers(tail_k=stack(tails_k), tail_v=stack(tails_v), moving=st, rows=rows), fixed
+
+
+def layer_slots(st: StackedLayers, j):
+    """Layer j's moving slots (j traced inside the loop): sliced leaves, row buffers as `LayerRows` (in place)."""
+    from kvoffload.policies.tokenselect import LayerRows
+
+    fields = _buffers(st.moving) if st.rows else []
+    sliced = jax.tree.map(lambda a: a[j], _without_buffers(st.moving) if fields else st.moving)
+    if not fields:
+        return sliced
+    off = jnp.asarray(j, jnp.int32) * st.rows
+    return dataclasses.replace(sliced, **{f: LayerRows(getattr(st.moving, f), off, st.rows) for f in fields})
+
+
+def with_layer_slots(st: StackedLayers, j, slots):
+    """st's moving slots with layer j's replaced by slots (`layer_slots`' form: a row buffer's `LayerRows`
+    already holds the whole updated array)."""
+    if not st.rows:
+        return jax.tree.map(lambda a, x: a.at[j].set(x), st.moving, slots)
+    fields = _buffers(st.moving)
+    out = jax.tree.map(lambda a, x: a.at[j].set(x), _without_buffers(st.moving), _without_buffers(slots))
+    return dataclasses.replace(out, **{f: getattr(slots, f).stacked for f in fields})
+
+
+def unstack_layer(st: StackedLayers, j: int):
+    """(tail_k, tail_v, moving slots) of layer j as arrays of its own (statistics readers, checks)."""
+    from kvoffload.policies.tokenselect import LayerRows
+
+    slots = jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, LayerRows) else a, layer_slots(st, j),
+                         is_leaf=lambda a: isinstance(a, LayerRows))
+    return st.tail_k[j], st.tail_v[j], slots
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "options", "row_stride", "linear_by_index"),
+                   donate_argnames=("st",))
+def loop_layers(cfg, lp, st: StackedLayers, fixed, h, positions, tail_len, sources, tables, attend, options,
+                row_stride: int, linear_by_index: bool = True):
+    """The layers of st as one program: a `fori_loop` over `layer_body` with the policy's attend, layer j's pool
+    rows read at token ids + j x row_stride (sources' pool holds every layer's blocks, one extent per kind:
+    `SelectSources.row_offset`), its weights lp [n, ...] by index (linear_by_index: `layer_weights`; else sliced,
+    which XLA copies out), its row buffers in place, its fixed slots sliced. The host issues the whole stack in
+    one call. Returns (h, st) with st's tails and slots updated (st donated)."""
+    from kvoffload.models.common import layer_weights
+
+    def body(j, carry):
+        h, now = carry
+        lw = layer_weights(lp, j) if linear_by_index else jax.tree.map(lambda a: a[j], lp)
+        src = dataclasses.replace(sources, row_offset=(j * row_stride).astype(jnp.int32))
+        fx = None if fixed is None else jax.tree.map(lambda a: a[j], fixed)
+        h, k, v, _, m = layer_body(cfg, lw, h, positions, now.tail_k[j], now.tail_v[j], None, tail_len, src, tables,
+                                   layer_slots(now, j), fx, attend, options)
+        return h, dataclasses.replace(now, tail_k=now.tail_k.at[j].set(k), tail_v=now.tail_v.at[j].set(v),
+                                      moving=with_layer_slots(now, j, m))
+
+    return jax.lax.fori_loop(0, st.tail_k.shape[0], body, (h, st))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"), donate_argnames=("tail_k", "tail_v", "tail_x", "slots"))
 def layers_step(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, slots_fixed, attend,
                 options):
