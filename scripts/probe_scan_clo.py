@@ -22,6 +22,9 @@ the pipeline runs them; `mulsum`, a multiply and sum in both (reads in place; to
 Row buffers (`--buffers`): `in-place`, every layer's along the rows of one array a kind, refilled and attended
 in place (`tokenselect.LayerRows`); `sliced`, stacked [n, ...] and sliced like the other slots.
 
+`--policy full` runs `full`'s layers the same way (its pool's device extents concatenated, the block tables
+shifted by j x E in the loop): the exactness reference of the selection policies, on the same loop.
+
 Takes one GPU batch, a single pool extent per kind (clo's default extent size holds a 128K prompt's K in one),
 Quest or HATA retrieval (exact retrieval reads every key of the pool: not offset here) and no speculative
 prefetch, and layers 1..L-1 that share one program (no persistent heads); otherwise it says which.
@@ -55,8 +58,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--list-min-kib", type=int, default=1024, help="list the loop's writes of at least this size")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.policy != "clo":
-        raise SystemExit("probe_scan_clo runs the clo policy")
+    if args.policy not in ("clo", "full"):
+        raise SystemExit("probe_scan_clo runs the clo policy (or full, its exactness reference, on the same loop)")
 
     import dataclasses
 
@@ -76,7 +79,8 @@ def main(argv=None) -> dict:
     from kvoffload.policies.tokenselect import SelectSources
 
     options = parse_options(args.option)
-    if options.get("retrieval", "quest") == "exact" or str(options.get("speculative_prefetch", "")).lower() == "true":
+    selects = args.policy == "clo"
+    if selects and options.get("retrieval", "quest") == "exact" or str(options.get("speculative_prefetch", "")).lower() == "true":
         raise SystemExit("probe_scan_clo takes Quest or HATA retrieval without speculative prefetch")
     model, pol, state, nxt = random_prompt_state(args.shape, args.policy, options, args.batch, args.prompt, 3,
                                                  args.dtype)
@@ -90,24 +94,26 @@ def main(argv=None) -> dict:
         raise SystemExit(f"expected one layer_step call for each of >= 3 layers, saw {len(calls)} of {L}")
     idx = list(range(1, L))
     cfg, _, h0, pos, _, _, _, tail_len, src1, tables, _, _, attend, opts = calls[1]
-    if attend.speculative:
+    if getattr(attend, "speculative", False):
         raise SystemExit("probe_scan_clo takes no speculative prefetch")
-    live = [dict(k=gr.tail_k[i], v=gr.tail_v[i], x=gr.tail_x[i], slots=gr.slots[i]) for i in range(L)]
+    slot_of = lambda i: gr.slots[i] if gr.slots else None  # noqa: E731  (full keeps none)
+    live = [dict(k=gr.tail_k[i], v=gr.tail_v[i], x=gr.tail_x[i], slots=slot_of(i)) for i in range(L)]
     keys = {PL.program_key((calls[i][1], calls[i][8], live[i]["k"], live[i]["v"], live[i]["x"], live[i]["slots"]))
             for i in idx}
     if len(keys) != 1:
         raise SystemExit("layers 1..L-1 do not share one program (persistent heads?): nothing to loop over")
-    if live[1]["x"] is not None or len(src1.pool.k) != 1 or len(src1.pool.v) != 1:
+    pool1 = src1.pool if selects else src1  # full's sources are the pool itself
+    if live[1]["x"] is not None or len(pool1.k) != 1 or len(pool1.v) != 1:
         raise SystemExit("probe_scan_clo takes K/V rows in one extent per kind (no X tail; raise extent_mb)")
     blk = gr.layout.block_tokens
-    E = jax.tree.leaves(src1.pool.k[0])[0].shape[0]
+    E = jax.tree.leaves(pool1.k[0])[0].shape[0]
 
     copy = functools.partial(jax.tree.map, lambda a: a.copy())
     split = [PL.split_slots(attend, live[i]["slots"]) for i in idx]
-    host_kind = jax.tree.leaves(src1.pool.k[0])[0].sharding
+    host_kind = jax.tree.leaves(pool1.k[0])[0].sharding  # clo: pinned host; full: the device
 
     def one_extent(part):  # every looped layer's extent of a kind, concatenated on the host, in host memory
-        exts = [getattr(calls[i][8].pool, part)[0] for i in idx]
+        exts = [getattr(calls[i][8].pool if selects else calls[i][8], part)[0] for i in idx]
         whole = jax.tree.map(lambda *a: np.concatenate([np.asarray(x) for x in a]), *exts)
         # 1-byte codes of 2-4 GiB (int8 K of 31 layers at 128K) would be addressed with wrapping 32-bit offsets:
         # unread blocks take such an extent past 4 GiB
@@ -117,8 +123,8 @@ def main(argv=None) -> dict:
         return jax.tree.map(lambda a: jax.device_put(
             np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)]), host_kind), whole)
 
-    pool = dataclasses.replace(src1.pool, k=[one_extent("k")], v=[one_extent("v")])
-    sources = SelectSources(pool=pool, tail_len=tail_len, request_blocks=src1.request_blocks)
+    pool = dataclasses.replace(pool1, k=[one_extent("k")], v=[one_extent("v")])
+    sources = SelectSources(pool=pool, tail_len=tail_len, request_blocks=src1.request_blocks) if selects else pool
     # the library's stacked state and loop (`pipeline.stack_layers` / `loop_layers`), as the runtime would run them
     lp_st, st, fixed_st = PL.stack_layers(attend, [calls[i][1] for i in idx], [live[i]["k"] for i in idx],
                                           [live[i]["v"] for i in idx], [live[i]["slots"] for i in idx],
@@ -130,7 +136,9 @@ def main(argv=None) -> dict:
     jax.block_until_ready((pool, lp_st, st, fixed_st, per_call))
     n = len(idx)
     by_index = args.linear == "pallas"
-    loop_args = dict(cfg=cfg, attend=attend, options=opts, row_stride=E * blk, linear_by_index=by_index)
+    # layer j's blocks at j x E of the one extent: clo reads rows at token ids + j E blk, full's tables shift by j E
+    loop_args = dict(cfg=cfg, attend=attend, options=opts, row_stride=E * blk if selects else 0,
+                     table_stride=0 if selects else E, linear_by_index=by_index)
 
     # compiled once, ahead: the program that runs, and the one whose large writes are listed (what the loop copies
     # that the calls do not: a stacked array's slice an opaque kernel needs as its own buffer)
@@ -165,8 +173,8 @@ def main(argv=None) -> dict:
     hb, _, _ = run("loop")
 
     def max_diff(a, b):
-        return max((float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) if x.size else 0.0)
-                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        return max([(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) if x.size else 0.0)
+                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))], default=0.0)  # full: no slots
 
     layers = [PL.unstack_layer(stacked["st"], j) for j in range(n)]
     check = dict(hidden=max_diff(ha, hb), tails=max_diff((per_call["k"], per_call["v"]),
@@ -181,7 +189,7 @@ def main(argv=None) -> dict:
                steps=args.steps, rounds=args.rounds, max_abs_diff=check, loop_large_writes=writes,
                xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                variants=variants)
-    print(f"layers 1..{L - 1} of clo {args.shape} b{args.batch} ctx {args.prompt}, linear {args.linear}")
+    print(f"layers 1..{L - 1} of {args.policy} {args.shape} b{args.batch} ctx {args.prompt}, linear {args.linear}")
     return report_variants(rec, args.out)
 
 

@@ -115,8 +115,9 @@ def test_probe_stacked_linear_times_each_form_separate_and_looped(tmp_path):
 
 
 # ~15-25 s each: a tiny clo model prefilled and decoded, then its layers compiled twice over. The default run
-# takes the library's loop as the runtime will (pipeline.loop_layers: weights by index, row buffers in place)
-@pytest.mark.parametrize("linear,buffers", [("pallas", "in-place"),
+# takes the library's loop (pipeline.loop_layers, row buffers in place) with the fewest programs to compile
+@pytest.mark.parametrize("linear,buffers", [("einsum", "in-place"),
+                                            pytest.param("pallas", "in-place", marks=pytest.mark.slow),
                                             pytest.param("einsum", "sliced", marks=pytest.mark.slow)])
 def test_probe_scan_clo_loops_the_real_clo_layers_with_the_calls_bits(tmp_path, linear, buffers):
     """clo Quest int8 pages with int8 K / int4 V rows on the host, a replayed hit rate of 0.5 (rows refilled
@@ -140,6 +141,21 @@ def test_probe_scan_clo_loops_the_real_clo_layers_with_the_calls_bits(tmp_path, 
     assert json.loads((tmp_path / "c.json").read_text())["extent_blocks"] == rec["extent_blocks"] > 0
     with pytest.raises(SystemExit, match="Quest or HATA"):
         ps.main(["--shape", str(cfg), "--prompt", "200", "--option", "retrieval=exact"])
+
+
+@pytest.mark.slow  # ~13 s
+@pytest.mark.parametrize("linear", ["einsum", "pallas"])
+def test_probe_scan_clo_loops_full_with_the_calls_bits(tmp_path, linear):
+    """`full` on the same loop (its layers' device extents concatenated, the block tables shifted by layer x E in
+    the loop): the calls' hidden state and tails bit for bit, so the selection policies can compare with it."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 4}))
+    with script_module("probe_scan_clo") as ps:
+        rec = ps.main(["--shape", str(cfg), "--policy", "full", "--prompt", "200", "--option", "block_tokens=16",
+                       "--steps", "1", "--rounds", "1", "--linear", linear])
+    assert rec["layers_looped"] == 3 and rec["max_abs_diff"] == {"hidden": 0.0, "tails": 0.0, "slots": 0.0}
+    with pytest.raises(SystemExit, match="clo policy"):
+        ps.main(["--shape", str(cfg), "--policy", "tokenselect"])
 
 
 def test_mulsum_linear_is_the_same_product_and_is_undone():

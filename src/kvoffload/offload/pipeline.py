@@ -435,7 +435,7 @@ def stack_layers(attend, lps, tails_k, tails_v, slots, rows_in_place: bool = Tru
     stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
     split = [split_slots(attend, sl) for sl in slots]
     moving = [m for m, _ in split]
-    fields = _buffers(moving[0]) if moving[0] is not None and rows_in_place else []
+    fields = _buffers(moving[0]) if moving[0] is not None and rows_in_place else []  # None: a policy without slots
     rows = int(getattr(moving[0], fields[0]).shape[2]) if fields else 0
     st = stack([_without_buffers(m) for m in moving] if fields else moving)
     if fields:
@@ -475,23 +475,27 @@ def unstack_layer(st: StackedLayers, j: int):
     return st.tail_k[j], st.tail_v[j], slots
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend", "options", "row_stride", "linear_by_index"),
-                   donate_argnames=("st",))
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "options", "row_stride", "table_stride",
+                                             "linear_by_index"), donate_argnames=("st",))
 def loop_layers(cfg, lp, st: StackedLayers, fixed, h, positions, tail_len, sources, tables, attend, options,
-                row_stride: int, linear_by_index: bool = True):
-    """The layers of st as one program: a `fori_loop` over `layer_body` with the policy's attend, layer j's pool
-    rows read at token ids + j x row_stride (sources' pool holds every layer's blocks, one extent per kind:
-    `SelectSources.row_offset`), its weights lp [n, ...] by index (linear_by_index: `layer_weights`; else sliced,
-    which XLA copies out), its row buffers in place, its fixed slots sliced. The host issues the whole stack in
-    one call. Returns (h, st) with st's tails and slots updated (st donated)."""
+                row_stride: int = 0, table_stride: int = 0, linear_by_index: bool = True):
+    """The layers of st as one program: a `fori_loop` over `layer_body` with the policy's attend, its weights
+    lp [n, ...] by index (linear_by_index: `layer_weights`; else sliced, which XLA copies out), its row buffers
+    in place, its fixed slots sliced. sources' pool holds every layer's blocks, one extent per kind, layer j's at
+    block j x E: a selection policy reads its rows at token ids + j x row_stride (E x blk;
+    `SelectSources.row_offset`), a policy attending whole blocks through the block tables gets them shifted by
+    j x table_stride (E). The host issues the whole stack in one call. Returns (h, st) with st's tails and slots
+    updated (st donated)."""
     from kvoffload.models.common import layer_weights
 
     def body(j, carry):
         h, now = carry
         lw = layer_weights(lp, j) if linear_by_index else jax.tree.map(lambda a: a[j], lp)
-        src = dataclasses.replace(sources, row_offset=(j * row_stride).astype(jnp.int32))
+        src = dataclasses.replace(sources, row_offset=(j * row_stride).astype(jnp.int32)) if row_stride else sources
+        tbl = tables if not table_stride else dataclasses.replace(
+            tables, table=tuple(t + j * table_stride for t in tables.table))
         fx = None if fixed is None else jax.tree.map(lambda a: a[j], fixed)
-        h, k, v, _, m = layer_body(cfg, lw, h, positions, now.tail_k[j], now.tail_v[j], None, tail_len, src, tables,
+        h, k, v, _, m = layer_body(cfg, lw, h, positions, now.tail_k[j], now.tail_v[j], None, tail_len, src, tbl,
                                    layer_slots(now, j), fx, attend, options)
         return h, dataclasses.replace(now, tail_k=now.tail_k.at[j].set(k), tail_v=now.tail_v.at[j].set(v),
                                       moving=with_layer_slots(now, j, m))
