@@ -80,7 +80,8 @@ def main(argv=None) -> dict:
 
     options = parse_options(args.option)
     selects = args.policy == "clo"
-    if selects and options.get("retrieval", "quest") == "exact" or str(options.get("speculative_prefetch", "")).lower() == "true":
+    speculative = str(options.get("speculative_prefetch", "")).lower() == "true"
+    if (selects and options.get("retrieval", "quest") == "exact") or speculative:
         raise SystemExit("probe_scan_clo takes Quest or HATA retrieval without speculative prefetch")
     model, pol, state, nxt = random_prompt_state(args.shape, args.policy, options, args.batch, args.prompt, 3,
                                                  args.dtype)

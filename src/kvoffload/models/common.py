@@ -69,10 +69,8 @@ def layer_weights(stacked_params, index):
 def linear(x, w, b=None):
     if isinstance(w, LayerWeight):
         y = ops.stacked_linear(x, w.stacked, w.index, out_dtype=jnp.float32)
-        if b is not None:
-            y = y + b.astype(jnp.float32)
-        return y.astype(x.dtype)
-    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    else:
+        y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)

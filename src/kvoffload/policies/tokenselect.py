@@ -564,8 +564,8 @@ def rows_attention(q, k_rows, v_rows, slot_ids, num_valid, impl):
             raise ValueError("K and V row buffers must both be LayerRows of one dtype")
         return ops.sparse_attention(q, k_rows.stacked, v_rows.stacked, slot_ids + k_rows.offset, num_valid=num_valid,
                                     impl=impl)
-    k, v = (b.__jax_array__() if isinstance(b, LayerRows) else b for b in (k_rows, v_rows))
-    return ops.sparse_attention(q, k, v.astype(k.dtype), slot_ids, num_valid=num_valid, impl=impl)
+    return ops.sparse_attention(q, k_rows, jnp.asarray(v_rows).astype(k_rows.dtype), slot_ids, num_valid=num_valid,
+                                impl=impl)
 
 
 @dataclasses.dataclass(frozen=True)
