@@ -83,11 +83,14 @@ VARIANTS = {
     # issue 11's "naive top-k offload": the same selection, no cache, no speculative prefetch
     "clo_naive": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
     "offload": ("offload", {}, None),
+    # a step's trailing layers of one program as one loop program (loop_layers: ~1 ms of host a step)
+    "full_loop": ("full", {"loop_layers": True}, None),
+    "clo_quest_loop": ("clo", {"retrieval": "quest", "topk_of_context": 0.1, "loop_layers": True}, "clo"),
 }
 DEFAULT_POLICIES = ("full", "tokenselect_gpu", "tokenselect_split", "offload", "clo_exact", "clo_hata")
 COST_RANK = {name: i for i, name in enumerate(
-    ("full", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_quest", "clo_naive",
-     "offload"))}
+    ("full", "full_loop", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_quest",
+     "clo_quest_loop", "clo_naive", "offload"))}
 GB = 1e9
 
 
@@ -220,6 +223,11 @@ def state_bytes(state) -> dict:
         add("pool X", gr.pool_x)
         add("GPU tails", (gr.tail_k, gr.tail_v, gr.tail_x))
         add("slots", gr.slots)
+        if gr.stack is not None:  # the looped layers' (loop_layers): the same parts, stacked
+            add("pool K", gr.stack.pool_k)
+            add("pool V", gr.stack.pool_v)
+            add("GPU tails", (gr.stack.st.tail_k, gr.stack.st.tail_v))
+            add("slots", (gr.stack.st.moving, gr.stack.fixed))
     out["gpu_kv_total"] = sum(v for k, v in out.items() if k.endswith("(GPU)"))
     return out
 
@@ -236,7 +244,7 @@ def counters(state) -> dict | None:
         return None
     c = {"hits": 0, "looks": 0, "scored": 0, "v_rows": 0, "rule_hits": 0}
     for gr in state.groups:
-        for s in gr.slots:
+        for s in gr.slots_by_layer():
             sel = getattr(s, "selection", s)
             c["hits"] += int(np.asarray(sel.hits).sum())
             # clo's persistent heads (layer 0) never count a hit: looks of the cached heads only
@@ -509,7 +517,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
             r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * rows_kv / len(times)
             r["bytes_rows_note"] = "clo's counters: V rows (and K for quest / hata) of missed heads, guesses included"
         elif pol.pipeline.hooks.split:  # tokenselect kv=split gathers every selected V row each step
-            K = state.groups[0].slots[0].indices.shape[-1]
+            K = state.groups[0].layer_slot(0).indices.shape[-1]
             r["bytes_rows_per_step"] = sum(gr.size for gr in state.groups) * cfg.num_kv_heads * K * row * cfg.num_layers
             r["bytes_rows_note"] = "from shapes: kv=split gathers the K selected V rows per head every step"
         desc = pol.describe(state)
@@ -532,6 +540,10 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     layer = cfg.num_layers // 2
     try:
         from kvoffload.offload import sharding as S
+
+        stk = state.groups[0].stack
+        if stk is not None and layer >= stk.first:  # its pool and slots live stacked inside the loop's state
+            raise RuntimeError("the layer runs inside loop_layers' program: see the variant without loop_layers")
 
         with S.context(pol.pipeline.mesh):  # a mesh run's attend traces per device (its kernels: per_shard)
             a = attention_bench(pol, model, state, layer, args.attn_reps, not args.no_extremes, args.timing_reps,

@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
         use_mulsum_linear()
 
     from kvoffload.hlo_text import large_writes
-    from kvoffload.models.common import layer_weights
+    from kvoffload.models.common import layer_weights, stack_trees
     from kvoffload.offload import pipeline as PL
     from kvoffload.pallas.common import addressable_rows
     from kvoffload.offload.bench import (decode_steps, random_prompt_state, time_variants,
@@ -127,9 +127,9 @@ def main(argv=None) -> dict:
     pool = dataclasses.replace(pool1, k=[one_extent("k")], v=[one_extent("v")])
     sources = SelectSources(pool=pool, tail_len=tail_len, request_blocks=src1.request_blocks) if selects else pool
     # the library's stacked state and loop (`pipeline.stack_layers` / `loop_layers`), as the runtime would run them
-    lp_st, st, fixed_st = PL.stack_layers(attend, [calls[i][1] for i in idx], [live[i]["k"] for i in idx],
-                                          [live[i]["v"] for i in idx], [live[i]["slots"] for i in idx],
-                                          rows_in_place=args.buffers == "in-place")
+    lp_st = stack_trees([calls[i][1] for i in idx])
+    st, fixed_st = PL.stack_layers(attend, [live[i]["k"] for i in idx], [live[i]["v"] for i in idx],
+                                   [live[i]["slots"] for i in idx], rows_in_place=args.buffers == "in-place")
     stacked = dict(st=st)
     per_call = dict(k=[copy(live[i]["k"]) for i in idx], v=[copy(live[i]["v"]) for i in idx],
                     moving=[copy(m) for m, _ in split])
@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
     by_index = args.linear == "pallas"
     # layer j's blocks at j x E of the one extent: clo reads rows at token ids + j E blk, full's tables shift by j E
     loop_args = dict(cfg=cfg, attend=attend, options=opts, row_stride=E * blk if selects else 0,
-                     table_stride=0 if selects else E, linear_by_index=by_index)
+                     table_stride=() if selects else (E,), linear_by_index=by_index)
 
     # compiled once, ahead: the program that runs, and the one whose large writes are listed (what the loop copies
     # that the calls do not: a stacked array's slice an opaque kernel needs as its own buffer)

@@ -78,5 +78,6 @@ def test_large_writes_reads_the_entry_and_loop_bodies_not_fused_kernels():
     assert not any(n.startswith("fused") for n in ctrl if n != "ENTRY")
     assert set(ctrl) - {"ENTRY"} <= set(computations(text))
     big = large_writes(text, 1 << 20)  # the [512, 1024] f32 slice (2 MiB) or its sort, in the loop
-    assert big and all("MiB" in b for b in big) and any("[512,1024]" in b for b in big)
+    # the CPU writes it as [512,1024]; the GPU keeps the sliced axis ([1,512,1024])
+    assert big and all("MiB" in b for b in big) and any("512,1024]" in b for b in big)
     assert large_writes(text, 64 << 20) == []

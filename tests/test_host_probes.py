@@ -114,9 +114,9 @@ def test_probe_stacked_linear_times_each_form_separate_and_looped(tmp_path):
     assert json.loads((tmp_path / "l.json").read_text())["din"] == 64
 
 
-# ~15-25 s each: a tiny clo model prefilled and decoded, then its layers compiled twice over. The default run
-# takes the library's loop (pipeline.loop_layers, row buffers in place) with the fewest programs to compile
-@pytest.mark.parametrize("linear,buffers", [("einsum", "in-place"),
+# ~15-25 s each: a tiny clo model prefilled and decoded, then its layers compiled twice over; slow, as the runtime's
+# own loop (loop_layers: test_offload.py) is in the default run
+@pytest.mark.parametrize("linear,buffers", [pytest.param("einsum", "in-place", marks=pytest.mark.slow),
                                             pytest.param("pallas", "in-place", marks=pytest.mark.slow),
                                             pytest.param("einsum", "sliced", marks=pytest.mark.slow)])
 def test_probe_scan_clo_loops_the_real_clo_layers_with_the_calls_bits(tmp_path, linear, buffers):

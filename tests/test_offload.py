@@ -541,6 +541,70 @@ def test_layers_per_program_runs_consecutive_layers_in_one_program(monkeypatch, 
         make_policy("clo", layers_per_program=0)
 
 
+LOOP_QUEST = dict(topk=12, num_recent=4, eta=0.5, retrieval="quest", quest_page_tokens=4)
+
+
+@pytest.mark.parametrize("policy,opts", [
+    ("full", {}),  # a device pool attended through the tables: one stacked extent per extent, tables shifted
+    # int8 K / int4 V host rows and int8 page bounds: read at token ids shifted by a layer's tokens
+    ("clo", dict(LOOP_QUEST, host_dtype="int4", int4_group_size=16, int4_k_quant="int8", quest_dtype="int8")),
+    pytest.param("clo", dict(LOOP_QUEST, retrieval="hata"), marks=pytest.mark.slow),
+])
+def test_loop_layers_runs_a_steps_looped_layers_as_one_program(monkeypatch, policy, opts):
+    """loop_layers: the state of the trailing layers of one program (`full`: all 4; `clo`: 1..3, its layer 0 keeps
+    its K/V whole) is stacked at the prefill's end and each step runs them in ONE `loop_layers` call, flushing
+    into a pool of several extents between steps: the logits of one call per layer bit for bit on the CPU (the
+    stacked weights read by index through the reference matmul), the same greedy tokens on a GPU (the
+    stacked-linear kernel sums in another order), and the same cache statistics."""
+    from kvoffload.offload import pipeline as P
+    from test_tokenselect import _decode
+
+    calls = []
+    real = P.loop_layers
+    monkeypatch.setattr(P, "loop_layers", lambda *a, **k: calls.append(a[2].tail_k.shape[0]) or real(*a, **k))
+    model = tiny_random_model("llama", seed=1, num_hidden_layers=4)
+    pol0, want, state0 = _decode(model, policy, 20, **opts)
+    assert not calls
+    pol, got, state = _decode(model, policy, 20, loop_layers=True, **opts)
+    first = 0 if policy == "full" else 1
+    assert calls == [4 - first] * 20
+    gr = state.groups[0]
+    assert gr.layout.num_extents > 1 and gr.n_gen == 20 and gr.stack.first == first
+    assert gr.tail_k[first:] == (None,) * (4 - first) and pol.describe(state)["looped_layers"] == [first, 4]
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+    if policy == "clo":
+        a, b = pol0.describe(state0)["clo"], pol.describe(state)["clo"]
+        for key in ("hit_rate_per_layer_head", "v_bytes_fetched_per_layer", "k_bytes_fetched", "metadata_gpu_bytes"):
+            assert a[key] == b[key], key
+        for x, y in zip(jax.tree.leaves(state0.groups[0].slots[2]), jax.tree.leaves(gr.layer_slot(2))):
+            x, y = np.asarray(x), np.asarray(y)
+            if jax.default_backend() == "cpu" or not np.issubdtype(x.dtype, np.floating):
+                np.testing.assert_array_equal(x, y)  # the selections themselves
+            else:  # query labels and rows from the other summation order
+                np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4)
+
+
+def test_loop_layers_refuses_what_it_cannot_loop_before_the_prefill():
+    """One clear error naming what loop_layers needs, from the prefill's plan, before any layer runs."""
+    from kvoffload.offload.pipeline import LoopLayersError
+    from test_tokenselect import BASE, PROMPTS
+
+    model = tiny_random_model("llama", seed=1, num_hidden_layers=3)
+    tokens, lengths = pad_prompts(PROMPTS)
+    for policy, opts, match in [("offload", {}, "moves nothing between layers"),
+                                ("clo", dict(LOOP_QUEST, speculative_prefetch=True), "no speculative prefetch"),
+                                ("clo", dict(LOOP_QUEST, retrieval="exact"), "retrieval=quest or hata")]:
+        pol = make_policy(policy, **{**BASE, **opts, "loop_layers": True})
+        with pytest.raises(LoopLayersError, match=match):
+            pol.prefill(model, tokens, lengths, 128)
+    with pytest.raises(ValueError, match="loop_layers must be true or false"):
+        make_policy("full", loop_layers="yes")
+
+
 def test_recompute_workspace_by_token_holds_every_extent_at_once():
     """The memory plan's recompute workspace, per device of a 4-way mesh: activations split by token are
     recomputed all at once (`attend_act_by_token`: the extents' X slices joined, every head's K/V of the

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload.config import ModelConfig
-from kvoffload.models.common import layer_norm, linear, prefill_attention, rms_norm
+from kvoffload.models.common import layer_norm, linear, prefill_attention, rms_norm, stack_trees
 from kvoffload.models.transformer import family
 
 QUERY_CHUNK = 256
@@ -45,7 +45,7 @@ def final_hidden(cfg: ModelConfig, params, h):
 
 def stack_layers(params):
     """params.layers (tuple of per-layer pytrees) -> one pytree with a leading layer axis."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *params.layers)
+    return stack_trees(params.layers)
 
 
 def head_gates(cfg: ModelConfig, alpha):

@@ -59,6 +59,11 @@ class LayerWeight:
 jax.tree_util.register_dataclass(LayerWeight, data_fields=["stacked", "index"], meta_fields=[])
 
 
+def stack_trees(trees):
+    """One tree of [n, ...] leaves from n trees of one structure (layers' weights, tails, slots): a copy."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
 def layer_weights(stacked_params, index):
     """Layer `index` of stacked layer parameters (every leaf [L, ...]): 2-D weights as `LayerWeight` (read in
     place by `linear`), the rest (norms, biases) sliced."""

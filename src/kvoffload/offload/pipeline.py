@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvoffload import ops
+from kvoffload.errors import KVOffloadError
 from kvoffload.models.transformer import family, layer_prefill, layer_prefill_chunked
 from kvoffload.offload import memory as M
 from kvoffload.offload import sharding as S
@@ -129,10 +130,32 @@ class GroupState:
     tail_base: tuple  # per request: prompt tokens kept in the tail (len % blk)
     n_gen: int  # tokens generated so far (appended to the tail)
     since_flush: int  # generated tokens in the tail (a block is flushed every blk of them)
+    # the looped layers' tails, slots and pool as one `LayerStack` (`PipelineOptions.loop_layers`; their entries
+    # above are then None), or None
+    stack: Any = None
+    # [b] int32: the next token's positions (prompt_lens + n_gen), advanced on the device by each step's input
+    # program: a Python int there was a host->device copy a step (~1 ms of an H200 host's step, traced)
+    next_positions: Any = None
 
     @property
     def size(self) -> int:
         return self.rows[1] - self.rows[0]
+
+    def slots_by_layer(self) -> tuple:
+        """Every layer's slots (() where the policy keeps none); a looped layer's copied out of the stack as
+        arrays of its own (statistics and checks, not a step's path)."""
+        if self.stack is None or not self.slots:
+            return self.slots
+        return tuple(self.layer_slot(i) for i in range(len(self.slots)))
+
+    def layer_slot(self, i: int):
+        """Layer i's slots (`slots_by_layer`'s entry i)."""
+        stk = self.stack
+        if stk is None or i < stk.first:
+            return self.slots[i]
+        j = i - stk.first
+        fixed = None if stk.fixed is None else jax.tree.map(lambda a: a[j], stk.fixed)
+        return join_slots(stk.attend, unstack_layer(stk.st, j)[2], fixed)
 
     @property
     def used_extents(self) -> int:
@@ -177,10 +200,11 @@ def _logits(cfg, params, h):
 # A decode step's work outside its layer programs, one program each: an eager slice or add is a dispatch of
 # its own (~30 us of host on an H100 host), and a host-bound step (clo at b1) pays every one of them.
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _decode_inputs(cfg, params, tokens, prompt_lens, n_gen):
-    """(h [B, 1, H], positions [B, 1]) of a decode step's new tokens [B]."""
-    positions = (prompt_lens + n_gen)[:, None]
-    return family(cfg).embed(cfg, params, tokens[:, None], positions), positions
+def _decode_inputs(cfg, params, tokens, next_positions, tail_len):
+    """(h [B, 1, H], positions [B, 1], the next step's positions, the tail lengths after this step's token) of a
+    decode step's new tokens [B] at next_positions [B] (the counters advanced here: no eager add a step)."""
+    positions = next_positions[:, None]
+    return family(cfg).embed(cfg, params, tokens[:, None], positions), positions, next_positions + 1, tail_len + 1
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -407,7 +431,8 @@ class StackedLayers:
     [n, ...] and the slots' moving part (leaves [n, ...], except the row buffers of `ROW_BUFFER_FIELDS`: every
     layer's along the rows of one [B, n_kv, n K, d] array, K = `rows`, so they are refilled and attended in place).
     The weights ([n, ...], read in place by index: `models.common.layer_weights`) and the slots' fixed part
-    ([n, ...]) travel beside it, read only. `stack_layers` builds all three; `layer_slots` gives a layer's back."""
+    ([n, ...]) travel beside it, read only. `stack_layers` builds it and the fixed part; `layer_slots` gives a
+    layer's back."""
 
     tail_k: jax.Array
     tail_v: jax.Array
@@ -427,12 +452,13 @@ def _without_buffers(slots):
     return dataclasses.replace(slots, **dict.fromkeys(fields)) if fields else slots
 
 
-def stack_layers(attend, lps, tails_k, tails_v, slots, rows_in_place: bool = True):
-    """(weights, StackedLayers, fixed slots) of per-layer weights, tails and whole slots, one entry per layer, all
-    of one program (`program_key`); copies (the per-layer arrays stay the caller's). fixed is None where the
-    policy's slots have no read-only part (`split_slots`). rows_in_place=False stacks the row buffers [n, ...]
-    like the other slots (sliced in the loop, so copied out and back: for measuring that)."""
-    stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
+def stack_layers(attend, tails_k, tails_v, slots, rows_in_place: bool = True):
+    """(StackedLayers, fixed slots) of per-layer tails and whole slots, one entry per layer, all of one program
+    (`program_key`); copies (the per-layer arrays stay the caller's). fixed is None where the policy's slots have
+    no read-only part (`split_slots`). rows_in_place=False stacks the row buffers [n, ...] like the other slots
+    (sliced in the loop, so copied out and back: for measuring that). The weights: `models.common.stack_trees`."""
+    from kvoffload.models.common import stack_trees as stack
+
     split = [split_slots(attend, sl) for sl in slots]
     moving = [m for m, _ in split]
     fields = _buffers(moving[0]) if moving[0] is not None and rows_in_place else []  # None: a policy without slots
@@ -441,7 +467,41 @@ def stack_layers(attend, lps, tails_k, tails_v, slots, rows_in_place: bool = Tru
     if fields:
         st = dataclasses.replace(st, **{f: jnp.concatenate([getattr(m, f) for m in moving], axis=2) for f in fields})
     fixed = None if split[0][1] is None else stack([f for _, f in split])
-    return stack(lps), StackedLayers(tail_k=stack(tails_k), tail_v=stack(tails_v), moving=st, rows=rows), fixed
+    return StackedLayers(tail_k=stack(tails_k), tail_v=stack(tails_v), moving=st, rows=rows), fixed
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """A GPU batch's layers first..L-1 run as one `loop_layers` program (`PipelineOptions.loop_layers`): their
+    tails and moving slots (`StackedLayers`), fixed slots ([n, ...], or None) and pool extents holding every
+    looped layer's blocks (`stacked_extent`; 1-byte arrays padded past 4 GiB, `addressable_rows`). A policy
+    reading rows by token id (`LayerHooks.reads_rows`) gets ONE extent a kind, layer j's extents one after
+    another from block j x sum(blocks) (its token ids then shift by a layer's tokens); a policy attending blocks
+    through the tables gets one stacked extent per extent of the layout, layer j's part of extent e at block
+    j x blocks[e] (its tables shift by that). The group's per-layer entries of these layers are None;
+    `GroupState.slots_by_layer` gives their slots back."""
+
+    st: StackedLayers
+    fixed: Any
+    pool_k: tuple
+    pool_v: tuple
+    first: int = 0  # static: the first looped layer
+    blocks: tuple = ()  # static: a layer's blocks in each extent of the layout
+    by_rows: bool = False  # static: one extent a kind, read at token ids + j x sum(blocks) x blk
+    attend: Any = None  # static: the policy's attend (joins the fixed slots back)
+
+    @property
+    def layers(self) -> int:
+        return int(self.st.tail_k.shape[0])
+
+    def block_at(self, j: int, e: int, slots):
+        """(extent of the stack, block ids there) of layer j's extent e slots (host ints)."""
+        if self.by_rows:
+            return 0, np.asarray(slots) + j * sum(self.blocks) + sum(self.blocks[:e])
+        return e, np.asarray(slots) + j * self.blocks[e]
+
+
+_register(LayerStack, ("first", "blocks", "by_rows", "attend"))
 
 
 def layer_slots(st: StackedLayers, j):
@@ -475,17 +535,45 @@ def unstack_layer(st: StackedLayers, j: int):
     return st.tail_k[j], st.tail_v[j], slots
 
 
+def stacked_extent(exts):
+    """One extent of extents of one block shape (K or V extents as the pool stores them: arrays or int4
+    `QuantizedInt`s) one after another in the order given, where the first lives (host extents through host
+    memory); a 1-byte array of 2-4 GiB padded past 4 GiB (`addressable_rows`: the Triton lowering's 32-bit
+    offsets; the padding is never read). None where they hold none."""
+    from kvoffload.pallas.common import addressable_rows
+
+    if exts[0] is None:
+        return None
+    leaves = jax.tree.leaves(exts[0])
+    on_host = leaves[0].sharding.memory_kind not in (None, "device")
+    n_rows = sum(jax.tree.leaves(x)[0].shape[0] for x in exts)
+    rows = max([addressable_rows(n_rows, a[0].nbytes) for a in leaves if a.dtype.itemsize == 1], default=n_rows)
+
+    def join(*parts):
+        like = parts[0]
+        if not on_host:  # device memory: one XLA concatenate
+            pad = [jnp.zeros((rows - n_rows,) + like.shape[1:], like.dtype, device=like.sharding)] if rows > n_rows else []
+            return jnp.concatenate(list(parts) + pad)
+        out = np.zeros((rows,) + like.shape[1:], like.dtype)  # host: filled part by part, placed once
+        at = 0
+        for a in parts:
+            out[at:at + a.shape[0]] = np.asarray(a)
+            at += a.shape[0]
+        return jax.device_put(out, like.sharding)
+
+    return jax.tree.map(join, *exts)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "options", "row_stride", "table_stride",
                                              "linear_by_index"), donate_argnames=("st",))
 def loop_layers(cfg, lp, st: StackedLayers, fixed, h, positions, tail_len, sources, tables, attend, options,
-                row_stride: int = 0, table_stride: int = 0, linear_by_index: bool = True):
+                row_stride: int = 0, table_stride: tuple = (), linear_by_index: bool = True):
     """The layers of st as one program: a `fori_loop` over `layer_body` with the policy's attend, its weights
     lp [n, ...] by index (linear_by_index: `layer_weights`; else sliced, which XLA copies out), its row buffers
-    in place, its fixed slots sliced. sources' pool holds every layer's blocks, one extent per kind, layer j's at
-    block j x E: a selection policy reads its rows at token ids + j x row_stride (E x blk;
-    `SelectSources.row_offset`), a policy attending whole blocks through the block tables gets them shifted by
-    j x table_stride (E). The host issues the whole stack in one call. Returns (h, st) with st's tails and slots
-    updated (st donated)."""
+    in place, its fixed slots sliced. sources' pool holds every layer's blocks (`LayerStack`): a selection policy
+    reads layer j's rows at token ids + j x row_stride (`SelectSources.row_offset`), a policy attending whole
+    blocks through the block tables gets extent e's shifted by j x table_stride[e]. The host issues the whole
+    stack in one call. Returns (h, st) with st's tails and slots updated (st donated)."""
     from kvoffload.models.common import layer_weights
 
     def body(j, carry):
@@ -493,7 +581,7 @@ def loop_layers(cfg, lp, st: StackedLayers, fixed, h, positions, tail_len, sourc
         lw = layer_weights(lp, j) if linear_by_index else jax.tree.map(lambda a: a[j], lp)
         src = dataclasses.replace(sources, row_offset=(j * row_stride).astype(jnp.int32)) if row_stride else sources
         tbl = tables if not table_stride else dataclasses.replace(
-            tables, table=tuple(t + j * table_stride for t in tables.table))
+            tables, table=tuple(t + j * stride for t, stride in zip(tables.table, table_stride)))
         fx = None if fixed is None else jax.tree.map(lambda a: a[j], fixed)
         h, k, v, _, m = layer_body(cfg, lw, h, positions, now.tail_k[j], now.tail_v[j], None, tail_len, src, tbl,
                                    layer_slots(now, j), fx, attend, options)
@@ -664,6 +752,24 @@ class LayerHooks:
         HATA codes). Default: unchanged."""
         return slot
 
+    def keys_written_stacked(self, pipe: "LayerPipeline", stack: "LayerStack", extent: int, k_blocks, at):
+        """`keys_written` for a `LayerStack`'s looped layers at once: their fixed slots ([n, ...]) after the new
+        K blocks k_blocks [n, b, n_kv, blk, d] went to slots `at` of extent `extent` (entries >= its size
+        elsewhere). Default: unchanged (a policy whose `keys_written` keeps metadata must say how it is stacked)."""
+        if type(self).keys_written is not LayerHooks.keys_written:
+            raise NotImplementedError(f"{type(self).__name__} keeps key metadata but has no keys_written_stacked")
+        return stack.fixed
+
+    def loop_refusal(self, pipe: "LayerPipeline") -> str | None:
+        """What `PipelineOptions.loop_layers` needs that this policy's options do not give (completing "loop_layers
+        needs ..."), or None."""
+        return None
+
+    def reads_rows(self, pipe: "LayerPipeline") -> bool:
+        """Whether the layer program reads the pool's rows by token id (`SelectSources.row_offset`: a looped step
+        then keeps every layer's blocks in one extent a kind) rather than whole blocks through the tables."""
+        return False
+
     def speculates(self, pipe: "LayerPipeline") -> bool:
         """Whether `speculate` dispatches work between layer programs (then layers do not share a program)."""
         return False
@@ -760,6 +866,11 @@ class LayerHooks:
 EXTENT_MB_PER_DEVICE = 64.0  # the default extent: MiB of K per device of the mesh (PipelineOptions.extent_mb)
 
 
+
+class LoopLayersError(KVOffloadError, ValueError):
+    """`PipelineOptions.loop_layers` asked of a run it cannot loop (names what to change)."""
+
+
 @dataclasses.dataclass
 class PipelineOptions:
     schedule: str = "row"
@@ -820,6 +931,14 @@ class PipelineOptions:
     # layer per call overlaps its host work with the previous layer's GPU work); bit-equal on the CPU, same
     # tokens on a GPU (XLA fuses a multi-layer program differently).
     layers_per_program: int = 1
+    # run each GPU batch's longest run of trailing layers with one program's shapes (clo: layers 1..L-1; full:
+    # all) as ONE `loop_layers` program, a fori_loop over their state stacked at the end of the prefill: one host
+    # call a step for those layers instead of one each (clo at 128K on an H200: ~1 ms of host a step against
+    # 10-12; the GPU time of the calls). Needs a step that moves nothing between layers (as layers_per_program),
+    # one device, the pool in one K/V extent a kind and no stored activations; keeps a stacked copy of the
+    # looped layers' weights, read by layer index (`models.common.layer_weights`, the stacked-linear kernel:
+    # other bits than the per-layer calls' XLA matmuls, so compare a looped policy with a looped `full`).
+    loop_layers: bool = False
 
     def __post_init__(self):
         from kvoffload.plan.cost import HOST_DTYPES, INT4_K_QUANTS
@@ -844,6 +963,8 @@ class PipelineOptions:
                 or self.layers_per_program < 1:
             raise ValueError(f"layers_per_program must be an integer >= 1, got {self.layers_per_program!r}")
         self.layers_per_program = int(self.layers_per_program)
+        if not isinstance(self.loop_layers, bool):
+            raise ValueError(f"loop_layers must be true or false, got {self.loop_layers!r}")
         if self.gpu_batches < 1:
             raise ValueError(f"gpu_batches must be >= 1, got {self.gpu_batches}")
         if self.block_tokens < 1 or self.block_tokens & (self.block_tokens - 1):
@@ -902,6 +1023,7 @@ class LayerPipeline:
         self._stand_ins: dict = {}
         self._templates: dict = {}
         self._scalars: dict = {}
+        self._loop_weights: dict = {}
 
     # -- small device values reused every step ------------------------------------------------
     def stand_ins(self, group: GroupState, layer: int):
@@ -1063,6 +1185,17 @@ class LayerPipeline:
                           slots=self.hooks.slot_memory(self, model, layouts, len(lengths)))
         if o.offload_weights and M.on_host(model.params.layers):
             mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
+        if o.loop_layers:
+            # `loop_weights`: a stacked copy of (at most) every layer's weights, held while decoding; `stack_group`:
+            # the looped layers' pool, tails and slots copied once at the prefill's end (old and new alive together)
+            mem.gpu["looped layers' weights (stacked copy)"] = wb.per_layer * cfg.num_layers
+            mem.gpu_phase["looped layers' weights (stacked copy)"] = "decode"
+            copied = [k for k in mem.gpu if k.startswith("K/V blocks") or k == "GPU tails" or k in
+                      self.hooks.slot_memory(self, model, layouts, len(lengths))]
+            mem.gpu["state stacked at the prefill's end (transient copy)"] = sum(mem.gpu[k] for k in copied)
+            mem.gpu_phase["state stacked at the prefill's end (transient copy)"] = "prefill"
+            if mem.host.get("K/V blocks"):
+                mem.host["K/V blocks stacked at the prefill's end (transient copy)"] = mem.host["K/V blocks"]
         return mem
 
     def prefill(self, model, tokens, lengths, capacity):
@@ -1076,6 +1209,8 @@ class LayerPipeline:
         dtype = model.params.layers[0].wk.dtype
         lengths_np = np.asarray(lengths, np.int64)
         rows, layouts = self.plan(model, lengths_np, t_pad, capacity)
+        if o.loop_layers:  # before any work: what the loop cannot take
+            self.check_loop(layouts)
         fam_params = without_layers(self.params(model))
         layers = self.layers(model)
         lengths = S.put(lengths_np.astype(np.int32), self.rep)  # committed, like a step's outputs
@@ -1157,9 +1292,120 @@ class LayerPipeline:
                 tail_x=tuple(gr["tx"]), tail_len=self.local(jnp.asarray(lens % blk, jnp.int32)), prompt_lens=lengths[a:z],
                 slots=tuple(gr["slots"]),
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
-                n_gen=0, since_flush=0))
+                n_gen=0, since_flush=0, next_positions=lengths[a:z]))
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
+        if o.loop_layers:
+            states = [self.stack_group(model, gr) for gr in states]
         return logits, DecodeState(groups=tuple(states), batch=b)
+
+    # -- layers looped in one program (PipelineOptions.loop_layers) ----------------------------
+    def check_loop(self, layouts):
+        """One clear LoopLayersError where `loop_layers` cannot run this plan."""
+        why = None
+        if self.mesh is not None:
+            why = "one device (the looped weights are read by layer index; tensor_parallel=1)"
+        elif self.fetches() or self.opts.offload_weights or self.hooks.speculates(self):
+            why = ("a step that moves nothing between layers: a device pool or one read in place (clo, tokenselect "
+                   "kv=split), weights on the GPU (no offload_weights), no speculative prefetch")
+        elif any(lay.extents_of("act") or len({lay.on_device(e) for e in range(lay.num_extents)}) > 1
+                 for lay in layouts):
+            why = "K/V extents only, all in one memory (no stored activations)"
+        else:
+            why = self.hooks.loop_refusal(self)
+        if why:
+            raise LoopLayersError(f"loop_layers needs {why}")
+
+    def stack_group(self, model, gr: GroupState) -> GroupState:
+        """gr with its longest run of trailing layers of one program's shapes (`program_key`) as one `LayerStack`:
+        tails, slots and pool extents copied into stacked arrays (host extents through host memory), the
+        per-layer entries then None. Once, at the end of the prefill."""
+        L, n_ext = model.config.num_layers, gr.layout.num_extents
+        if any(x is not None for x in gr.tail_x):
+            raise LoopLayersError("loop_layers needs no stored activations (the tails hold X)")
+        slot = (lambda i: gr.slots[i]) if gr.slots else (lambda i: None)  # noqa: E731
+        keys = [program_key((gr.tail_k[i], gr.tail_v[i], slot(i), gr.pool_k[i], gr.pool_v[i])) for i in range(L)]
+        first = L - 1
+        while first and keys[first - 1] == keys[-1]:
+            first -= 1
+        if L - first < 2:
+            raise LoopLayersError("loop_layers: the last two layers' programs differ (persistent heads?): "
+                                  "nothing to loop over")
+        idx = range(first, L)
+        st, fixed = stack_layers(self.hooks.attend, [gr.tail_k[i] for i in idx], [gr.tail_v[i] for i in idx],
+                                 [slot(i) for i in idx])
+        by_rows = self.hooks.reads_rows(self)
+        if by_rows:  # one extent: layer after layer, each layer's extents in block-id order
+            pool_k = (stacked_extent([gr.pool_k[i][e] for i in idx for e in range(n_ext)]),)
+            pool_v = (stacked_extent([gr.pool_v[i][e] for i in idx for e in range(n_ext)]),)
+        else:  # extent by extent
+            pool_k = tuple(stacked_extent([gr.pool_k[i][e] for i in idx]) for e in range(n_ext))
+            pool_v = tuple(stacked_extent([gr.pool_v[i][e] for i in idx]) for e in range(n_ext))
+        stk = LayerStack(st=st, fixed=fixed, pool_k=pool_k, pool_v=pool_v, first=first,
+                         blocks=tuple(gr.layout.size(e) for e in range(n_ext)), by_rows=by_rows,
+                         attend=self.hooks.attend)
+        none, no_ext = (None,) * (L - first), ((None,) * n_ext,) * (L - first)
+        return dataclasses.replace(
+            gr, stack=stk, tail_k=gr.tail_k[:first] + none, tail_v=gr.tail_v[:first] + none,
+            slots=gr.slots[:first] + none if gr.slots else (), pool_k=gr.pool_k[:first] + no_ext,
+            pool_v=gr.pool_v[:first] + no_ext)
+
+    def loop_weights(self, model, first: int):
+        """The weights of layers first..L-1 stacked [n, ...] (a copy, made once per model and first layer)."""
+        from kvoffload.models.common import stack_trees
+
+        key = (id(model.params), first)
+        if key not in self._loop_weights:
+            self._loop_weights = {key: stack_trees(self.layers(model)[first:])}
+        return self._loop_weights[key]
+
+    def run_stack(self, model, gr: GroupState, plan: GroupPlan, h, positions, stk: LayerStack):
+        """(h, stk) after gr's looped layers, one `loop_layers` call (`LayerStack` says how layer j's blocks are
+        found)."""
+        o, blk = self.opts, gr.layout.block_tokens
+        pool_x = gr.pool_x[:stk.first] + ((None,) * len(stk.pool_k),)
+        view = dataclasses.replace(gr, pool_k=gr.pool_k[:stk.first] + (stk.pool_k,),
+                                   pool_v=gr.pool_v[:stk.first] + (stk.pool_v,), pool_x=pool_x)
+        src = self.hooks.sources(self, view, plan, stk.first, ([], []))
+        h, st = loop_layers(model.config, self.loop_weights(model, stk.first), stk.st, stk.fixed, h, positions,
+                            gr.tail_len, src, gr.tables, self.hooks.attend, (o.recompute_impl, o.attention_impl),
+                            row_stride=sum(stk.blocks) * blk if stk.by_rows else 0,
+                            table_stride=() if stk.by_rows else stk.blocks)
+        return h, dataclasses.replace(stk, st=st)
+
+    def flush_stack(self, gr: GroupState, stk: LayerStack, slots: dict):
+        """(stk, device->host bytes) with every looped layer's oldest blk tail tokens written as the new blocks
+        (slots: per extent touched, each request's slot there, >= its size where its block is elsewhere) and the
+        policy's key metadata updated (`LayerHooks.keys_written_stacked`)."""
+        blk, layout = gr.layout.block_tokens, gr.layout
+        bk, tail_k = _pop_block(stk.st.tail_k, blk, 2)  # [n, b, n_kv, blk, d]
+        bv, tail_v = _pop_block(stk.st.tail_v, blk, 2)
+        keys_dev = self.hooks.keys_on_device(self)
+        pk, pv, nbytes, fixed = list(stk.pool_k), list(stk.pool_v), 0, stk.fixed
+        for j in range(stk.layers):
+            on_dev = self.hooks.device_layer(self, stk.first + j)
+            qk, qv = (None, None)
+            for e, at in slots.items():
+                dev = layout.on_device(e) or on_dev
+                share = float(np.mean(at < layout.size(e)))  # of the blocks written, those in extent e
+                x, ids = stk.block_at(j, e, at)
+                for pool, blocks, key in ((pk, bk, True), (pv, bv, False)):
+                    if pool[x] is None:
+                        continue
+                    native = dev or (key and keys_dev)
+                    if native:
+                        w = blocks[j]
+                    else:  # int4 / int8 host blocks: quantized once a layer
+                        if (qk if key else qv) is None:
+                            q = self.host_form(blocks[j], key=key)
+                            qk, qv = (q, qv) if key else (qk, q)
+                        w = qk if key else qv
+                    end = jax.tree.leaves(pool[x])[0].shape[0]
+                    pool[x] = write_stored_blocks(pool[x], w, np.where(at < layout.size(e), ids, end))
+                    nbytes += 0 if native else int(_tree_bytes(w) * share)
+        for e, at in slots.items():
+            fixed = self.hooks.keys_written_stacked(self, dataclasses.replace(stk, fixed=fixed), e, bk, at)
+        st = dataclasses.replace(stk.st, tail_k=tail_k, tail_v=tail_v)
+        return dataclasses.replace(stk, st=st, fixed=fixed, pool_k=tuple(pk), pool_v=tuple(pv)), nbytes
 
     def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype, parts=None, on_device=False):
         """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty; and the
@@ -1254,12 +1500,15 @@ class LayerPipeline:
         plans = [self.hooks.plan_group(self, model, gr) for gr in groups]
         hs = []
         positions = []
+        after = []  # per group: (next positions, tail lengths) after this step
         for gr in groups:
             rows_tokens = tokens if len(groups) == 1 else tokens[gr.rows[0]:gr.rows[1]]
-            h, pos = _decode_inputs(cfg, fam_params, rows_tokens, gr.prompt_lens, gr.n_gen)
+            h, pos, nxt_pos, nxt_len = _decode_inputs(cfg, fam_params, rows_tokens, gr.next_positions, gr.tail_len)
             hs.append(h)
             positions.append(pos)
+            after.append((nxt_pos, nxt_len))
         tails = [dict(k=list(gr.tail_k), v=list(gr.tail_v), x=list(gr.tail_x), slots=list(gr.slots)) for gr in groups]
+        stacks = [gr.stack for gr in groups]  # looped layers (PipelineOptions.loop_layers), or None
         items = self._items(cfg.num_layers, len(groups))
         weights: dict = {}
         fetched: dict = {}
@@ -1351,6 +1600,12 @@ class LayerPipeline:
                 issued += 1
             f = fetched.pop(n)
             gr, tl = groups[g], tails[g]
+            if stacks[g] is not None and i >= stacks[g].first:  # looped: one program for the stack's layers
+                if i == stacks[g].first:
+                    if fuse > 1:
+                        run_pending(g)
+                    hs[g], stacks[g] = self.run_stack(model, gr, plans[g], hs[g], positions[g], stacks[g])
+                continue
             if i in to_gather:  # the layer's first program is next: its weights are needed now anyway
                 to_gather.discard(i)
                 weights[i][0] = S.gather_whole(weights[i][0], self.mesh)
@@ -1391,10 +1646,10 @@ class LayerPipeline:
         logits = [_decode_logits(cfg, fam_params, h) for h in hs]
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
         new_groups, d2h = [], 0
-        for gr, tl in zip(groups, tails):
+        for gr, tl, stk, (nxt_pos, nxt_len) in zip(groups, tails, stacks, after):
             gr = dataclasses.replace(gr, tail_k=tuple(tl["k"]), tail_v=tuple(tl["v"]), tail_x=tuple(tl["x"]),
-                                     slots=tuple(tl["slots"]),
-                                     tail_len=gr.tail_len + 1, n_gen=gr.n_gen + 1, since_flush=gr.since_flush + 1)
+                                     slots=tuple(tl["slots"]), stack=stk, next_positions=nxt_pos,
+                                     tail_len=nxt_len, n_gen=gr.n_gen + 1, since_flush=gr.since_flush + 1)
             if gr.since_flush == gr.layout.block_tokens:
                 gr, nbytes = self.flush(gr)
                 d2h += nbytes
@@ -1421,7 +1676,10 @@ class LayerPipeline:
         slots = {e: np.where(ext_of == e, slot_of, layout.size(e)) for e in touched}
         keys_dev = self.hooks.keys_on_device(self)
         nbytes = 0
-        for i in range(len(tk)):
+        stk = gr.stack
+        if stk is not None:  # the looped layers, at once
+            stk, nbytes = self.flush_stack(gr, stk, slots)
+        for i in range(len(tk) if stk is None else stk.first):
             bk, tk[i] = _pop_block(tk[i], blk, 1)
             bv, tv[i] = _pop_block(tv[i], blk, 1)
             bx = None
@@ -1453,7 +1711,7 @@ class LayerPipeline:
             gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
             pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),
             tail_len=gr.tail_len - blk, tables=alloc.device_tables(layout, self.tables_at), alloc=alloc, since_flush=0,
-            slots=tuple(layer_slots)), nbytes
+            slots=tuple(layer_slots), stack=stk), nbytes
 
     def release(self, state: DecodeState, rows) -> DecodeState:
         """Frees the pool blocks of finished requests (rows of the whole batch); their later steps

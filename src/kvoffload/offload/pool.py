@@ -380,6 +380,13 @@ def write_stored_blocks(ext, blocks, slots):
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
+def write_blocks_stacked(ext, blocks, slots):
+    """Device extents of n layers stacked [n, E, ...] with blocks [n, b, ...] written at slots [b] of each
+    (entries >= E dropped), in place: a looped step's per-layer metadata (`pipeline.LayerStack`)."""
+    return ext.at[:, slots].set(blocks.astype(ext.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_blocks(ext, blocks, slots):
     # slots outside [0, E) are dropped: one program for every extent a flush touches
     return ext.at[slots].set(blocks.astype(ext.dtype), mode="drop")

@@ -713,7 +713,7 @@ def check_refill(B=2, n_kv=2, sizes=(5, 3), blk=24, d=80, K=37, dtype="float32",
     else:
         errs, tol = dict(err_mismatch=float(np.mean(got != want)) if got.shape == want.shape else float("inf")), 1e-12
     r = _result(f"refill E{sizes} blk{blk} B{B} kv{n_kv} K{K} d{d} {dtype}{f' int{bits}' if bits else ''}"
-                f"{' host' if host else ''}", mode, errs, tol)
+                f"{' host' if host else ''}{f' layer {layer}/{layers}' if layers > 1 else ''}", mode, errs, tol)
     r["ok"] = r["ok"] and out.dtype == buf.dtype
     return r
 

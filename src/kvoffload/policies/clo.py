@@ -108,7 +108,7 @@ from kvoffload.importance.deploy import group_similarity
 from kvoffload.models.transformer import family
 from kvoffload.offload import sharding as S
 from kvoffload.offload.pipeline import attend_pool, native_extent
-from kvoffload.offload.pool import write_blocks
+from kvoffload.offload.pool import write_blocks, write_blocks_stacked
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
@@ -735,6 +735,28 @@ class CloHooks(TokenSelectHooks):
         written = tuple(write_blocks(old, part, at) for old, part in zip(slot.meta[extent], new))
         return dataclasses.replace(slot, meta=slot.meta[:extent] + (written,) + slot.meta[extent + 1:])
 
+    def loop_refusal(self, pipe):
+        if self.attend.retrieval not in ("quest", "hata"):  # exact scores read the keys at the selection's own ids
+            return "clo's retrieval=quest or hata (exact scores read each layer's keys in place)"
+        return None
+
+    def keys_written_stacked(self, pipe, stack, extent, k_blocks, at):
+        r = self.attend.retrieval
+        if r == "exact" or stack.st.moving.dense:
+            return stack.fixed
+        n = k_blocks.shape[0]
+        meta, w = (stack.fixed[FIXED_SLOT_FIELDS.index(f)] for f in ("meta", "hata_w"))
+        if w is None:  # quest: every layer's blocks at once
+            flat = key_metadata(k_blocks.reshape((-1,) + k_blocks.shape[2:]), None, r, self.attend.page_size,
+                                self.attend.quest_dtype)
+            new = tuple(a.reshape((n, -1) + a.shape[1:]) for a in flat)
+        else:  # hata: each layer's own projections
+            new = jax.vmap(lambda kb, wj: key_metadata(kb, wj, r, self.attend.page_size))(k_blocks, w)
+        at = jnp.asarray(at, jnp.int32)
+        written = tuple(write_blocks_stacked(old, part, at) for old, part in zip(meta[extent], new))
+        i = FIXED_SLOT_FIELDS.index("meta")
+        return stack.fixed[:i] + (meta[:extent] + (written,) + meta[extent + 1:],) + stack.fixed[i + 1:]
+
     def persistent_for_stores(self, pipe, model, layout, batch, K):
         scores = head_rule(model.config, self.importance, self.eta, self.p, self.fixed_threshold)[0]
         return self.persistent_mask(pipe, model, scores, layout, batch, K)[0]
@@ -939,8 +961,10 @@ class CloPolicy(LayeredPolicy):
             cached = ~h.chosen["persistent"]
             per_head = np.asarray(c["hit_rate_per_layer_head"])
             c["hit_rate_cached_heads"] = float(per_head[cached].mean()) if cached.any() else None
+            by_group = [gr.slots_by_layer() for gr in state.groups]  # a looped run's copied out of its stack
+
             def per_layer_head(field):  # [L, n_kv] summed over requests and GPU batches
-                return sum(np.stack([np.asarray(getattr(s, field)).sum(0) for s in gr.slots]) for gr in state.groups)
+                return sum(np.stack([np.asarray(getattr(s, field)).sum(0) for s in sl]) for sl in by_group)
 
             # store=act layers read X rows (counted below), no V (K) row crosses: their row counters count nothing
             kv_layer = np.asarray([s != "act" for s in h.stores] if h.stores else [True] * len(h.chosen["tau"]))
@@ -962,7 +986,7 @@ class CloPolicy(LayeredPolicy):
             if a.retrieval != "exact":  # the same rows of K (as stored) gathered from the host beside V
                 c["k_bytes_fetched"] = int(rows.astype(np.int64).sum()) * h.chosen["k_row_bytes"]
             # GPU-resident retrieval state: the metadata of every extent (slots' meta) and HATA's W
-            slots = [s for gr in state.groups for s in gr.slots]
+            slots = [s for sl in by_group for s in sl]
             c["metadata_gpu_bytes"] = int(sum(x.nbytes for s in slots for x in jax.tree.leaves(s.meta)))
             c["hata_w_gpu_bytes"] = int(sum(s.hata_w.nbytes for s in slots if s.hata_w is not None))
             c["metadata_placement"] = "per layer in the slots (CloSlots.meta), device memory"

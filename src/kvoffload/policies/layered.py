@@ -76,13 +76,16 @@ class LayeredPolicy(Policy):
              "pool": "pinned host" if self.host_pool else "device", "host_memory": self.pipeline.host_note,
              "host_dtype": o.host_dtype if self.host_pool else "native",
              "cost_model": self.pipeline.cost.source,
-             "layers_per_program": self.pipeline.layers_per_program()}
+             "layers_per_program": self.pipeline.layers_per_program(), "loop_layers": o.loop_layers}
         if self.pipeline.memory_plan is not None:
             d["memory_plan"] = self.pipeline.memory_plan.describe()
         if state is not None:
             lay = state.groups[0].layout
             d["layout"] = {"extent_blocks": lay.extent_blocks, "num_extents": lay.num_extents,
                            "kv_extents": lay.kv_extents, "act_extents": lay.act_extents}
+            stk = state.groups[0].stack
+            if stk is not None:  # layers [first, L) run as one program a step
+                d["looped_layers"] = [stk.first, stk.first + stk.layers]
             if state.records:
                 d["last_step"] = dict(state.records[-1])
         return d

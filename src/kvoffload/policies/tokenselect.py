@@ -947,6 +947,9 @@ class TokenSelectHooks(LayerHooks):
         slots = self.slot_maker(pipe, model, layout, batch)()
         return place_slots(pipe, slots, tuple(self.slot_specs(s) for s in slots))
 
+    def reads_rows(self, pipe) -> bool:
+        return True  # selected rows by token id (`HostRows`), from extents read in place or fetched
+
     def sources(self, pipe, group, plan, layer, fetched):
         if self.split:  # the pool's arrays as they are, as for a device pool (no zero stand-ins: nothing fetched)
             pool = PoolSources(k=group.pool_k[layer], v=group.pool_v[layer], x=group.pool_x[layer],
@@ -1077,7 +1080,7 @@ class TokenSelectPolicy(LayeredPolicy):
             d["selection"].update(self.pipeline.hooks.store_report(state))
         d["selection"].update(self.pipeline.hooks.replay_description())
         if state is not None and state.groups and state.groups[0].slots:
-            d["selection"]["selected_per_head"] = int(state.groups[0].slots[0].indices.shape[-1])
+            d["selection"]["selected_per_head"] = int(state.groups[0].layer_slot(0).indices.shape[-1])
             d["selection"].update(hit_rates(state))
         return d
 
@@ -1101,9 +1104,10 @@ def extrapolation_options(token_budget, token_ratio, num_sink, num_recent, kv, p
 def hit_rates(state) -> dict:
     """Selection-cache hit rates over every request of the run: per layer and KV head, per layer, overall;
     and per layer the fraction of steps on which the scoring ran."""
-    hits = sum(np.stack([np.asarray(s.hits).sum(0) for s in gr.slots]) for gr in state.groups)  # [L, n_kv]
-    looks = sum(np.asarray([int(np.asarray(s.steps).sum()) for s in gr.slots]) for gr in state.groups)  # [L]
-    scored = sum(np.asarray([int(s.scored) for s in gr.slots]) for gr in state.groups)
+    by_group = [gr.slots_by_layer() for gr in state.groups]  # a looped run's copied out of its stack
+    hits = sum(np.stack([np.asarray(s.hits).sum(0) for s in sl]) for sl in by_group)  # [L, n_kv]
+    looks = sum(np.asarray([int(np.asarray(s.steps).sum()) for s in sl]) for sl in by_group)  # [L]
+    scored = sum(np.asarray([int(s.scored) for s in sl]) for sl in by_group)
     steps = max(1, state.step) * len(state.groups)
     looks = np.maximum(looks, 1)
     per_head = hits / looks[:, None]
@@ -1111,9 +1115,9 @@ def hit_rates(state) -> dict:
            "hit_rate_per_layer": [round(float(x), 4) for x in per_head.mean(1)],
            "hit_rate_per_layer_head": [[round(float(x), 4) for x in row] for row in per_head],
            "scored_fraction_per_layer": [round(float(x) / steps, 4) for x in scored]}
-    slots0 = state.groups[0].slots
+    slots0 = by_group[0]
     if slots0[0].replay is not None:  # replayed decisions: the configured rates, and what the rule would have done
-        rule = sum(np.stack([np.asarray(s.rule_hits).sum(0) for s in gr.slots]) for gr in state.groups)
+        rule = sum(np.stack([np.asarray(s.rule_hits).sum(0) for s in sl]) for sl in by_group)
         out["replayed_hit_rate_per_layer"] = [round(float(s.replay.rate), 6) for s in slots0]
         out["similarity_rule_hit_rate"] = float(rule.sum() / (looks.sum() * rule.shape[1]))
         out["similarity_rule_hit_rate_per_layer"] = [round(float(x), 4) for x in (rule / looks[:, None]).mean(1)]
