@@ -134,7 +134,8 @@ class GroupState:
     # above are then None), or None
     stack: Any = None
     # [b] int32: the next token's positions (prompt_lens + n_gen), advanced on the device by each step's input
-    # program: a Python int there was a host->device copy a step (~1 ms of an H200 host's step, traced)
+    # program: a Python int there was a host->device copy a step (~1 ms of an H200 host's step, traced). It and
+    # tail_len start committed, as that program's outputs are (else the first step's programs compile twice)
     next_positions: Any = None
 
     @property
@@ -1289,7 +1290,7 @@ class LayerPipeline:
             states.append(GroupState(
                 pool_k=tuple(gr["pk"]), pool_v=tuple(gr["pv"]), pool_x=tuple(gr["px"]),
                 tables=gr["alloc"].device_tables(gr["layout"], self.tables_at), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
-                tail_x=tuple(gr["tx"]), tail_len=self.local(jnp.asarray(lens % blk, jnp.int32)), prompt_lens=lengths[a:z],
+                tail_x=tuple(gr["tx"]), tail_len=S.put(np.asarray(lens % blk, np.int32), self.rep), prompt_lens=lengths[a:z],
                 slots=tuple(gr["slots"]),
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
                 n_gen=0, since_flush=0, next_positions=lengths[a:z]))
