@@ -1170,6 +1170,7 @@ class LayerPipeline:
         dtype = model.params.layers[0].wk.dtype
         wb = S.weight_bytes_per_device(model.config, dtype, model.params, self.tp, self.replicate_kv(model))
         gathered = self.x_by_token and o.offload_weights and self.hooks.recomputes(self, model)
+        slot_parts = self.hooks.slot_memory(self, model, layouts, len(lengths))
         mem = pool_memory(cfg, dtype, layouts, len(lengths), t_pad, host_pool=self.host_pool,
                           offload_weights=o.offload_weights, weights=wb,
                           kv_gathered=wb.kv_per_layer * (self.tp - 1) if gathered else 0,
@@ -1183,7 +1184,7 @@ class LayerPipeline:
                           fetch=self.hooks.fetches_extents(self),
                           layer_parts=[self.hooks.layer_parts(self, i) for i in range(cfg.num_layers)],
                           device_layers=[self.hooks.device_layer(self, i) for i in range(cfg.num_layers)],
-                          slots=self.hooks.slot_memory(self, model, layouts, len(lengths)))
+                          slots=slot_parts)
         if o.offload_weights and M.on_host(model.params.layers):
             mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
         if o.loop_layers:
@@ -1191,8 +1192,7 @@ class LayerPipeline:
             # the looped layers' pool, tails and slots copied once at the prefill's end (old and new alive together)
             mem.gpu["looped layers' weights (stacked copy)"] = wb.per_layer * cfg.num_layers
             mem.gpu_phase["looped layers' weights (stacked copy)"] = "decode"
-            copied = [k for k in mem.gpu if k.startswith("K/V blocks") or k == "GPU tails" or k in
-                      self.hooks.slot_memory(self, model, layouts, len(lengths))]
+            copied = [k for k in mem.gpu if k.startswith("K/V blocks") or k == "GPU tails" or k in slot_parts]
             mem.gpu["state stacked at the prefill's end (transient copy)"] = sum(mem.gpu[k] for k in copied)
             mem.gpu_phase["state stacked at the prefill's end (transient copy)"] = "prefill"
             if mem.host.get("K/V blocks"):
