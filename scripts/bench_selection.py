@@ -57,6 +57,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -82,6 +83,10 @@ VARIANTS = {
     "clo_exact_int4": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "host_dtype": "int4"}, "clo"),  # issue 13
     # issue 11's "naive top-k offload": the same selection, no cache, no speculative prefetch
     "clo_naive": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
+    # the same for clo's Quest selection (as clo_quest / clo_quest_loop: a naive baseline of the selection compared)
+    "clo_quest_naive": ("clo", {"retrieval": "quest", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
+    "clo_quest_naive_loop": ("clo", {"retrieval": "quest", "topk_of_context": 0.1, "speculative_prefetch": False,
+                                     "loop_layers": True}, 0.0),
     "offload": ("offload", {}, None),
     # a step's trailing layers of one program as one loop program (loop_layers: ~1 ms of host a step)
     "full_loop": ("full", {"loop_layers": True}, None),
@@ -90,7 +95,7 @@ VARIANTS = {
 DEFAULT_POLICIES = ("full", "tokenselect_gpu", "tokenselect_split", "offload", "clo_exact", "clo_hata")
 COST_RANK = {name: i for i, name in enumerate(
     ("full", "full_loop", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_quest",
-     "clo_quest_loop", "clo_naive", "offload"))}
+     "clo_quest_loop", "clo_naive", "clo_quest_naive", "clo_quest_naive_loop", "offload"))}
 GB = 1e9
 
 
@@ -136,6 +141,7 @@ def parse_options(pairs):
 from kvoffload import ops  # noqa: E402
 # random K/V instead of the prefill's layer programs (shared with scripts/bench_long_context.py)
 from kvoffload.offload.bench import random_kv_prefill  # noqa: E402
+from kvoffload.profile import scope_breakdown  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -504,6 +510,9 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
              step_s=float(np.median(times)), host_issued_s=issued,
              host_slack_s=float(np.median(np.subtract(times, issued))), host_gauge=gauge)
     recs = state.records[-len(times):]
+    flushed = [bool(x.get("flushed")) for x in recs]
+    r["flush_step_times_s"] = [t for t, f in zip(times, flushed) if f]  # a flush's writes (their first compiles)
+    r["step_s_without_flushes"] = float(np.median([t for t, f in zip(times, flushed) if not f] or [np.nan]))
     r["bytes_h2d_per_step"] = float(np.mean([x.get("bytes_h2d", 0) for x in recs]))  # whole extents fetched
     if c1 is not None:
         looks = max(1, c1["looks"] - c0["looks"])
@@ -532,6 +541,11 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         with jax.profiler.trace(path):
             _, _, state, nxt = decode_steps(pol, model, state, nxt, 1)
         r["trace_dir"] = path
+        try:  # the traced step's device time by the runtime's named scopes (issue 11's Fig. 11 parts)
+            r["scope_breakdown"] = layer_breakdown(scope_breakdown(path), cfg.num_layers, state.groups[0].stack)
+            r["scope_breakdown"]["traced_step_flushed"] = bool(state.records[-1].get("flushed"))
+        except Exception as e:  # noqa: BLE001  (keep the step numbers)
+            r["scope_breakdown_error"] = f"{type(e).__name__}: {str(e)[:400]}"
     r["state_bytes"] = state_bytes(state)
     r["memory_stats_after"] = memory_stats()
     if base["bytes_in_use"] is not None and r["memory_stats_after"]["bytes_in_use"] is not None:
@@ -613,6 +627,33 @@ def fmt(x, spec="{:.2f}", scale=1.0):
     return spec.format(x * scale) if isinstance(x, (int, float)) else "-"
 
 
+def layer_breakdown(b: dict, num_layers: int, stack) -> dict:
+    """A step's scope breakdown (`kvoffload.profile.scope_breakdown`) with the mean layer's parts (every program
+    but the embedding and logits, over the model's layers) and, where layers loop, the looped layer's (the loop
+    program's time over its layers)."""
+    layer = collections.Counter()
+    for prog in b["programs"].values():
+        for part, sec in prog["parts"].items():
+            if part != "embedding and logits":
+                layer[part] += sec / num_layers
+    b["per_layer"] = dict(layer.most_common())
+    loop = b["programs"].get("jit_loop_layers")
+    if loop is not None and stack is not None:
+        b["looped_layer"] = {p: sec / stack.layers for p, sec in loop["parts"].items()}
+    return b
+
+
+def note_of(r) -> str:
+    """The table's note: the timed flush steps (a flush's first compiles its writes) and why the attention
+    microbenchmark did not run."""
+    parts = []
+    if r.get("flush_step_times_s"):
+        parts.append("flush steps " + ", ".join(f"{1e3 * t:.1f}" for t in r["flush_step_times_s"]) + " ms")
+    if r.get("attention_error"):
+        parts.append(r["attention_error"][:80])
+    return "; ".join(parts)
+
+
 def table(doc) -> str:
     rows = [r for r in doc["runs"]]
     full = {(r["context"], r["batch"]): r for r in rows if r["variant"] == "full" and "step_s" in r}
@@ -647,7 +688,7 @@ def table(doc) -> str:
                      f"{us} | {fmt(fl.get('floor_s'), '{:.0f}', 1e6)} | {fmt(fl.get('measured_over_floor'))} | "
                      f"{fmt(r.get('hit_rate_timed_steps'))} | {fmt(kv, '{:.2f}', 1e-9)} | "
                      f"{fmt(kv / kv_full if kv_full else None)} | {fmt(moved, '{:.1f}', 1e-6)} | "
-                     f"{r.get('attention_error', '')[:80]} |")
+                     f"{note_of(r)} |")
     return "\n".join(lines)
 
 

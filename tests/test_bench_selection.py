@@ -16,7 +16,7 @@ def test_cpu_smoke_runs_every_part_and_writes_results(tmp_path, capsys):
     with script_module("bench_selection") as bs:
         assert bs.main(["--cpu-smoke", "--out", str(out), "--policies", "clo_exact,offload,tokenselect_split,full",
                         "--option", "clo_exact:layer0_full=false",
-                        "--option", "clo_exact:speculative_prefetch=false"]) == 0
+                        "--option", "clo_exact:speculative_prefetch=false", "--trace", str(tmp_path / "tr")]) == 0
     doc = json.loads(out.read_text())
     order = [(r["variant"], r["context"]) for r in doc["runs"]]
     # cheap first: the small context, and within it full < tokenselect < clo < offload
@@ -28,6 +28,11 @@ def test_cpu_smoke_runs_every_part_and_writes_results(tmp_path, capsys):
         r = runs[v, 256]
         assert "error" not in r and "attention_error" not in r, r.get("error") or r.get("attention_error")
         assert r["step_s"] > 0 and len(r["step_times_s"]) == 1 and r["memory_plan"]["gpu_kv_bytes"] > 0
+        assert r["flush_step_times_s"] == [] and r["step_s_without_flushes"] == r["step_s"]  # 1 step: no flush
+        # the traced step by the runtime's named scopes: the mean layer's attention and projections
+        b = r["scope_breakdown"]
+        assert b["per_layer"]["attention"] > 0 and b["per_layer"]["projections and MLP"] > 0, b
+        assert (b["per_layer"].get("retrieval", 0) > 0) == (v in ("clo_exact", "tokenselect_split")), b
         # the host's share of the step: dispatched before the step ended
         assert len(r["host_issued_s"]) == 1 and 0 < r["host_issued_s"][0] <= r["step_times_s"][0]
         assert r["host_slack_s"] == r["step_times_s"][0] - r["host_issued_s"][0]

@@ -571,6 +571,8 @@ def test_loop_layers_runs_a_steps_looped_layers_as_one_program(monkeypatch, poli
     gr = state.groups[0]
     assert gr.layout.num_extents > 1 and gr.n_gen == 20 and gr.stack.first == first
     assert gr.tail_k[first:] == (None,) * (4 - first) and pol.describe(state)["looped_layers"] == [first, 4]
+    blk = gr.layout.block_tokens  # every blk-th step flushes (its record says so; a benchmark times those apart)
+    assert [r["flushed"] for r in state.records] == [(s + 1) % blk == 0 for s in range(20)]
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(got, want)
     else:
@@ -628,3 +630,26 @@ def test_recompute_workspace_by_token_holds_every_extent_at_once():
     sizes = [lay.size(e) for e in lay.extents_of("act")]
     assert token == 2 * sum(sizes) * (kv_blk + x_blk)
     assert hidden == 2 * max(sizes) * (kv_blk + x_blk * 4)
+
+
+@pytest.mark.parametrize("stored", ["native", "int4"])
+def test_strided_write_puts_each_layers_blocks_where_its_own_write_would(stored):
+    """A looped step's flush writes n layers' blocks into a stacked host extent (layer j at slots + j x stride)
+    in one program where each layer's slots are one run, else layer by layer (a request's block elsewhere:
+    slot -1): the extent equals n separate `write_stored_blocks` calls, int4 extents quantized the same."""
+    from kvoffload.offload.pool import quantize_blocks, write_stored_blocks, write_stored_blocks_strided
+
+    n, stride, rng = 3, 5, np.random.default_rng(0)
+    blocks = jnp.asarray(rng.standard_normal((n, 2, 2, 4, 16)), jnp.float32)  # [n, b, n_kv, blk, d]
+    for slots in (np.array([1, 2]), np.array([3, -1]), np.array([4, 0])):
+        base = jnp.asarray(rng.standard_normal((n * stride + 1, 2, 4, 16)), jnp.float32)  # +1: padded rows
+        base = quantize_blocks(base, 16) if stored == "int4" else base
+        ext = jax.device_put(base, M.host_sharding())
+        want = jax.device_put(base, M.host_sharding())
+        for j in range(n):
+            want = write_stored_blocks(want, blocks[j], np.where(slots >= 0, slots + j * stride, n * stride + 1))
+        got = write_stored_blocks_strided(ext, blocks, slots, stride)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert M.memory_kind_of(x) == "pinned_host"
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert not np.array_equal(np.asarray(jax.tree.leaves(got)[0]), np.asarray(jax.tree.leaves(base)[0]))

@@ -71,6 +71,7 @@ from kvoffload.offload.pool import (
     gather_kv_extent,
     quantize_blocks,
     write_stored_blocks,
+    write_stored_blocks_strided,
 )
 
 KV_FIELDS = S.KV_FIELDS
@@ -205,12 +206,15 @@ def _decode_inputs(cfg, params, tokens, next_positions, tail_len):
     """(h [B, 1, H], positions [B, 1], the next step's positions, the tail lengths after this step's token) of a
     decode step's new tokens [B] at next_positions [B] (the counters advanced here: no eager add a step)."""
     positions = next_positions[:, None]
-    return family(cfg).embed(cfg, params, tokens[:, None], positions), positions, next_positions + 1, tail_len + 1
+    with jax.named_scope("embed"):
+        h = family(cfg).embed(cfg, params, tokens[:, None], positions)
+    return h, positions, next_positions + 1, tail_len + 1
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _decode_logits(cfg, params, h):
-    return family(cfg).logits(cfg, params, h[:, 0])
+    with jax.named_scope("logits"):
+        return family(cfg).logits(cfg, params, h[:, 0])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens", "attention_impl"))
@@ -384,17 +388,25 @@ def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
     if slots_fixed is not None:
         slots = attend.join_slots(slots, slots_fixed)
     fam = family(cfg)
-    x = fam.attn_input(cfg, lp, h)
-    q, k, v = fam.qkv(cfg, lp, x, positions)
-    tail_k = put_rows(tail_k, k, tail_len, 1)
-    tail_v = put_rows(tail_v, v, tail_len, 1)
-    if tail_x is not None:
-        tail_x = put_rows(tail_x, x, tail_len, 0)
-    q = q[:, :, 0]
+    # named scopes: a profile's kernels map to these parts (`kvoffload.profile`; the policy's attend names its
+    # own parts inside "pool_attention")
+    with jax.named_scope("qkv"):
+        x = fam.attn_input(cfg, lp, h)
+        q, k, v = fam.qkv(cfg, lp, x, positions)
+        tail_k = put_rows(tail_k, k, tail_len, 1)
+        tail_v = put_rows(tail_v, v, tail_len, 1)
+        if tail_x is not None:
+            tail_x = put_rows(tail_x, x, tail_len, 0)
+        q = q[:, :, 0]
     recompute_impl, attention_impl = options
-    acc, slots = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, slots, recompute_impl, attention_impl)
-    o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, impl=attention_impl))
-    h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
+    with jax.named_scope("pool_attention"):
+        acc, slots = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, slots, recompute_impl,
+                            attention_impl)
+    with jax.named_scope("tail_attention"):
+        o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1,
+                                                                  impl=attention_impl))
+    with jax.named_scope("out_mlp"):
+        h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
     if slots_fixed is not None:
         slots = attend.split_slots(slots)[0]
     return h, tail_k, tail_v, tail_x, slots
@@ -495,11 +507,12 @@ class LayerStack:
     def layers(self) -> int:
         return int(self.st.tail_k.shape[0])
 
-    def block_at(self, j: int, e: int, slots):
-        """(extent of the stack, block ids there) of layer j's extent e slots (host ints)."""
+    def extent_of(self, e: int):
+        """(stacked extent, base, stride): layer j's block s of the layout's extent e is block base + s + j x stride
+        of that stacked extent."""
         if self.by_rows:
-            return 0, np.asarray(slots) + j * sum(self.blocks) + sum(self.blocks[:e])
-        return e, np.asarray(slots) + j * self.blocks[e]
+            return 0, sum(self.blocks[:e]), sum(self.blocks)
+        return e, 0, self.blocks[e]
 
 
 _register(LayerStack, ("first", "blocks", "by_rows", "attend"))
@@ -1375,38 +1388,50 @@ class LayerPipeline:
 
     def flush_stack(self, gr: GroupState, stk: LayerStack, slots: dict):
         """(stk, device->host bytes) with every looped layer's oldest blk tail tokens written as the new blocks
-        (slots: per extent touched, each request's slot there, >= its size where its block is elsewhere) and the
-        policy's key metadata updated (`LayerHooks.keys_written_stacked`)."""
+        (slots: per extent touched, each request's slot there, >= its size where its block is elsewhere): one
+        pop, one quantization and one write program per stacked extent for all looped layers; the policy's key
+        metadata updated (`LayerHooks.keys_written_stacked`)."""
         blk, layout = gr.layout.block_tokens, gr.layout
         bk, tail_k = _pop_block(stk.st.tail_k, blk, 2)  # [n, b, n_kv, blk, d]
         bv, tail_v = _pop_block(stk.st.tail_v, blk, 2)
-        keys_dev = self.hooks.keys_on_device(self)
+        dev_layer = {self.hooks.device_layer(self, stk.first + j) for j in range(stk.layers)}
+        if len(dev_layer) != 1:  # stack_group loops only layers of one program, whose pools share a memory
+            raise LoopLayersError("loop_layers: looped layers differ in where their blocks live")
+        on_dev, form = dev_layer.pop(), self._stored_form(bk, bv)
         pk, pv, nbytes, fixed = list(stk.pool_k), list(stk.pool_v), 0, stk.fixed
-        for j in range(stk.layers):
-            on_dev = self.hooks.device_layer(self, stk.first + j)
-            qk, qv = (None, None)
-            for e, at in slots.items():
-                dev = layout.on_device(e) or on_dev
-                share = float(np.mean(at < layout.size(e)))  # of the blocks written, those in extent e
-                x, ids = stk.block_at(j, e, at)
-                for pool, blocks, key in ((pk, bk, True), (pv, bv, False)):
-                    if pool[x] is None:
-                        continue
-                    native = dev or (key and keys_dev)
-                    if native:
-                        w = blocks[j]
-                    else:  # int4 / int8 host blocks: quantized once a layer
-                        if (qk if key else qv) is None:
-                            q = self.host_form(blocks[j], key=key)
-                            qk, qv = (q, qv) if key else (qk, q)
-                        w = qk if key else qv
-                    end = jax.tree.leaves(pool[x])[0].shape[0]
-                    pool[x] = write_stored_blocks(pool[x], w, np.where(at < layout.size(e), ids, end))
-                    nbytes += 0 if native else int(_tree_bytes(w) * share)
         for e, at in slots.items():
+            share = float(np.mean(at < layout.size(e)))  # of the blocks written, those in extent e
+            x, base, stride = stk.extent_of(e)
+            ids = np.where(at < layout.size(e), at + base, -1)
+            for pool, key in ((pk, True), (pv, False)):
+                if pool[x] is None:
+                    continue
+                native = self._stores_native(layout, e, on_dev, key)
+                w = form(key, native)
+                pool[x] = write_stored_blocks_strided(pool[x], w, ids, stride)
+                nbytes += 0 if native else int(_tree_bytes(w) * share)
             fixed = self.hooks.keys_written_stacked(self, dataclasses.replace(stk, fixed=fixed), e, bk, at)
         st = dataclasses.replace(stk.st, tail_k=tail_k, tail_v=tail_v)
         return dataclasses.replace(stk, st=st, fixed=fixed, pool_k=tuple(pk), pool_v=tuple(pv)), nbytes
+
+    def _stores_native(self, layout: PoolLayout, e: int, device_layer: bool, key: bool) -> bool:
+        """Whether extent e of a layer stores a flushed K (key) or V block as computed: a device extent or
+        layer, or K the policy keeps on the device; else in `host_form`."""
+        return layout.on_device(e) or device_layer or (key and self.hooks.keys_on_device(self))
+
+    def _stored_form(self, bk, bv):
+        """form(key, native): the flushed K (key) or V blocks as an extent stores them, `host_form` made once."""
+        made = {}
+
+        def form(key: bool, native: bool):
+            a = bk if key else bv
+            if native:
+                return a
+            if key not in made:
+                made[key] = self.host_form(a, key=key)
+            return made[key]
+
+        return form
 
     def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype, parts=None, on_device=False):
         """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty; and the
@@ -1646,17 +1671,18 @@ class LayerPipeline:
         moved.update(lookahead_items=lookahead)
         logits = [_decode_logits(cfg, fam_params, h) for h in hs]
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
-        new_groups, d2h = [], 0
+        new_groups, d2h, flushed = [], 0, False
         for gr, tl, stk, (nxt_pos, nxt_len) in zip(groups, tails, stacks, after):
             gr = dataclasses.replace(gr, tail_k=tuple(tl["k"]), tail_v=tuple(tl["v"]), tail_x=tuple(tl["x"]),
                                      slots=tuple(tl["slots"]), stack=stk, next_positions=nxt_pos,
                                      tail_len=nxt_len, n_gen=gr.n_gen + 1, since_flush=gr.since_flush + 1)
             if gr.since_flush == gr.layout.block_tokens:
                 gr, nbytes = self.flush(gr)
-                d2h += nbytes
+                d2h, flushed = d2h + nbytes, True
             new_groups.append(gr)
         moved.update(self.hooks.step_record(self, new_groups))
         rec = self.record(model, state, plans, moved, d2h)
+        rec["flushed"] = flushed  # this step's tails became pool blocks (its time includes the writes)
         records += (rec,)
         if not o.trace:  # a trace file holds every step; the state the last RECORDS_KEPT
             records = records[-RECORDS_KEPT:]
@@ -1675,7 +1701,6 @@ class LayerPipeline:
         touched = sorted(set(int(e) for e in ext_of))
         # a slot past the extent's end is dropped: one scatter program per extent size
         slots = {e: np.where(ext_of == e, slot_of, layout.size(e)) for e in touched}
-        keys_dev = self.hooks.keys_on_device(self)
         nbytes = 0
         stk = gr.stack
         if stk is not None:  # the looped layers, at once
@@ -1687,21 +1712,19 @@ class LayerPipeline:
             if tx[i] is not None:
                 bx, tx[i] = _pop_block(tx[i], blk, 0)
             dev_layer = self.hooks.device_layer(self, i)
-            # int4 host extents: the blocks quantized once per layer, on the GPU, before they move; K kept on
-            # the GPU stays native; a flushed block is whole (blk tokens of every request)
-            qk, qv = (bk, bv) if dev_layer else ((bk if keys_dev else self.host_form(bk, key=True)), self.host_form(bv))
+            # int4 host extents: the blocks quantized once per layer, on the GPU, before they move; a flushed
+            # block is whole (blk tokens of every request)
+            form = self._stored_form(bk, bv)
             qx = self.host_form(bx) if bx is not None else None
             for e in touched:
                 share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
                 if layout.has("kv", e):
-                    on_dev = layout.on_device(e) or dev_layer
-                    wk, wv = (bk, bv) if on_dev else (qk, qv)
-                    if pk[i][e] is not None:  # a layer may store X in place of K and / or V (layer_parts)
-                        pk[i][e] = write_stored_blocks(pk[i][e], wk, slots[e])
-                        nbytes += 0 if on_dev or keys_dev else int(_tree_bytes(wk) * share)  # device -> host bytes
-                    if pv[i][e] is not None:
-                        pv[i][e] = write_stored_blocks(pv[i][e], wv, slots[e])
-                        nbytes += 0 if on_dev else int(_tree_bytes(wv) * share)
+                    for pool, key in ((pk, True), (pv, False)):
+                        if pool[i][e] is not None:  # a layer may store X in place of K and / or V (layer_parts)
+                            native = self._stores_native(layout, e, dev_layer, key)
+                            w = form(key, native)
+                            pool[i][e] = write_stored_blocks(pool[i][e], w, slots[e])
+                            nbytes += 0 if native else int(_tree_bytes(w) * share)  # device -> host bytes
                     if layer_slots:
                         layer_slots[i] = self.hooks.keys_written(self, layer_slots[i], e, bk, slots[e])
                 if layout.has("act", e) and bx is not None and px[i][e] is not None:

@@ -379,6 +379,48 @@ def write_stored_blocks(ext, blocks, slots):
                          write_blocks(ext.mn, blocks.mn, slots), ext.group_size, ext.scales, ext.bits)
 
 
+def write_stored_blocks_strided(ext, blocks, slots, stride: int):
+    """n layers' blocks [n, b, ...] into one extent that holds the layers one after another (a looped
+    step's stacked pool, `pipeline.LayerStack`): layer j's blocks at slots + j x stride (host ints; a
+    negative entry is dropped: that request's block is in another extent). One program for all n layers where
+    every layer's slots are one contiguous run (a lockstep flush), else layer by layer. An int4 / int8
+    extent (QuantizedInt) gets the blocks quantized once, all layers together."""
+    slots = np.asarray(slots)
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    if isinstance(ext, QuantizedInt):
+        if not isinstance(blocks, QuantizedInt):
+            blocks = quantize_blocks(blocks, ext.group_size, ext.scales, ext.bits)
+        return QuantizedInt(*(write_stored_blocks_strided(e, b, slots, stride)
+                              for e, b in ((ext.codes, blocks.codes), (ext.step, blocks.step), (ext.mn, blocks.mn))),
+                            ext.group_size, ext.scales, ext.bits)
+    kind = getattr(ext.sharding, "memory_kind", None)
+    contiguous = bool((slots == slots[0] + np.arange(len(slots))).all()) and slots[0] >= 0
+    if contiguous and _WRITE_OK.get(("run", kind), True) and (n - 1) * stride + slots[-1] < ext.shape[0]:
+        try:
+            out = _strided_program(ext.sharding, n)(ext, blocks, jnp.int32(slots[0]), jnp.int32(stride))
+            _WRITE_OK[("run", kind)] = True
+            return out
+        except Exception:  # noqa: BLE001  (as write_blocks: a backend that cannot write host memory in place)
+            if _WRITE_OK.get(("run", kind)) is True or ext.is_deleted():
+                raise
+            _WRITE_OK[("run", kind)] = False
+    for j in range(n):
+        ext = write_blocks(ext, blocks[j], np.where(slots >= 0, slots + j * stride, ext.shape[0]))
+    return ext
+
+
+@functools.lru_cache(maxsize=None)
+def _strided_program(sharding, n: int):
+    """write_blocks' "run" program for n layers at once: n dynamic_update_slices, one program."""
+    def run(ext, blocks, start, stride):
+        blocks = jax.device_put(blocks.astype(ext.dtype), sharding)
+        for j in range(n):
+            ext = jax.lax.dynamic_update_slice_in_dim(ext, blocks[j], start + j * stride, axis=0)
+        return ext
+
+    return jax.jit(run, donate_argnums=(0,), out_shardings=sharding)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def write_blocks_stacked(ext, blocks, slots):
     """Device extents of n layers stacked [n, E, ...] with blocks [n, b, ...] written at slots [b] of each

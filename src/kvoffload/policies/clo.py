@@ -491,16 +491,18 @@ class CloAttend:
 
         def select():  # over each request's own blocks (`TokenSpace`): scores and top-k of T = R * blk tokens
             space = token_space(tables, blk, src.request_blocks)
-            if self.retrieval == "quest":
-                scores = quest_token_scores(q, slots.meta, tables, blk, space)
-            elif self.retrieval == "hata":
-                scores = hata_token_scores(q, slots.meta, slots.hata_w, tables, space)
-            else:
-                scores = exact_scores(q, keys, tables, space, skip=reuse)  # a reusing head's keys are not read
-            scores = jnp.where(slots.persistent[None, :, None] & (scores > NEG_INF), jnp.inf, scores)  # all
-            return choose_tokens(scores, space.positions(tables), pool_tokens, context, n_select, K,
-                                 self.num_sink, self.num_recent, ps, token_ids=space.token_ids(),
-                                 method=self.topk_method)
+            with jax.named_scope("scores"):
+                if self.retrieval == "quest":
+                    scores = quest_token_scores(q, slots.meta, tables, blk, space)
+                elif self.retrieval == "hata":
+                    scores = hata_token_scores(q, slots.meta, slots.hata_w, tables, space)
+                else:
+                    scores = exact_scores(q, keys, tables, space, skip=reuse)  # a reusing head's keys are not read
+                scores = jnp.where(slots.persistent[None, :, None] & (scores > NEG_INF), jnp.inf, scores)  # all
+            with jax.named_scope("select"):
+                return choose_tokens(scores, space.positions(tables), pool_tokens, context, n_select, K,
+                                     self.num_sink, self.num_recent, ps, token_ids=space.token_ids(),
+                                     method=self.topk_method)
 
         return reuse, select, rule_hits
 
@@ -519,40 +521,46 @@ class CloAttend:
         n_kv, blk = sel.indices.shape[1], pool_block_tokens(src.pool)
         K = sel.indices.shape[-1]
         pool_tokens = sum(tables.count) * blk
-        reuse, select, rule_hits = self.selection_rule(q, src, tables, slots)
-        indices, num_valid = reuse_or_select(reuse, sel, select, self.conditionals)
+        # named scopes: the CLO paper's Fig. 11 parts (cache management, retrieval, transfer, attention) in a profile
+        with jax.named_scope("cache"):
+            reuse, select, rule_hits = self.selection_rule(q, src, tables, slots)
+        with jax.named_scope("retrieval"):
+            indices, num_valid = reuse_or_select(reuse, sel, select, self.conditionals)
         # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
         rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl,
                            offset=src.row_offset)
         miss_nv = jnp.where(reuse, 0, num_valid)  # the hit heads' rows come from the buffers
         no_x = jnp.zeros((B,), jnp.int32)
         spec = {}
-        if self.speculative:  # the buffers hold the rows of slots.held: gather only the rows they lack
-            k_rows, v_sel, fetched, x_rows = refill_buffers(slots, indices, num_valid, rows, blk)
-            k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype) if k_rows is None else k_rows
-            # the guess's coverage of every fresh selection of a layer that was guessed this step
-            fresh = ~reuse & slots.guessed
-            needed = jnp.where(fresh, num_valid, 0)
-            covered = jnp.where(fresh, num_valid - fetched, 0)
-            spec = dict(held=indices, held_valid=num_valid, guessed=jnp.zeros((), bool),
-                        guess_covered=slots.guess_covered + covered, guess_needed=slots.guess_needed + needed,
-                        last_guess=jnp.stack([jnp.sum(covered), jnp.sum(needed)]))
-        elif slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
-            k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype)
-            (v_sel,), x_rows = unless_all(reuse, ((slots.v_rows,), no_x),
-                                          lambda: rows.refill((slots.v_rows,), indices, miss_nv, blk), self.conditionals)
-            k_rows = None
-        else:  # K buffered too (on the host, or exact's device extents): the missed heads' rows of both refilled
-            # in place; a hit head's kept
-            (k_rows, v_sel), x_rows = unless_all(
-                reuse, ((slots.k_rows, slots.v_rows), no_x),
-                lambda: rows.refill((slots.k_rows, slots.v_rows), indices, miss_nv, blk), self.conditionals)
-            k_sel = k_rows
+        with jax.named_scope("transfer"):  # the rows the buffers lack, from the host (or the device K)
+            if self.speculative:  # the buffers hold the rows of slots.held: gather only the rows they lack
+                k_rows, v_sel, fetched, x_rows = refill_buffers(slots, indices, num_valid, rows, blk)
+                k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype) if k_rows is None else k_rows
+                # the guess's coverage of every fresh selection of a layer that was guessed this step
+                fresh = ~reuse & slots.guessed
+                needed = jnp.where(fresh, num_valid, 0)
+                covered = jnp.where(fresh, num_valid - fetched, 0)
+                spec = dict(held=indices, held_valid=num_valid, guessed=jnp.zeros((), bool),
+                            guess_covered=slots.guess_covered + covered, guess_needed=slots.guess_needed + needed,
+                            last_guess=jnp.stack([jnp.sum(covered), jnp.sum(needed)]))
+            elif slots.k_rows is None:  # exact: K extents on the GPU, the selected rows read from them
+                k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype)
+                (v_sel,), x_rows = unless_all(reuse, ((slots.v_rows,), no_x),
+                                              lambda: rows.refill((slots.v_rows,), indices, miss_nv, blk),
+                                              self.conditionals)
+                k_rows = None
+            else:  # K buffered too (on the host, or exact's device extents): the missed heads' rows of both refilled
+                # in place; a hit head's kept
+                (k_rows, v_sel), x_rows = unless_all(
+                    reuse, ((slots.k_rows, slots.v_rows), no_x),
+                    lambda: rows.refill((slots.k_rows, slots.v_rows), indices, miss_nv, blk), self.conditionals)
+                k_sel = k_rows
         if not self.speculative:
             fetched = jnp.where(reuse, 0, num_valid)
-        slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
-        part = rows_attention(q, k_sel, v_sel, slot_ids, num_valid, attention_impl)
-        acc = ops.merge_attention_into(acc, part)
+        with jax.named_scope("attention"):
+            slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
+            part = rows_attention(q, k_sel, v_sel, slot_ids, num_valid, attention_impl)
+            acc = ops.merge_attention_into(acc, part)
 
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
         cached = ~slots.persistent[None]

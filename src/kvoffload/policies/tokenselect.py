@@ -714,8 +714,9 @@ class TokenSelectAttend:
         context = pool_tokens + src.tail_len + 1
         n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, ps, K, context)
 
-        reuse, rule_hits = cache_decision(query_similarity(q, slots.query, n_kv) >= self.cache_threshold,
-                                          (slots.pool_tokens == pool_tokens)[:, None], slots)
+        with jax.named_scope("cache"):  # named scopes: the parts in a profile (kvoffload.profile), as clo's
+            reuse, rule_hits = cache_decision(query_similarity(q, slots.query, n_kv) >= self.cache_threshold,
+                                              (slots.pool_tokens == pool_tokens)[:, None], slots)
 
         def select():
             space = token_space(tables, blk, src.request_blocks)
@@ -723,15 +724,18 @@ class TokenSelectAttend:
                                  context, n_select, K, self.num_sink, self.num_recent, ps,
                                  token_ids=space.token_ids(), method=self.topk_method)
 
-        indices, num_valid = reuse_or_select(reuse, slots, select, self.conditionals)
+        with jax.named_scope("retrieval"):
+            indices, num_valid = reuse_or_select(reuse, slots, select, self.conditionals)
 
-        k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype)
-        # int4 host V: the rows dequantized; store=act: V recomputed from the selected tokens' X rows
-        (v_sel,), x_rows = HostRows.of(cfg, lp, pool, tables, ("v",), recompute_impl)(indices, num_valid, (q.dtype,),
-                                                                                        blk)
-        slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
-        part = ops.sparse_attention(q, k_sel, v_sel, slot_ids, num_valid=num_valid, impl=attention_impl)
-        acc = ops.merge_attention_into(acc, part)
+        with jax.named_scope("transfer"):
+            k_sel = native_extent(ops.gather_pool_rows(keys, indices, blk), q.dtype)
+            # int4 host V: the rows dequantized; store=act: V recomputed from the selected tokens' X rows
+            (v_sel,), x_rows = HostRows.of(cfg, lp, pool, tables, ("v",), recompute_impl)(
+                indices, num_valid, (q.dtype,), blk)
+        with jax.named_scope("attention"):
+            slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
+            part = ops.sparse_attention(q, k_sel, v_sel, slot_ids, num_valid=num_valid, impl=attention_impl)
+            acc = ops.merge_attention_into(acc, part)
 
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]
         counts = slots.counted(dict(num_valid=num_valid, pool_tokens=pool_tokens), steps=1, hits=reuse,

@@ -1,0 +1,96 @@
+"""kvoffload.profile: a traced decode step's device time by the runtime's named scopes (issue 11's Fig. 11 parts
+from the real step). On the CPU the trace's events are XLA's thunks; the same reader serves a GPU's kernels."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvoffload.profile import _common, part_of, scope_breakdown, scope_path, trace_programs
+
+
+def test_scope_paths_and_parts_from_op_names():
+    assert scope_path("jit(loop_layers)/while/body/pool_attention/retrieval/jit(choose)/sort") == \
+        "pool_attention/retrieval"
+    assert scope_path("jit(f)/dot_general") == ""
+    assert [part_of(p) for p in ("pool_attention/retrieval", "pool_attention/transfer", "pool_attention/cache",
+                                 "pool_attention/attention", "pool_attention", "tail_attention", "qkv", "out_mlp",
+                                 "embed", "logits", "")] == \
+        ["retrieval", "transfer", "cache management", "attention", "attention", "attention",
+         "projections and MLP", "projections and MLP", "embedding and logits", "embedding and logits", "other"]
+    assert _common({"pool_attention/retrieval", "pool_attention/transfer"}) == "pool_attention"
+    assert _common({"qkv", "out_mlp"}) == "?"
+
+
+def test_a_traced_program_splits_by_its_named_scopes(tmp_path):
+    @jax.jit
+    def f(x, w):
+        with jax.named_scope("pool_attention"):
+            with jax.named_scope("retrieval"):
+                s = jnp.tanh(x @ w)
+            with jax.named_scope("attention"):
+                s = jnp.sort(s, axis=0)
+        with jax.named_scope("out_mlp"):
+            return jnp.exp(s).sum(0) * 3
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 256)), jnp.float32)
+    f(x, x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(2):
+            f(x, x).block_until_ready()
+    names = [name for name, _ in trace_programs(str(tmp_path)).values()]
+    assert "jit_f" in names
+    got = scope_breakdown(str(tmp_path), steps=2)
+    prog = got["programs"]["jit_f"]
+    assert set(prog["scopes"]) <= {"pool_attention/retrieval", "pool_attention/attention", "out_mlp"}
+    assert prog["scopes"].get("pool_attention/retrieval", 0) > 0  # the matmul (XLA may fuse the rest into it)
+    assert got["unattributed_s"] == 0 and abs(sum(prog["scopes"].values()) - prog["seconds"]) < 1e-12
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_a_clo_decode_step_has_every_fig11_part(tmp_path, loop):
+    """A clo step (Quest, per-layer calls or the looped layers): its trace has time under retrieval, transfer,
+    cache management and attention, and under the layers' projections and MLP; every kernel is attributed to
+    a scope (on the CPU; on a GPU at least 90% of the time)."""
+    from test_offload import LOOP_QUEST
+    from test_tokenselect import _decode
+
+    from kvoffload.models import tiny_random_model
+
+    model = tiny_random_model("llama", seed=1, num_hidden_layers=3)
+    pol, _, state = _decode(model, "clo", 2, loop_layers=loop, **LOOP_QUEST)
+    tok = jnp.zeros((state.batch,), jnp.int32)
+    _, state = pol.decode_step(model, state, tok)  # compiled
+    with jax.profiler.trace(str(tmp_path)):
+        logits, state = pol.decode_step(model, state, tok)
+        logits.block_until_ready()
+    got = scope_breakdown(str(tmp_path))
+    for part in ("retrieval", "transfer", "cache management", "attention", "projections and MLP",
+                 "embedding and logits"):
+        assert got["parts"].get(part, 0) > 0, (part, got["parts"])
+    total = sum(got["parts"].values())
+    # the CPU's thunks are all XLA's instructions; a GPU's library kernels inside a command buffer that spans
+    # several scopes have no scope of their own
+    assert got["unattributed_s"] <= (0 if jax.default_backend() == "cpu" else 0.1 * total), got
+    if loop:
+        assert got["programs"]["jit_loop_layers"]["parts"].get("retrieval", 0) > 0
+
+
+def test_plot_of_a_bench_result_with_scope_breakdowns(tmp_path, capsys):
+    """plot_scope_breakdown.py: the mean and the looped layer's bars of a bench_selection result's traced runs."""
+    import json
+
+    from script_loader import script_module
+
+    b = {"per_layer": {"retrieval": 2e-6, "attention": 5e-6, "other": 1e-6},
+         "looped_layer": {"retrieval": 3e-6, "transfer": 1e-6}}
+    doc = {"meta": {"device": "cpu", "shape": "tiny"},
+           "runs": [{"variant": "clo_quest_loop", "context": 131072, "batch": 1, "scope_breakdown": b},
+                    {"variant": "full", "context": 131072, "batch": 1}]}  # no trace: no bar
+    (tmp_path / "sel.json").write_text(json.dumps(doc))
+    with script_module("plot_scope_breakdown") as ps:
+        assert ps.main([str(tmp_path / "sel.json"), "--out", str(tmp_path / "b.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| clo_quest_loop 128K b1: mean layer | 2.0 | 0.0 | 0.0 | 5.0 |" in out
+    assert "| clo_quest_loop 128K b1: looped layer | 3.0 | 1.0 |" in out and "full" not in out
+    assert (tmp_path / "b.png").stat().st_size > 1000
