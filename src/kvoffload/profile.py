@@ -6,10 +6,10 @@ parts with `jax.named_scope` (pipeline.layer_body: qkv, pool_attention, tail_att
 attend inside pool_attention, e.g. clo's cache / retrieval / transfer / attention; embed, logits), and XLA keeps
 the scope in each instruction's `op_name`. `scope_breakdown(trace)` sums each kernel's time under the scope of
 the instruction that launched it: a fusion counts under its root's scope (the convention of XLA's own op
-profile), a kernel inside a command buffer (no instruction of its own in the event) by its kernel name, which
-is the fusion's name for XLA's kernels and the `pallas_call`'s name for Pallas / Triton ones. A library call
-(cuBLAS) inside a command buffer has neither: it counts under the command buffer's scopes where they agree,
-else as "unattributed".
+profile). A kernel inside a GPU command buffer names the buffer, not its instruction: it is found by its kernel
+name (a fusion's, "." -> "_"; a Pallas kernel's `pallas_call` name; a cuBLAS GEMM as any GEMM), a name several
+instructions share in the program's schedule order (`Cursor`); copies and memsets the buffer issues count as
+"other", a kernel no instruction explains as "unattributed".
 
 No protobuf package is needed: the trace's few messages are read with a minimal wire-format reader, the HLO
 printed by the installed jaxlib."""
@@ -46,6 +46,7 @@ def scope_path(op_name: str) -> str:
 
 
 def part_of(path: str) -> str:
+    """The Fig. 11 part (`PARTS`) of a scope path; "other" outside them (a loop's bookkeeping, copies)."""
     parts = set(path.split("/")) if path else set()
     for name, need in PARTS:
         if all(n in parts for n in need):
