@@ -47,7 +47,7 @@ def test_a_traced_program_splits_by_its_named_scopes(tmp_path):
     assert got["unattributed_s"] == 0 and abs(sum(prog["scopes"].values()) - prog["seconds"]) < 1e-12
 
 
-@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("loop", [pytest.param(False, marks=pytest.mark.slow), True])  # looped: layer 0 a call too
 def test_a_clo_decode_step_has_every_fig11_part(tmp_path, loop):
     """A clo step (Quest, per-layer calls or the looped layers): its trace has time under retrieval, transfer,
     cache management and attention, and under the layers' projections and MLP; every kernel is attributed to
