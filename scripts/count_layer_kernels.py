@@ -32,10 +32,9 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from kvoffload.hlo_text import FREE, computations, entry_lines, instruction  # noqa: E402
+from kvoffload.hlo_text import FREE, computations, entry_lines, instruction, op_name  # noqa: E402
 
 _FILE = re.compile(r"^module_(\d+)\.(.+?)\.(?:sm_[\w.]+_gpu_|cpu_|)after_optimizations\.txt$")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 
@@ -107,8 +106,8 @@ def count_module(text: str) -> dict:
         if not ins or ins[2] in FREE:
             continue
         _, result, op = ins
-        name = _OP_NAME.search(line)
-        scope = scope_of(name.group(1)) if name else f"({op}, no op_name)"
+        name = op_name(line)
+        scope = scope_of(name) if name is not None else f"({op}, no op_name)"
         by_op[op] += 1
         by_scope[scope] += 1
         called = _CALLS.search(line)

@@ -94,3 +94,45 @@ def test_plot_of_a_bench_result_with_scope_breakdowns(tmp_path, capsys):
     assert "| clo_quest_loop 128K b1: mean layer | 2.0 | 0.0 | 0.0 | 5.0 |" in out
     assert "| clo_quest_loop 128K b1: looped layer | 3.0 | 1.0 |" in out and "full" not in out
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_gpu_command_buffer_kernels_are_attributed_from_a_recorded_h200_trace():
+    """The GPU's naming, from a recorded H200 trace (JAX 0.11.2; `tests/data/h200_clo_loop_trace`: a tiny
+    llama's looped clo Quest step, the programs' HLO with its op_names and the kernel events): inside a command
+    buffer every event names the buffer, fusions' kernels are "loop_add_fusion_1" for "loop_add_fusion.1", a
+    sort's kernel is named after the sort inside its wrapper fusion, Pallas kernels by their pallas_call name
+    ("kvo_stacked_linear__1": Triton's second kernel of one name), copies "memcpy32_post". Every kernel is
+    attributed; one Pallas kernel used in two scopes (the stacked linear: qkv, then out_mlp) follows the
+    schedule."""
+    import gzip
+    import json
+    import pathlib
+
+    from kvoffload.profile import Cursor, ProgramScopes, attribute
+
+    data = pathlib.Path(__file__).parent / "data" / "h200_clo_loop_trace"
+    progs = {}
+    for f in sorted(data.glob("jit_*.txt.gz")):
+        name = f.name[:-len(".txt.gz")]
+        progs[len(progs)] = ProgramScopes(name, gzip.open(f, "rt").read())
+    events = json.loads(gzip.open(data / "events.json.gz", "rt").read())  # [stream, kernel, start ns, ns, stats]
+    events.sort(key=lambda e: e[2])
+    tuples = [(None, e[4]["hlo_module"], e[4].get("hlo_op"), e[1], e[2], e[3]) for e in events]
+    got = attribute(tuples, progs)
+    assert got["unattributed_s"] == 0, got["unattributed_kernels"]
+    loop = got["programs"]["jit_loop_layers"]["parts"]
+    for part in ("retrieval", "transfer", "cache management", "attention", "projections and MLP"):
+        assert loop.get(part, 0) > 0, (part, loop)
+    # the looped layers' Pallas kernels, in order, against their scopes (2 looped layers)
+    loop_prog = next(p for p in progs.values() if p.name == "jit_loop_layers")
+    cursor, seen = Cursor(loop_prog), []
+    for _, module, hlo_op, kernel, _, _ in tuples:
+        if module == "jit_loop_layers":
+            scope = loop_prog.scope_of(hlo_op, kernel, cursor)
+            if kernel.startswith("kvo_"):
+                seen.append((kernel, scope))
+    layer = seen[:len(seen) // 2]
+    assert seen == layer * 2 and layer[0] == ("kvo_stacked_linear", "qkv")
+    assert ("kvo_refill_rows", "pool_attention/transfer") in layer
+    assert ("kvo_sparse_attention", "pool_attention/attention") in layer
+    assert [s for k, s in layer if k.startswith("kvo_stacked_linear")][1:] == ["out_mlp"] * 4

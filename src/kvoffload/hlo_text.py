@@ -1,6 +1,6 @@
 """Reading XLA's optimized HLO text (a dump's `*after_optimizations.txt`, or `Compiled.as_text()`): its
-computations, their instructions' names, result shapes and opcodes, and an array result's bytes. Used by the
-host probes and `scripts/count_layer_kernels.py`."""
+computations, their instructions' names, result shapes, opcodes and op_names, and an array result's bytes. Used
+by the host probes, `scripts/count_layer_kernels.py` and `kvoffload.profile`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after
         "replica-id", "opt-barrier"}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\(")
 _COMPUTATION = re.compile(r"^%?([\w.\-]+) \(.*\{$")
+_OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
 _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
              "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
@@ -21,6 +22,12 @@ def instruction(line: str):
     """(name, result shape text, opcode) of an instruction line, or None."""
     m = _INSTRUCTION.match(line)
     return m.groups() if m else None
+
+
+def op_name(line: str):
+    """An instruction line's `op_name` metadata ("jit(f)/scope/.../primitive"), or None."""
+    m = _OP_NAME.search(line)
+    return m.group(1) if m else None
 
 
 def array_bytes(result: str):

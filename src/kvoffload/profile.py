@@ -22,6 +22,8 @@ import os
 import re
 import sys
 
+from kvoffload.hlo_text import FREE, control_computations, instruction, op_name
+
 # the Fig. 11 parts of the CLO paper, and the rest of a layer, by the scopes an op_name holds
 # (first match wins; a scope path is the named scopes among SCOPES in the op_name, outermost first)
 SCOPES = ("embed", "logits", "qkv", "pool_attention", "tail_attention", "out_mlp",
@@ -141,13 +143,10 @@ def _hlo_text(xc, module_bytes: bytes):
 
 # -- the HLO -----------------------------------------------------------------------------------
 
-_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([\w\-]+)\(")
-_CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
-_OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
 _PALLAS = re.compile(r"([\w.\-]+)/pallas_call$")
 _COPY = re.compile(r"^(memcpy|memset)", re.I)
 _GEMM = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas", re.I)
+_NO_KERNEL = FREE | {"while", "call", "conditional"}
 
 
 def _kernel_name(instr: str) -> str:
@@ -162,37 +161,27 @@ class ProgramScopes:
     matched in the program's schedule order, from the instruction the previous kernel of that buffer matched
     (`Cursor`): a command buffer runs its instructions in that order."""
 
-    _NO_KERNEL = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional")
-
     def __init__(self, name: str, text: str):
         self.name = name
         self.by_instr, self.by_kernel_name, self.by_key = {}, {}, collections.defaultdict(set)
-        comps, fused, comp = {}, set(), None
-        for line in text.splitlines():
-            m = _INSTR.match(line)
-            if m is None:
-                c = _COMP.match(line)
-                if c and not line[:1].isspace():  # a computation's header (its parameters may hold "/*index=5*/")
-                    comp = c.group(1)
-                    comps[comp] = []
-                continue
-            instr, opcode = m.group(1), m.group(2)
-            op = _OP_NAME.search(line)
-            path = scope_path(op.group(1)) if op else ""
-            self.by_instr[instr] = path
-            if opcode != "call":  # fused computations and reducers: no kernels of their own
-                fused.update(_CALLS.findall(line))
-            if opcode in self._NO_KERNEL or comp is None:
-                continue
-            pallas = _PALLAS.search(op.group(1)) if op and opcode == "custom-call" else None
-            key = pallas.group(1) if pallas else ("GEMM" if opcode == "custom-call" and "cublas" in line
-                                                  else _kernel_name(instr))
-            comps[comp].append((key, path))
-            self.by_key[key].add(path)
-            self.by_kernel_name[_kernel_name(instr)] = path
-        # the kernels in schedule order: every computation that is not fused into one instruction (the entry,
-        # while bodies and conditions), as printed
-        self.sequence = [e for c, entries in comps.items() if c not in fused for e in entries]
+        for line in text.splitlines():  # every instruction: a kernel may be named after one inside a wrapper
+            ins = instruction(line)  # fusion (a sort's)
+            if ins:
+                self.by_instr[ins[0]] = self.by_kernel_name[_kernel_name(ins[0])] = scope_path(op_name(line) or "")
+        # the kernels in schedule order: the computations the program steps through (the entry, while bodies
+        # and conditions, branches; `hlo_text.control_computations`), not the fused ones
+        self.sequence = []
+        for lines in control_computations(text).values():
+            for line in lines:
+                ins = instruction(line)
+                if not ins or ins[2] in _NO_KERNEL:
+                    continue
+                path, op = self.by_instr[ins[0]], op_name(line) or ""
+                pallas = _PALLAS.search(op) if ins[2] == "custom-call" else None
+                key = pallas.group(1) if pallas else ("GEMM" if ins[2] == "custom-call" and "cublas" in line
+                                                      else _kernel_name(ins[0]))
+                self.sequence.append((key, path))
+                self.by_key[key].add(path)
 
     def scope_of(self, hlo_op: str | None, kernel: str, cursor: "Cursor | None" = None) -> str:
         """The scope path of a kernel (event name) launched for instruction hlo_op; "?" where unknown."""
@@ -274,15 +263,21 @@ def scope_breakdown(path: str, steps: int = 1) -> dict:
     """Device time per step of a trace of `steps` decode steps, by program and scope path, and the Fig. 11
     parts (`PARTS`): {"programs": {module: {"seconds": s, "scopes": {path: s}, "parts": {part: s}}},
     "parts": {part: s}, "unattributed_s": s, "unattributed_kernels": the 10 longest unattributed kernels}."""
-    texts = trace_programs(path)
-    progs = {pid: ProgramScopes(*nt) for pid, nt in texts.items()}
+    progs = {pid: ProgramScopes(*nt) for pid, nt in trace_programs(path).items()}
+    return attribute(device_events(path), progs, steps)
+
+
+def attribute(events, programs: dict, steps: int = 1) -> dict:
+    """`scope_breakdown` of events (`device_events`' tuples; a stream's in time order) against programs
+    ({program id: ProgramScopes})."""
+    progs = programs
     by_name = collections.defaultdict(list)
     for p in progs.values():
         by_name[p.name].append(p)
     out = collections.defaultdict(lambda: {"seconds": 0.0, "scopes": collections.Counter(),
                                            "parts": collections.Counter()})
     total_parts, unattributed, lost, cursors = collections.Counter(), 0.0, collections.Counter(), {}
-    for pid, module, hlo_op, kernel, _, dur in device_events(path):
+    for pid, module, hlo_op, kernel, _, dur in events:
         cands = [progs[pid]] if pid in progs else by_name.get(module, [])
         paths = {c.scope_of(hlo_op, kernel, cursors.setdefault((id(c), hlo_op), Cursor(c))) for c in cands} or {"?"}
         scope = next(iter(paths)) if len(paths) == 1 else _common(paths)
