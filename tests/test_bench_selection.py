@@ -29,6 +29,7 @@ def test_cpu_smoke_runs_every_part_and_writes_results(tmp_path, capsys):
         assert "error" not in r and "attention_error" not in r, r.get("error") or r.get("attention_error")
         assert r["step_s"] > 0 and len(r["step_times_s"]) == 1 and r["memory_plan"]["gpu_kv_bytes"] > 0
         assert r["flush_step_times_s"] == [] and r["step_s_without_flushes"] == r["step_s"]  # 1 step: no flush
+        assert r["step_s_mean"] == r["step_s"]
         # the traced step by the runtime's named scopes: the mean layer's attention and projections
         b = r["scope_breakdown"]
         assert b["per_layer"]["attention"] > 0 and b["per_layer"]["projections and MLP"] > 0, b
@@ -217,3 +218,21 @@ def test_host_row_bytes_count_k_and_v_as_stored(host_dtype, k_quant, v_row, k_ro
     pol = make_policy("clo", retrieval="quest", host_dtype=host_dtype, int4_k_quant=k_quant)
     assert pol.pipeline.host_row_bytes(128, 2) == v_row
     assert pol.pipeline.host_row_bytes(128, 2, key=True) == k_row
+
+
+def test_table_rows_have_the_header_columns_and_the_flush_notes():
+    """The printed table: one cell per header column in measured and refused rows; a run's mean (steady
+    flushes in) beside its median; its timed flush steps in the note."""
+    base = {"context": 131072, "batch": 1, "replay_hit_rate": None, "state_bytes": {"gpu_kv_total": 2e9}}
+    runs = [dict(base, variant="full", step_s=0.014, step_s_mean=0.0145, flush_step_times_s=[0.0536]),
+            dict(base, variant="clo_quest", step_s=0.0164, step_s_mean=0.0181, replay_hit_rate=0.86,
+                 flush_step_times_s=[0.933, 0.204], hit_rate_timed_steps=0.85),
+            dict(base, variant="offload", refused="the planner refuses to start")]
+    doc = {"meta": {"device": "gpu", "jax": "x", "shape": "llama-3-8b", "dtype": "bfloat16",
+                    "probes": {"hbm_bytes_per_s": 2e12}}, "runs": runs}
+    with script_module("bench_selection") as bs:
+        lines = bs.table(doc).splitlines()
+    rows = [line for line in lines if line.startswith("|")]
+    assert len({line.count("|") for line in rows}) == 1, rows
+    assert "| clo_quest | 128K | 1 | 0.86 | 16.40 | 1.17 | 18.10 |" in rows[3]
+    assert "flush steps 933.0, 204.0 ms" in rows[3] and "REFUSED" in rows[4]
