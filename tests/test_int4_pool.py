@@ -149,7 +149,7 @@ def _scheduled_split(profile, host_dtype, shape="opt-6.7b", batch=64, prompt=512
     alloc = BlockAllocator(layout.num_blocks, batch, layout.block_tokens)
     allocate_prompts_aligned(alloc, layout, lengths)
     host_only = {f.name: () for f in dataclasses.fields(GroupState)}  # no arrays: plan_group reads the host side
-    gr = GroupState(**{**host_only, "tables": None, "tail_len": None, "prompt_lens": None, "rows": (0, batch),
+    gr = GroupState(**{**host_only, "tables": None, "tail_len": None, "rows": (0, batch),
                        "layout": layout, "alloc": alloc, "tail_base": tuple(int(n) for n in lengths % layout.block_tokens),
                        "n_gen": 0, "since_flush": 0})
     plan = pipe.hooks.plan_group(pipe, big, gr)

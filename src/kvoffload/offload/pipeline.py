@@ -122,7 +122,6 @@ class GroupState:
     tail_v: tuple
     tail_x: tuple  # [layer] [b, 2 blk, H] or None
     tail_len: Any  # [b] int32: valid tail slots
-    prompt_lens: Any  # [b] int32
     slots: tuple  # [layer] the policy's per-request / per-head state (a pytree each), or () if none
     # host bookkeeping (static)
     rows: tuple  # (start, stop) in the whole batch
@@ -134,7 +133,7 @@ class GroupState:
     # the looped layers' tails, slots and pool as one `LayerStack` (`PipelineOptions.loop_layers`; their entries
     # above are then None), or None
     stack: Any = None
-    # [b] int32: the next token's positions (prompt_lens + n_gen), advanced on the device by each step's input
+    # [b] int32: the next token's positions (prompt length + n_gen), advanced on the device by each step's input
     # program: a Python int there was a host->device copy a step (~1 ms of an H200 host's step, traced). It and
     # tail_len start committed, as that program's outputs are (else the first step's programs compile twice)
     next_positions: Any = None
@@ -880,7 +879,6 @@ class LayerHooks:
 EXTENT_MB_PER_DEVICE = 64.0  # the default extent: MiB of K per device of the mesh (PipelineOptions.extent_mb)
 
 
-
 class LoopLayersError(KVOffloadError, ValueError):
     """`PipelineOptions.loop_layers` asked of a run it cannot loop (names what to change)."""
 
@@ -1303,7 +1301,7 @@ class LayerPipeline:
             states.append(GroupState(
                 pool_k=tuple(gr["pk"]), pool_v=tuple(gr["pv"]), pool_x=tuple(gr["px"]),
                 tables=gr["alloc"].device_tables(gr["layout"], self.tables_at), tail_k=tuple(gr["tk"]), tail_v=tuple(gr["tv"]),
-                tail_x=tuple(gr["tx"]), tail_len=S.put(np.asarray(lens % blk, np.int32), self.rep), prompt_lens=lengths[a:z],
+                tail_x=tuple(gr["tx"]), tail_len=S.put(np.asarray(lens % blk, np.int32), self.rep),
                 slots=tuple(gr["slots"]),
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
                 n_gen=0, since_flush=0, next_positions=lengths[a:z]))

@@ -363,20 +363,26 @@ def quantize_blocks(a, group_size: int, scales: str = "token", bits: int = 4) ->
     return quantize_int8(a, group_size) if bits == 8 else quantize_int4(a, group_size, scales)
 
 
-def write_stored_blocks(ext, blocks, slots):
-    """write_blocks for a K, V or X extent as the pool stores it: an int4 extent (QuantizedInt) gets the
-    blocks quantized with its group size (unless they already are) and each of its three arrays written
-    in place with write_blocks."""
+def _per_array(write, ext, blocks):
+    """write(extent array, blocks array) for a K, V or X extent as the pool stores it: an int4 / int8 extent
+    (QuantizedInt) gets the blocks quantized with its group size (unless they already are) and each of its
+    three arrays written."""
     if not isinstance(ext, QuantizedInt):
-        return write_blocks(ext, blocks, slots)
+        return write(ext, blocks)
     if not isinstance(blocks, QuantizedInt):
         blocks = quantize_blocks(blocks, ext.group_size, ext.scales, ext.bits)
     if (blocks.group_size, blocks.scales, blocks.bits) != (ext.group_size, ext.scales, ext.bits):
         raise ValueError(f"blocks quantized with group_size={blocks.group_size}, scales={blocks.scales!r}, "
                          f"bits={blocks.bits} cannot be written to an extent of group_size={ext.group_size}, "
                          f"scales={ext.scales!r}, bits={ext.bits}")
-    return QuantizedInt(write_blocks(ext.codes, blocks.codes, slots), write_blocks(ext.step, blocks.step, slots),
-                         write_blocks(ext.mn, blocks.mn, slots), ext.group_size, ext.scales, ext.bits)
+    return QuantizedInt(write(ext.codes, blocks.codes), write(ext.step, blocks.step), write(ext.mn, blocks.mn),
+                        ext.group_size, ext.scales, ext.bits)
+
+
+def write_stored_blocks(ext, blocks, slots):
+    """write_blocks for a K, V or X extent as the pool stores it (`_per_array`: each array of an int4 extent in
+    place with write_blocks)."""
+    return _per_array(lambda e, b: write_blocks(e, b, slots), ext, blocks)
 
 
 def write_stored_blocks_strided(ext, blocks, slots, stride: int):
@@ -386,27 +392,20 @@ def write_stored_blocks_strided(ext, blocks, slots, stride: int):
     every layer's slots are one contiguous run (a lockstep flush), else layer by layer. An int4 / int8
     extent (QuantizedInt) gets the blocks quantized once, all layers together."""
     slots = np.asarray(slots)
-    n = jax.tree.leaves(blocks)[0].shape[0]
-    if isinstance(ext, QuantizedInt):
-        if not isinstance(blocks, QuantizedInt):
-            blocks = quantize_blocks(blocks, ext.group_size, ext.scales, ext.bits)
-        return QuantizedInt(*(write_stored_blocks_strided(e, b, slots, stride)
-                              for e, b in ((ext.codes, blocks.codes), (ext.step, blocks.step), (ext.mn, blocks.mn))),
-                            ext.group_size, ext.scales, ext.bits)
-    kind = getattr(ext.sharding, "memory_kind", None)
-    contiguous = bool((slots == slots[0] + np.arange(len(slots))).all()) and slots[0] >= 0
-    if contiguous and _WRITE_OK.get(("run", kind), True) and (n - 1) * stride + slots[-1] < ext.shape[0]:
-        try:
-            out = _strided_program(ext.sharding, n)(ext, blocks, jnp.int32(slots[0]), jnp.int32(stride))
-            _WRITE_OK[("run", kind)] = True
-            return out
-        except Exception:  # noqa: BLE001  (as write_blocks: a backend that cannot write host memory in place)
-            if _WRITE_OK.get(("run", kind)) is True or ext.is_deleted():
-                raise
-            _WRITE_OK[("run", kind)] = False
-    for j in range(n):
-        ext = write_blocks(ext, blocks[j], np.where(slots >= 0, slots + j * stride, ext.shape[0]))
-    return ext
+
+    def write(ext, blocks):
+        n = blocks.shape[0]
+        if (slots == slots[0] + np.arange(len(slots))).all() and slots[0] >= 0 \
+                and (n - 1) * stride + slots[-1] < ext.shape[0]:
+            out = _in_place(ext, "run", lambda: _strided_program(ext.sharding, n)(
+                ext, blocks, jnp.int32(slots[0]), jnp.int32(stride)))
+            if out is not None:
+                return out
+        for j in range(n):
+            ext = write_blocks(ext, blocks[j], np.where(slots >= 0, slots + j * stride, ext.shape[0]))
+        return ext
+
+    return _per_array(write, ext, blocks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -437,6 +436,23 @@ def _scatter_blocks(ext, blocks, slots):
 _WRITE_OK = {}  # (path, memory kind) -> whether that in-place write compiles and runs on this backend
 
 
+def _in_place(ext, path: str, call):
+    """call() (an in-place write program of `path` into ext), or None where this backend cannot compile that
+    write into ext's memory kind (remembered: `_WRITE_OK`); a failure after it once ran is raised."""
+    kind = getattr(ext.sharding, "memory_kind", None)
+    if not _WRITE_OK.get((path, kind), True):
+        return None
+    try:
+        out = call()
+    except Exception:  # noqa: BLE001  (a backend that cannot compile this write into host memory)
+        if _WRITE_OK.get((path, kind)) is True or ext.is_deleted():
+            raise
+        _WRITE_OK[(path, kind)] = False
+        return None
+    _WRITE_OK[(path, kind)] = True
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _write_program(sharding, path):
     """A donated in-place write into an extent held on `sharding`: the blocks are moved into the
@@ -459,18 +475,11 @@ def write_blocks(ext, blocks, slots):
     aligned extent: the common case, measured in place on an H200 at ~50 us per 1 MiB block), else a
     scatter; where the backend cannot compile either into host memory, through the device and back."""
     slots = np.asarray(slots)
-    kind = getattr(ext.sharding, "memory_kind", None)
     contiguous = bool((slots == slots[0] + np.arange(len(slots))).all()) and slots[-1] < ext.shape[0]
     for path, arg in ((("run", int(slots[0])),) if contiguous else ()) + (("scatter", jnp.asarray(slots, jnp.int32)),):
-        if _WRITE_OK.get((path, kind), True):
-            try:
-                out = _write_program(ext.sharding, path)(ext, blocks, arg)
-                _WRITE_OK[(path, kind)] = True
-                return out
-            except Exception:  # noqa: BLE001  (a backend that cannot compile this write into host memory)
-                if _WRITE_OK.get((path, kind)) is True or ext.is_deleted():
-                    raise
-                _WRITE_OK[(path, kind)] = False
+        out = _in_place(ext, path, lambda p=path, a=arg: _write_program(ext.sharding, p)(ext, blocks, a))
+        if out is not None:
+            return out
     from kvoffload.offload import memory as M
 
     dev = jax.device_put(ext, M.device_sharding())
