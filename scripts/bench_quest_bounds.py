@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Quest's page bounds alone (`clo.quest_bounds`), per form, at one layer shape times the layers of a step:
-the committed form (per block, operands in the query's dtype, f32 sums) against f32 operands at HIGHEST
-precision and against one query for every block (batch 1), for bf16 pages and int8 pages.
+XLA's forms (per block, operands in the query's dtype, f32 sums; f32 operands at HIGHEST precision; one query
+for every block at batch 1; f32 products summed without a matmul) against the Pallas kernel clo runs on the GPU
+(`pallas.topk.quest_block_bounds_kernel`, over its rows a program), for bf16 pages and int8 pages.
 
     PYTHONPATH=src python scripts/bench_quest_bounds.py                     # Llama-3-8B at 128K, page 32
     PYTHONPATH=src python scripts/bench_quest_bounds.py --layers 2 --blocks 64 --repeats 2   # a CPU smoke run
@@ -32,44 +33,62 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
 
     from kvoffload.offload.bench import write_json
-    from kvoffload.policies.clo import quest_bounds, quest_int8
+    from kvoffload.pallas.common import on_gpu
+    from kvoffload.pallas.topk import quest_block_bounds_kernel, quest_block_bounds_reference
+    from kvoffload.policies.clo import quest_int8
 
     L, E, n_kv, P, d, H = args.layers, args.blocks, args.kv_heads, args.pages, args.head_dim, args.heads
     k = jax.random.split(jax.random.PRNGKey(0), 3)
     kmin = jax.random.normal(k[0], (L, E, n_kv, P, d), jnp.bfloat16) - 1
     kmax = kmin + jnp.abs(jax.random.normal(k[1], (L, E, n_kv, P, d), jnp.bfloat16))
-    q = jax.random.normal(k[2], (H, d), jnp.bfloat16)
-    pages = {"bf16": (kmin, kmax), "int8": jax.jit(jax.vmap(quest_int8))(kmin, kmax)}
+    q = jax.random.normal(k[2], (1, H, d), jnp.bfloat16)
+    stacked = {"bf16": (kmin, kmax, None), "int8": jax.jit(jax.vmap(quest_int8))(kmin, kmax)}
+    # every layer's pages their own arrays, as a step's layers hold them (slices of one stacked array would
+    # cost the matmul forms a copy each)
+    pages = {kind: [tuple(None if x is None else x[i] for x in m) for i in range(L)] for kind, m in stacked.items()}
+    owner = jnp.zeros((E,), jnp.int32)  # batch 1: every block request 0's
 
-    def f32_highest(qb, mn, mx, sc=None):  # the form before: f32 operands at HIGHEST precision
-        return quest_bounds(qb.astype(jnp.float32), mn, mx, sc)
+    def per_block(qv, mn, mx, sc):  # XLA: E x n_kv batched [G, d] x [d, P] products (clo's form before)
+        return quest_block_bounds_reference(qv, owner, mn, mx, sc)
 
-    def one_query(qb, mn, mx, sc=None):  # batch 1: the one query against every block, no per-block copy
-        qg = qb[0].reshape(n_kv, H // n_kv, d)
+    def f32_highest(qv, mn, mx, sc):  # the form before that: f32 operands at HIGHEST precision
+        return quest_block_bounds_reference(qv.astype(jnp.float32), owner, mn, mx, sc)
+
+    def one_query(qv, mn, mx, sc):  # batch 1: the one query against every block, no per-block copy
+        qg = qv[0].reshape(n_kv, H // n_kv, d)
         kw = dict(preferred_element_type=jnp.float32)
         s = jnp.einsum("hgd,ehpd->ehgp", jnp.maximum(qg, 0), mx.astype(qg.dtype), **kw) + \
             jnp.einsum("hgd,ehpd->ehgp", jnp.minimum(qg, 0), mn.astype(qg.dtype), **kw)
         return (s if sc is None else s * sc[:, :, None, :]).max(2)
 
-    forms = {"per block, query dtype (clo)": quest_bounds, "per block, f32 HIGHEST": f32_highest,
-             "one query, query dtype": one_query}
+    def summed(qv, mn, mx, sc):  # no matmul: f32 products summed over the channels (a reduction fusion)
+        qg = qv[0].reshape(1, n_kv, H // n_kv, 1, d).astype(jnp.float32)
+        s = jnp.sum(jnp.maximum(qg, 0) * mx[:, :, None].astype(jnp.float32)
+                    + jnp.minimum(qg, 0) * mn[:, :, None].astype(jnp.float32), axis=-1)
+        return (s if sc is None else s * sc[:, :, None, :]).max(2)
+
+    def kernel(rows):  # the Pallas kernel clo runs on the GPU (`ops.quest_block_bounds`)
+        return lambda qv, mn, mx, sc: quest_block_bounds_kernel(qv, owner, mn, mx, sc, rows=rows,
+                                                                interpret=not on_gpu())
+
+    forms = {"XLA per block (before)": per_block, "XLA per block, f32 HIGHEST": f32_highest,
+             "XLA one query": one_query, "XLA f32 products summed": summed,
+             **{f"Pallas kernel, {r} rows a program": kernel(r) for r in (16, 32, 64)}}
     res = {"device": jax.devices()[0].device_kind, "shape": dict(layers=L, blocks=E, kv_heads=n_kv, pages=P,
                                                                   head_dim=d, heads=H), "ms": {}, "max_rel_diff": {}}
-    qb0 = jnp.broadcast_to(q, (E, H, d))
-    refs = {kind: f32_highest(qb0, *[x[0] for x in meta]) for kind, meta in pages.items()}  # layer 0, f32 HIGHEST
+    refs = {kind: f32_highest(q, *meta[0]) for kind, meta in pages.items()}  # layer 0, f32 HIGHEST
     for name, form in forms.items():
         for kind, meta in pages.items():
-            def step(qv, *m, form=form):
-                qb = jnp.broadcast_to(qv, (E, H, d))
-                return [form(qb, *[x[i] for x in m]) for i in range(L)]
+            def step(qv, m, form=form):
+                return [form(qv, *m[i]) for i in range(L)]
             g = jax.jit(step)
-            out = jax.block_until_ready(g(q, *meta))
+            out = jax.block_until_ready(g(q, meta))
             ref = refs[kind]
             res["max_rel_diff"][f"{name} | {kind}"] = float(jnp.max(jnp.abs(out[0] - ref)) / jnp.max(jnp.abs(ref)))
             ts = []
             for _ in range(args.repeats):
                 t = time.perf_counter()
-                jax.block_until_ready(g(q, *meta))
+                jax.block_until_ready(g(q, meta))
                 ts.append(time.perf_counter() - t)
             ms = sorted(ts)[len(ts) // 2] * 1e3
             res["ms"][f"{name} | {kind}"] = ms

@@ -28,6 +28,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="select,scores,refill")
+    ap.add_argument("--select-shapes", default="8x131072",
+                    help="rows x keys of the select sweep, comma-separated (8x4096: a clo layer's pages of 32 at 128K; "
+                         "512x256: b64 x 8 heads at 8K); rows of up to select.FUSED_MAX_KEYS take the one-launch kernel")
     ap.add_argument("--calls", type=int, default=10, help="calls per jit")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, one variant each (CPU)")
@@ -63,25 +66,32 @@ def main(argv=None):
 
     rng = np.random.default_rng(0)
     if "select" in which:
-        R, N = (8, 4096) if args.smoke else (8, 131072)
-        k = N // 10
-        pris = [jax.random.normal(jax.random.key(i), (R, N), jnp.float32).at[:, :4].set(jnp.inf)
-                for i in range(calls)]
-        keys = [tk.orderable_keys(p) for p in pris]
-        variants = [dict()] if args.smoke else (
-            [dict(chunk=c, count_piece=pc, num_warps=w) for c in (2048, 4096) for pc in (256, 512) for w in (4, 8)]
-            + [dict(compact_piece=cp) for cp in (256, 512, 2048)])
-        for pattern, selecting in (("1 of 8 rows", 1), ("8 of 8 rows", 8)):
-            counts = jnp.where(jnp.arange(R) < selecting, k, 0).astype(jnp.int32)
-            want = np.asarray(tk.top_count_ascending(pris[0], counts, k, method="sort")[0])
-            for method in ("sort", "radix"):
-                f = jax.jit(lambda ps, c, m=method: [tk.top_count_ascending(p, c, k, method=m)[0] for p in ps])
-                record("select", f"{pattern} XLA {method}", timed(f, pris, counts))
-            nv = tk.top_count_ascending(pris[0], counts, k, method="sort")[1]
-            for kw in variants:
-                f = jax.jit(lambda ks, c, kw=kw: [sel.select_rows_kernel(x, c, k, interpret=interpret, **kw) for x in ks])
-                same = bool(np.array_equal(np.asarray(f(keys, nv)[0]), want))
-                record("select", f"{pattern} Pallas {kw or 'defaults'}", timed(f, keys, nv), equals_sort=same)
+        for shape in ["8x300"] if args.smoke else args.select_shapes.split(","):
+            R, N = (int(x) for x in shape.split("x"))
+            k = N // 10
+            pris = [jax.random.normal(jax.random.key(i), (R, N), jnp.float32).at[:, :4].set(jnp.inf)
+                    for i in range(calls)]
+            keys = [tk.orderable_keys(p) for p in pris]
+            if args.smoke:
+                variants = [dict(), dict(fused_max=0)]
+            elif N <= sel.FUSED_MAX_KEYS:  # the one-launch kernel over its parameters, and the multi-launch one
+                variants = [dict(count_piece=pc, num_warps=w) for pc in (256, 512, 1024) for w in (4, 8)] + \
+                    [dict(fused_max=0), dict(fused_max=0, chunk=1024)]
+            else:
+                variants = [dict(chunk=c, count_piece=pc, num_warps=w) for c in (2048, 4096) for pc in (256, 512)
+                            for w in (4, 8)] + [dict(compact_piece=cp) for cp in (256, 512, 2048)]
+            for pattern, selecting in ((f"{shape}, 1 of 8 rows", max(1, R // 8)), (f"{shape}, every row", R)):
+                counts = jnp.where(jnp.arange(R) < selecting, k, 0).astype(jnp.int32)
+                want = np.asarray(tk.top_count_ascending(pris[0], counts, k, method="sort")[0])
+                for method in ("sort", "radix"):
+                    f = jax.jit(lambda ps, c, m=method: [tk.top_count_ascending(p, c, k, method=m)[0] for p in ps])
+                    record("select", f"{pattern} XLA {method}", timed(f, pris, counts))
+                nv = tk.top_count_ascending(pris[0], counts, k, method="sort")[1]
+                for kw in variants:
+                    f = jax.jit(lambda ks, c, kw=kw: [sel.select_rows_kernel(x, c, k, interpret=interpret, **kw)
+                                                      for x in ks])
+                    same = bool(np.array_equal(np.asarray(f(keys, nv)[0]), want))
+                    record("select", f"{pattern} Pallas {kw or 'defaults'}", timed(f, keys, nv), equals_sort=same)
     if "scores" in which:
         E, n_kv, blk, d, H = (16, 8, 64, 128, 32) if args.smoke else (512, 8, 64, 128, 32)
         q = jnp.asarray(rng.standard_normal((E, H, d)), jnp.bfloat16)

@@ -186,7 +186,7 @@ def test_selection_kernel_sweep_smoke_times_and_checks_every_kernel(tmp_path):
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["results"] == rows and data["meta"]["calls_per_jit"] == 2
     kinds = [r["kind"] for r in rows]
-    assert kinds.count("select") == 6 and kinds.count("scores") == 4 and kinds.count("refill") == 2
+    assert kinds.count("select") == 8 and kinds.count("scores") == 4 and kinds.count("refill") == 2
     assert all(r["equals_sort"] for r in rows if "equals_sort" in r)
     assert all(r["matches_reference"] for r in rows if r["kind"] == "scores")
     assert all(r["us_per_call"] > 0 for r in rows)

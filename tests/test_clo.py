@@ -1101,7 +1101,7 @@ def test_conditionals_and_topk_method_options_are_checked():
 
 def test_topk_method_auto_resolves_by_row_length_and_backend():
     """"auto" resolves by the static row length and the backend: off the GPU radix from RADIX_MIN_CANDIDATES,
-    sort below; on the GPU the Pallas kernels from KERNEL_MIN_CANDIDATES, sort below."""
+    sort below; on the GPU the Pallas kernels from KERNEL_MIN_CANDIDATES and up to KERNEL_MAX_SHORT, sort between."""
     from kvoffload.pallas import topk as tk
 
     n = tk.RADIX_MIN_CANDIDATES
@@ -1110,6 +1110,9 @@ def test_topk_method_auto_resolves_by_row_length_and_backend():
     m = tk.KERNEL_MIN_CANDIDATES
     assert tk.resolve_topk_method("auto", m - 1, gpu=True) == "sort"
     assert tk.resolve_topk_method("auto", m, gpu=True) == "kernel"
+    short = tk.KERNEL_MAX_SHORT  # page-level votes: the kernel's short launches beat the sort there
+    assert tk.resolve_topk_method("auto", short, gpu=True) == "kernel"
+    assert tk.resolve_topk_method("auto", short + 1, gpu=True) == "sort"
     assert tk.resolve_topk_method("kernel", 8) == "kernel" and tk.resolve_topk_method("radix", 8, gpu=True) == "radix"
     with pytest.raises(ValueError, match="top-k method must be one of"):
         tk.resolve_topk_method("heap", 8)

@@ -632,6 +632,65 @@ def test_recompute_workspace_by_token_holds_every_extent_at_once():
     assert hidden == 2 * max(sizes) * (kv_blk + x_blk * 4)
 
 
+def test_many_writes_equal_separate_writes_in_one_program_per_memory_space(monkeypatch):
+    """A per-layer flush writes every layer's K, V (and X) blocks of an extent through `write_stored_blocks_many`:
+    host and device extents, native and int4 / int8, at one contiguous run of slots or scattered (a slot past the
+    extent dropped): each extent equals its own `write_stored_blocks`, in one program per memory space."""
+    from kvoffload.offload import pool as P
+
+    rng = np.random.default_rng(1)
+    calls = []
+    real = P._many_program
+    monkeypatch.setattr(P, "_many_program", lambda sh, n, path: calls.append((n, path)) or real(sh, n, path))
+
+    def extent(kind):
+        base = jnp.asarray(rng.standard_normal((6, 2, 4, 16)), jnp.float32)
+        base = {"int4": P.quantize_blocks(base, 16), "int8": P.quantize_blocks(base, 16, "token", 8)}.get(kind, base)
+        return jax.tree.map(np.asarray, base)  # host copies: each device_put makes new (donatable) arrays
+
+    kinds = [("native", M.host_sharding()), ("int4", M.host_sharding()), ("int8", M.host_sharding()),
+             ("native", M.device_sharding()), ("native", M.device_sharding())]
+    for slots in (np.array([2, 3]), np.array([4, 1]), np.array([5, 6])):
+        calls.clear()
+        bases = [extent(k) for k, _ in kinds]
+        blocks = [jnp.asarray(rng.standard_normal((2, 2, 4, 16)), jnp.float32) for _ in kinds]
+        want = [P.write_stored_blocks(jax.device_put(b, sh), x, slots) for b, x, (_, sh) in zip(bases, blocks, kinds)]
+        got = P.write_stored_blocks_many([jax.device_put(b, sh) for b, (_, sh) in zip(bases, kinds)], blocks, slots)
+        for g, w, b, (_, sh) in zip(got, want, bases, kinds):
+            assert isinstance(g, P.QuantizedInt) == isinstance(b, P.QuantizedInt)
+            for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+                assert x.sharding.memory_kind == sh.memory_kind
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        # host: 1 + 3 + 3 arrays in one program; device: 2 in one
+        assert sorted(n for n, _ in calls) == [2, 7], calls
+        assert {path for _, path in calls} == {"run" if slots[1] == slots[0] + 1 and slots[1] < 6 else "scatter"}
+
+
+def test_a_per_layer_flush_writes_every_layer_at_once(monkeypatch):
+    """The per-layer (calls) flush pops, quantizes and writes all layers together: no single-array write and a
+    handful of write programs whatever the layer count (it was ~15 programs a layer), clo's Quest bounds
+    included."""
+    from kvoffload.offload import pool as P
+    from test_tokenselect import _decode
+
+    single, many = [], []
+    real_one, real_many = P.write_blocks, P._many_program
+    model = tiny_random_model("llama", seed=1, num_hidden_layers=4)
+    pol, _, state = _decode(model, "clo", 2, **dict(LOOP_QUEST, host_dtype="int4", int4_group_size=16,
+                                                     int4_k_quant="int8", quest_dtype="int8"))
+    monkeypatch.setattr(P, "write_blocks", lambda *a: single.append(1) or real_one(*a))
+    monkeypatch.setattr(P, "_many_program", lambda sh, n, path: many.append(n) or real_many(sh, n, path))
+    tok = jnp.zeros((state.batch,), jnp.int32)
+    flushed = 0
+    while not flushed:
+        _, state = pol.decode_step(model, state, tok)
+        flushed = state.records[-1]["flushed"]
+    assert not single
+    # layers 1..3 on the host: their K (int8: 3 arrays) and V (int4: 3) in one program, layer 0's (device) in
+    # another, the Quest bounds (3 arrays a host layer) in a third, per extent touched
+    assert len(many) <= 3 * len(state.groups[0].pool_k[0]) and max(many) >= 3 * 6, many
+
+
 @pytest.mark.parametrize("stored", ["native", "int4"])
 def test_strided_write_puts_each_layers_blocks_where_its_own_write_would(stored):
     """A looped step's flush writes n layers' blocks into a stacked host extent (layer j at slots + j x stride)

@@ -393,7 +393,7 @@ def check_selection(res):
 def check_kernels(res):
     assert all(v < 1e-6 for v in res["max_abs"].values()), res
     assert res["shardings"] == {"gather_kv": HEADS, "gather_x": ALONG_H, "sparse_attention": HEADS,
-                                "scores": HEADS, "select": HEADS}, res
+                                "scores": HEADS, "select": HEADS, "quest_bounds": HEADS}, res
 
 
 def test_selection_kernels_run_per_device(default_runs):

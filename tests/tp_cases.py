@@ -195,6 +195,17 @@ def kernel_case(case):
         wi, wn = ops.select_topk(sc, 8, counts=cnt, num_sink=2, method="sort")
         out["select"] = float(max(np.abs(np.asarray(gi) - np.asarray(wi)).max(), np.abs(np.asarray(gn) - np.asarray(wn)).max()))
         shardings["select"] = str(gi.sharding.spec)
+        # Quest's page bounds of pool blocks against their owners' queries (int8 pages with a scale per page)
+        from kvoffload.policies.clo import quest_int8
+
+        lo = arr((E, n_kv, 2, d))
+        pages = quest_int8(lo, lo + jnp.abs(arr((E, n_kv, 2, d))))
+        owner = arr((E,), -1, B)
+        got = jax.jit(lambda q_, lo_, hi_, sc_: ops.quest_block_bounds(q_, owner, lo_, hi_, sc_, **kernel))(
+            *split(q, *pages))
+        want = ops.quest_block_bounds(q, owner, *pages, impl="reference")
+        out["quest_bounds"] = finite(got, want) / float(np.abs(want).max())  # relative: f32 sums in another order
+        shardings["quest_bounds"] = str(got.sharding.spec)
     return dict(case=case, max_abs=out, shardings=shardings)
 
 

@@ -72,7 +72,7 @@ __all__ = [
     "decode_attention", "merge_attention", "paged_decode_attention", "merge_attention_into",
     "empty_attention", "sparse_attention", "sparse_attention_path", "prefill_attention_chunk_kernel",
     "prefill_attention_chunk_cudnn", "PREFILL_IMPLS",
-    "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores",
+    "recompute_kv", "topk_scores_exact", "quest_page_minmax", "quest_page_scores", "quest_block_bounds",
     "hata_encode", "hata_scores", "hamming_distance", "tokenselect_scores", "select_topk", "TOPK_METHODS",
     "topk_indices", "quantize_int4", "quantize_int8", "dequantize", "pack_int4", "unpack_int4",
     "QuantizedInt", "INT4_SCALES", "decode_attention_int4", "kernel_default", "gather_block_rows",
@@ -452,6 +452,22 @@ def topk_scores_exact(q, k, lengths=None, *, scale=None, group_reduce="sum", imp
 def _quest_kernel_jit(q, kmin, kmax, num_pages, group_reduce, interpret):
     return _tk.quest_page_scores_kernel(q, kmin, kmax, num_pages, group_reduce=group_reduce,
                                         interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _quest_blocks_kernel_jit(q, owner, kmin, kmax, scale, interpret):
+    return _tk.quest_block_bounds_kernel(q, owner, kmin, kmax, scale, interpret=interpret)
+
+
+def quest_block_bounds(q, owner, kmin, kmax, scale=None, *, impl="auto", interpret=False):
+    """Quest's page bounds of pool blocks, each against its owner's query (`pallas.topk.quest_block_bounds_reference`):
+    q [B, H, d]; owner [E]; kmin, kmax [E, n_kv, P, d] (int8 with scale [E, n_kv, P], or the keys' dtype).
+    Returns [E, n_kv, P] f32. The kernel on the GPU, per device on its heads under a tensor-parallel mesh."""
+    if use_kernel(impl):
+        heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+        return _sh.per_shard(lambda q_, o_, lo_, hi_, s_: _quest_blocks_kernel_jit(q_, o_, lo_, hi_, s_, interpret),
+                             (heads, rep, heads, heads, heads), heads)(q, owner, kmin, kmax, scale)
+    return _tk.quest_block_bounds_reference(q, owner, kmin, kmax, scale)
 
 
 def quest_page_scores(q, kmin, kmax, num_pages=None, *, group_reduce="sum", impl="auto",

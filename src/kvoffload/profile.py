@@ -259,10 +259,15 @@ def device_events(path: str):
                 yield (int(pid) if pid is not None else None, str(st["hlo_module"]), st.get("hlo_op"), name, t, d)
 
 
+KERNELS_LISTED = 40
+
+
 def scope_breakdown(path: str, steps: int = 1) -> dict:
     """Device time per step of a trace of `steps` decode steps, by program and scope path, and the Fig. 11
-    parts (`PARTS`): {"programs": {module: {"seconds": s, "scopes": {path: s}, "parts": {part: s}}},
-    "parts": {part: s}, "unattributed_s": s, "unattributed_kernels": the 10 longest unattributed kernels}."""
+    parts (`PARTS`): {"programs": {module: {"seconds": s, "scopes": {path: s}, "parts": {part: s}, "kernels":
+    [[path, kernel, s, launches]] the KERNELS_LISTED longest (a scope's time kernel by kernel: which to fuse or
+    rewrite)}}, "parts": {part: s}, "unattributed_s": s, "unattributed_kernels": the 10 longest unattributed
+    kernels}. Times and launches per step."""
     progs = {pid: ProgramScopes(*nt) for pid, nt in trace_programs(path).items()}
     return attribute(device_events(path), progs, steps)
 
@@ -275,7 +280,8 @@ def attribute(events, programs: dict, steps: int = 1) -> dict:
     for p in progs.values():
         by_name[p.name].append(p)
     out = collections.defaultdict(lambda: {"seconds": 0.0, "scopes": collections.Counter(),
-                                           "parts": collections.Counter()})
+                                           "parts": collections.Counter(), "kernels": collections.Counter(),
+                                           "launches": collections.Counter()})
     total_parts, unattributed, lost, cursors = collections.Counter(), 0.0, collections.Counter(), {}
     for pid, module, hlo_op, kernel, _, dur in events:
         cands = [progs[pid]] if pid in progs else by_name.get(module, [])
@@ -285,6 +291,8 @@ def attribute(events, programs: dict, steps: int = 1) -> dict:
         rec = out[module]
         rec["seconds"] += s
         rec["scopes"][scope] += s
+        rec["kernels"][(scope, kernel)] += s
+        rec["launches"][(scope, kernel)] += 1 / steps
         part = part_of(scope) if scope != "?" else "unattributed"
         rec["parts"][part] += s
         total_parts[part] += s
@@ -292,7 +300,9 @@ def attribute(events, programs: dict, steps: int = 1) -> dict:
             unattributed += s
             lost[(module, str(hlo_op), kernel)] += s
     programs = {m: {"seconds": r["seconds"], "scopes": dict(r["scopes"].most_common()),
-                    "parts": dict(r["parts"].most_common())} for m, r in out.items()}
+                    "parts": dict(r["parts"].most_common()),
+                    "kernels": [[*key, t, r["launches"][key]] for key, t in r["kernels"].most_common(KERNELS_LISTED)]}
+                for m, r in out.items()}
     return {"steps": steps, "programs": programs, "parts": dict(total_parts.most_common()),
             "unattributed_s": unattributed,
             "unattributed_kernels": [[*key, s] for key, s in lost.most_common(10)]}  # (module, hlo_op, kernel, s)

@@ -70,7 +70,7 @@ from kvoffload.offload.pool import (
     gather_act_extent,
     gather_kv_extent,
     quantize_blocks,
-    write_stored_blocks,
+    write_stored_blocks_many,
     write_stored_blocks_strided,
 )
 
@@ -644,12 +644,27 @@ def distinct_arrays(tree):
     return jax.tree.map(one, tree)
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "axis"), donate_argnums=(0,))
-def _pop_block(tail, blk, axis):
+def _pop(tail, blk, axis):
     """(the first blk tail slots of every request, the tail shifted left by blk)."""
     block = jax.lax.slice_in_dim(tail, 0, blk, axis=axis + 1)
     rest = jax.lax.slice_in_dim(tail, blk, tail.shape[axis + 1], axis=axis + 1)
     return block, jnp.concatenate([rest, jnp.zeros_like(block)], axis=axis + 1)
+
+
+_pop_block = jax.jit(_pop, static_argnames=("blk", "axis"), donate_argnums=(0,))
+
+
+@functools.partial(jax.jit, static_argnames=("blk", "axes"), donate_argnums=(0,))
+def _pop_blocks(tails, blk, axes):
+    """`_pop` of each of several tails (token axis of a row axes[i]) in one program: (blocks, tails)."""
+    popped = [_pop(t, blk, a) for t, a in zip(tails, axes)]
+    return tuple(b for b, _ in popped), tuple(t for _, t in popped)
+
+
+@functools.partial(jax.jit, static_argnames=("specs",))
+def _quantize_many(blocks, specs):
+    """`quantize_blocks(b, *spec)` of each block array in one program (a flush's every layer)."""
+    return tuple(quantize_blocks(b, *spec) for b, spec in zip(blocks, specs))
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "slots", "axis"))
@@ -757,13 +772,15 @@ class LayerHooks:
         layer's and returns the new one. () for none. Made before prefill's layers run."""
         return ()
 
-    def keys_written(self, pipe: "LayerPipeline", slot, extent: int, k_blocks, at):
-        """A layer's slots after K blocks entered the pool: k_blocks [n, n_kv, blk, d] (device memory,
-        the model's dtype) written to extent `extent` at slots at [n] (host ints; entries outside the extent
-        are dropped, as `write_blocks` does). Called at prefill (every extent, at = 0..E-1) and at each flush, only where the policy
-        keeps slots: GPU-side retrieval metadata of keys that may live on the host (clo's Quest pages,
-        HATA codes). Default: unchanged."""
-        return slot
+    def keys_written(self, pipe: "LayerPipeline", slots: tuple, extent: int, k_blocks: tuple, at) -> tuple:
+        """Layers' slots after K blocks entered the pool: per layer (slots[j], k_blocks[j]), K blocks
+        [n, n_kv, blk, d] (device memory, the model's dtype) written to extent `extent` at slots at [n] (host
+        ints, the same for every layer; entries outside the extent are dropped, as `write_blocks` does). Called at
+        prefill (one layer, every extent, at = 0..E-1) and at each flush (every layer called one by one, at
+        once: a policy should update them in a few programs, not a few per layer), only where the policy keeps
+        slots: GPU-side retrieval metadata of keys that may live on the host (clo's Quest pages, HATA codes).
+        Default: unchanged."""
+        return slots
 
     def keys_written_stacked(self, pipe: "LayerPipeline", stack: "LayerStack", extent: int, k_blocks, at):
         """`keys_written` for a `LayerStack`'s looped layers at once: their fixed slots ([n, ...]) after the new
@@ -1276,7 +1293,8 @@ class LayerPipeline:
                 if gr["slots"]:
                     for e, ke in enumerate(k_dev):
                         if ke is not None:
-                            gr["slots"][i] = self.hooks.keys_written(self, gr["slots"][i], e, ke, np.arange(ke.shape[0]))
+                            gr["slots"][i], = self.hooks.keys_written(self, (gr["slots"][i],), e, (ke,),
+                                                                    np.arange(ke.shape[0]))
                 del k_dev
                 gr["pk"].append(pk), gr["pv"].append(pv), gr["px"].append(px)
                 gr["tk"].append(_tail_from_prompt(k, gr["start"], blk, slots, 1))
@@ -1703,37 +1721,60 @@ class LayerPipeline:
         stk = gr.stack
         if stk is not None:  # the looped layers, at once
             stk, nbytes = self.flush_stack(gr, stk, slots)
-        for i in range(len(tk) if stk is None else stk.first):
-            bk, tk[i] = _pop_block(tk[i], blk, 1)
-            bv, tv[i] = _pop_block(tv[i], blk, 1)
-            bx = None
-            if tx[i] is not None:
-                bx, tx[i] = _pop_block(tx[i], blk, 0)
-            dev_layer = self.hooks.device_layer(self, i)
-            # int4 host extents: the blocks quantized once per layer, on the GPU, before they move; a flushed
-            # block is whole (blk tokens of every request)
-            form = self._stored_form(bk, bv)
-            qx = self.host_form(bx) if bx is not None else None
-            for e in touched:
-                share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
-                if layout.has("kv", e):
-                    for pool, key in ((pk, True), (pv, False)):
-                        if pool[i][e] is not None:  # a layer may store X in place of K and / or V (layer_parts)
-                            native = self._stores_native(layout, e, dev_layer, key)
-                            w = form(key, native)
-                            pool[i][e] = write_stored_blocks(pool[i][e], w, slots[e])
-                            nbytes += 0 if native else int(_tree_bytes(w) * share)  # device -> host bytes
-                    if layer_slots:
-                        layer_slots[i] = self.hooks.keys_written(self, layer_slots[i], e, bk, slots[e])
-                if layout.has("act", e) and bx is not None and px[i][e] is not None:
-                    wx = bx if layout.on_device(e) else qx
-                    px[i][e] = write_stored_blocks(px[i][e], wx, slots[e])
-                    nbytes += 0 if layout.on_device(e) else int(_tree_bytes(wx) * share)
+        n = len(tk) if stk is None else stk.first  # the layers called one by one: all of them at once here
+        if n:
+            nbytes += self._flush_layers(gr, n, touched, ext_of, slots, (pk, pv, px), (tk, tv, tx), layer_slots)
         return dataclasses.replace(
             gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
             pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),
             tail_len=gr.tail_len - blk, tables=alloc.device_tables(layout, self.tables_at), alloc=alloc, since_flush=0,
             slots=tuple(layer_slots), stack=stk), nbytes
+
+    def _flush_layers(self, gr: GroupState, n: int, touched, ext_of, slots: dict, pools, tails, layer_slots) -> int:
+        """`flush` of layers 0..n-1 (pools, tails and layer_slots: lists updated in place): every layer's blocks
+        popped in one program, quantized in one, written in one per extent and memory space
+        (`write_stored_blocks_many`), their key metadata updated by the policy for all of them at once.
+        Returns the device->host bytes."""
+        layout, blk = gr.layout, gr.layout.block_tokens
+        (pk, pv, px), (tk, tv, tx) = pools, tails
+        xs = [i for i in range(n) if tx[i] is not None]
+        blocks, new_tails = _pop_blocks(tuple(tk[:n]) + tuple(tv[:n]) + tuple(tx[i] for i in xs), blk,
+                                        (1,) * (2 * n) + (0,) * len(xs))
+        tk[:n], tv[:n] = new_tails[:n], new_tails[n:2 * n]
+        for i, t in zip(xs, new_tails[2 * n:]):
+            tx[i] = t
+        popped = {"k": blocks[:n], "v": blocks[n:2 * n], "x": dict(zip(xs, blocks[2 * n:]))}
+        dev = [self.hooks.device_layer(self, i) for i in range(n)]
+
+        def stores(i, e):  # (kind, extent array, stored as computed) of layer i's arrays in extent e
+            out = []
+            if layout.has("kv", e):
+                out += [(kind, pool[i][e], self._stores_native(layout, e, dev[i], kind == "k"))
+                        for kind, pool in (("k", pk), ("v", pv)) if pool[i][e] is not None]
+            if layout.has("act", e) and i in popped["x"] and px[i][e] is not None:
+                out.append(("x", px[i][e], layout.on_device(e)))  # a layer may store X in place of K / V
+            return out
+
+        # blocks bound for host memory in some extent: int4 / int8 made once per layer and kind, on the GPU,
+        # before they move, every layer in one program (a flushed block is whole: blk tokens of every request)
+        want = sorted({(kind, i) for i in range(n) for e in touched for kind, _, native in stores(i, e)
+                       if not native and self.host_spec(kind == "k") is not None})
+        made = dict(zip(want, _quantize_many(tuple(popped[k][i] for k, i in want),
+                                             tuple(self.host_spec(k == "k") for k, _ in want))))
+        nbytes = 0
+        for e in touched:
+            share = int((ext_of == e).sum()) / gr.size  # of the blocks written, those in extent e
+            where, exts, new = [], [], []
+            for i in range(n):
+                for kind, ext, native in stores(i, e):
+                    w = popped[kind][i] if native else made.get((kind, i), popped[kind][i])
+                    where.append((kind, i)), exts.append(ext), new.append(w)
+                    nbytes += 0 if native else int(_tree_bytes(w) * share)  # device -> host bytes
+            for (kind, i), a in zip(where, write_stored_blocks_many(exts, new, slots[e])):
+                {"k": pk, "v": pv, "x": px}[kind][i][e] = a
+            if layer_slots and layout.has("kv", e):
+                layer_slots[:n] = self.hooks.keys_written(self, tuple(layer_slots[:n]), e, popped["k"], slots[e])
+        return nbytes
 
     def release(self, state: DecodeState, rows) -> DecodeState:
         """Frees the pool blocks of finished requests (rows of the whole batch); their later steps
@@ -1814,16 +1855,21 @@ class LayerPipeline:
         return int(stored_bytes(d, itemsize, "int4" if self.int4 else "native", o.int4_group_size,
                                 o.int4_k_quant if key else "token"))
 
-    def host_form(self, a, key=False):
-        """A K (key=True), V or X block / extent as a host pool stores it: int4 (K scaled as int4_k_quant says,
-        V and X per token; int8 K codes with int4_k_quant="int8") or as it is (native pools; K with
-        int4_k_quant="native")."""
-        k_quant = self.opts.int4_k_quant
+    def host_spec(self, key=False):
+        """`quantize_blocks`' (group size, scales, bits) of a K (key=True), V or X block / extent as a host pool
+        stores it: int4 (K scaled as int4_k_quant says, V and X per token; int8 K codes with
+        int4_k_quant="int8"), or None: as it is (native pools; K with int4_k_quant="native")."""
+        k_quant, g = self.opts.int4_k_quant, self.opts.int4_group_size
         if not self.int4 or (key and k_quant == "native"):
-            return a
+            return None
         if key and k_quant == "int8":
-            return quantize_blocks(a, self.opts.int4_group_size, "token", 8)
-        return quantize_blocks(a, self.opts.int4_group_size, k_quant if key else "token")
+            return g, "token", 8
+        return g, k_quant if key else "token", 4
+
+    def host_form(self, a, key=False):
+        """A K (key=True), V or X block / extent as a host pool stores it (`host_spec`)."""
+        spec = self.host_spec(key)
+        return a if spec is None else quantize_blocks(a, *spec)
 
     def write_trace(self, path, records):
         import json

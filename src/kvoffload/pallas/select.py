@@ -35,8 +35,14 @@ ROUNDS = 32 // DIGIT_BITS
 MAX_CHUNKS = 64  # programs per row at most: each program sums P x 16 counts per earlier round
 
 
-def chunking(N: int, chunk: int = 2048) -> tuple[int, int]:
-    """(C, P): keys per program (a power of two, >= chunk) and programs per row for rows of N keys."""
+SHORT_ROW_KEYS = 1 << 14  # rows up to this many keys are split into 1024-key chunks by default (more programs)
+
+
+def chunking(N: int, chunk: int | None = None) -> tuple[int, int]:
+    """(C, P): keys per program (a power of two, >= chunk) and programs per row for rows of N keys. chunk None:
+    2048 keys, 1024 for rows of up to SHORT_ROW_KEYS (H200, 8 rows of 4096 with every row selecting: 44.6 us
+    against 52.3 with 2048-key chunks; of 16384, one row selecting: 46.5 against 55.5; twenty-sixth session)."""
+    chunk = (1024 if N <= SHORT_ROW_KEYS else 2048) if chunk is None else chunk
     C = max(int(chunk), next_pow2(cdiv(N, MAX_CHUNKS)))
     return C, cdiv(N, C)
 
@@ -152,15 +158,80 @@ def _compact_kernel(want_ref, keys_ref, *rest, N, K, C, S, P, Pp, Z, Zp):
         jax.lax.fori_loop(0, C // S, compact, (written0, eq_seen0))
 
 
-def select_rows_kernel(keys, want, k, *, chunk=2048, count_piece=512, compact_piece=1024, num_warps=4,
-                       interpret=False):
+def _fused_kernel(want_ref, keys_ref, idx_ref, *, N, K, C, S, Kp):
+    # one program per row, the whole row: the ROUNDS count rounds and the compaction in one launch (rows of up
+    # to FUSED_MAX_KEYS: a clo layer's page-level vote at 128K is 4096 pages a head)
+    from jax.experimental.pallas import triton as plgpu
+
+    want = want_ref[0]
+    zpos = jnp.arange(Kp, dtype=jnp.int32)
+    plgpu.store(idx_ref.at[zpos], jnp.zeros((Kp,), jnp.int32), mask=(zpos < K) & (zpos >= jnp.maximum(want, 0)))
+    lanes = jnp.arange(S, dtype=jnp.int32)
+    cand = jnp.arange(WIDTH, dtype=jnp.int32)
+
+    @pl.when(want > 0)
+    def _():
+        prefix, remaining = jnp.zeros((), jnp.uint32), want
+        for r in range(ROUNDS):  # the counting of `_count_kernel`, the digit choice of `_rebuild`, in registers
+            shift = 32 - DIGIT_BITS * (r + 1)
+            above = shift + DIGIT_BITS
+
+            def count(i, acc, shift=shift, above=above, prefix=prefix):
+                pos = i * S + lanes
+                keys = load(keys_ref.at[pos], mask=pos < N, other=0)
+                hit = ((keys >> shift) & (WIDTH - 1)).astype(jnp.int32)[None, :] >= cand[:, None]
+                if above < 32:
+                    hit = hit & ((keys >> above) == (prefix >> above))[None, :]
+                return acc + hit.astype(jnp.int32)
+
+            counts = jnp.sum(jax.lax.fori_loop(0, C // S, count, jnp.zeros((WIDTH, S), jnp.int32)), axis=1)
+            d, higher = _digit_of(counts, remaining)
+            remaining = remaining - higher
+            prefix = prefix | (d.astype(jnp.uint32) << shift)
+        T, take = prefix, remaining
+
+        def compact(i, carry):  # `_compact_kernel`'s, from slot 0
+            written, eq_seen = carry
+            pos = i * S + lanes
+            keys = load(keys_ref.at[pos], mask=pos < N, other=0)
+            eq = (keys == T) & (pos < N)
+            eq_rank = eq_seen + jnp.cumsum(eq.astype(jnp.int32))
+            chosen = (keys > T) | (eq & (eq_rank <= take))
+            ch = chosen.astype(jnp.int32)
+            slot = jnp.where(chosen, written + jnp.cumsum(ch) - 1, K + lanes)
+            plgpu.store(idx_ref.at[slot], pos, mask=chosen & (slot < K))
+            return written + jnp.sum(ch), eq_seen + jnp.sum(eq.astype(jnp.int32))
+
+        jax.lax.fori_loop(0, C // S, compact, (jnp.int32(0), jnp.int32(0)))
+
+
+# rows up to this many keys: one launch, one program per row (`_fused_kernel`). H200, 512 rows of 256 (b64 x 8 heads
+# at 8K in pages of 32): 22-36 us against 47-76 for the 9 launches and 34-38 for XLA's sort; at 8 rows of 4096 one
+# program a row is latency-bound (52-74 us against 45-53 for the 9 launches; twenty-sixth session)
+FUSED_MAX_KEYS = 1 << 10
+
+
+def select_rows_kernel(keys, want, k, *, chunk=None, count_piece=512, compact_piece=1024, num_warps=4,
+                       interpret=False, fused_max=FUSED_MAX_KEYS):
     """(indices [R, k] int32 ascending, then 0) of the want[r] largest keys of each row of keys [R, N]
     (uint32, `topk.orderable_keys`); want [R] int32, each <= k and <= the row's keys above the floor
     (`topk.top_count_ascending` clips it; 0 skips the row). Grid (R, P) per launch: `chunking`. The defaults
     (2048-key chunks, 512-key count pieces, 4 warps) were the fastest of a sweep on an H100 at 8 x 128K with
-    one row and with every row selecting (ninth session)."""
+    one row and with every row selecting (ninth session); shorter rows take 1024-key chunks (`chunking`). Rows of at most fused_max keys take one launch of one
+    program per row instead (`_fused_kernel`: 9 launches of a few programs cost more than the work there)."""
     R, N = keys.shape
     k = int(k)
+    if N <= fused_max:
+        C = next_pow2(N)
+        kernel = functools.partial(_fused_kernel, N=N, K=k, C=C, S=min(int(count_piece), C), Kp=next_pow2(k))
+        return pl.pallas_call(
+            kernel, grid=(R,),
+            in_specs=[pl.BlockSpec((1,), lambda r: (r,)), pl.BlockSpec((None, N), lambda r: (r, 0))],
+            out_specs=pl.BlockSpec((None, k), lambda r: (r, 0)),
+            out_shape=jax.ShapeDtypeStruct((R, k), jnp.int32),
+            compiler_params=triton_params(num_warps=num_warps, num_stages=1), interpret=interpret,
+            name="kvo_select_fused",
+        )(want.astype(jnp.int32), keys)
     C, P = chunking(N, chunk)
     S = min(int(count_piece), C)
     Pp = next_pow2(P)

@@ -327,6 +327,75 @@ def quest_page_scores_kernel(q, kmin, kmax, num_pages=None, *, group_reduce="sum
     return out[:, :, :P]
 
 
+def quest_block_bounds_reference(q, owner, kmin, kmax, scale=None):
+    """[E, n_kv, P] f32: per page of each pool block, max over its KV head's query heads of Quest's upper bound
+    sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min, against the block's owner's query. q [B, H, d];
+    owner [E] int32 (-1, a free block: request 0's); kmin, kmax [E, n_kv, P, d] (or int8 pages with their
+    scale [E, n_kv, P], applied to each page's dot products: a scale per page factors out of the channel sum).
+    Operands in q's dtype (int8 pages are exact in bf16), products and sums in f32."""
+    E, n_kv = kmin.shape[:2]
+    qb = q[jnp.maximum(owner, 0)]
+    H, d = qb.shape[1:]
+    qg = qb.reshape(E, n_kv, H // n_kv, d)
+    kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    s = jnp.einsum("ehgd,ehpd->ehgp", jnp.maximum(qg, 0), kmax.astype(q.dtype), **kw) + \
+        jnp.einsum("ehgd,ehpd->ehgp", jnp.minimum(qg, 0), kmin.astype(q.dtype), **kw)
+    if scale is not None:
+        s = s * scale[:, :, None, :]
+    return jnp.max(s, axis=2)
+
+
+def _quest_blocks_kernel(owner_ref, q_ref, lo_ref, hi_ref, *rest, E, P, G, d, dp, R, scaled):
+    # whole refs, addressed row by row: owner [E]; q [B, H, d]; lo, hi [E, n_kv, P, d]; scale [E, n_kv, P];
+    # out [E, n_kv, P]. A program: R consecutive (block, page) rows of one KV head
+    from jax.experimental.pallas import triton as plgpu
+
+    sc_ref, o_ref = rest if scaled else (None, rest[0])
+    h = pl.program_id(1)
+    row = pl.program_id(0) * R + jnp.arange(R, dtype=jnp.int32)
+    blk, page = row // P, row % P
+    ok = blk < E
+    dc = jnp.arange(dp, dtype=jnp.int32)
+    tile_ok = ok[:, None] & (dc < d)[None, :]
+    head = jnp.zeros((R, 1), jnp.int32) + h
+    hi = load(hi_ref.at[blk[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
+    lo = load(lo_ref.at[blk[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
+    own = jnp.maximum(load(owner_ref.at[blk], mask=ok, other=0), 0)
+    best = jnp.full((R,), -jnp.inf, jnp.float32)
+    for g in range(G):  # the group's query heads one by one: [R, d] products, no tensor-core padding of G
+        qr = load(q_ref.at[own[:, None], head * G + g, dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
+        best = jnp.maximum(best, jnp.sum(jnp.maximum(qr, 0) * hi + jnp.minimum(qr, 0) * lo, axis=1))
+    if scaled:
+        best = best * load(sc_ref.at[blk, head[:, 0], page], mask=ok, other=1)
+    plgpu.store(o_ref.at[blk, head[:, 0], page], best, mask=ok)
+
+
+def quest_block_bounds_kernel(q, owner, kmin, kmax, scale=None, *, rows=32, num_warps=4, interpret=False):
+    """Pallas (Triton) ``quest_block_bounds_reference``, reading the pages in place: one program per `rows`
+    (block, page) rows of one KV head, each row against its block's owner's query rows (loaded by index: no
+    per-block copy of the query), products and sums in f32 (the reference's up to summation order). XLA's
+    form is a batched matmul of E x n_kv products of [G, d] x [d, P]: tiny tiles, ~27 us a call on an H200 for
+    4 MB of int8 pages at 128K (twenty-sixth session)."""
+    E, n_kv, P, d = kmin.shape
+    H = q.shape[1]
+    R = int(rows)
+    if R < 1 or R & (R - 1):
+        raise ValueError(f"rows must be a power of two, got {rows}")
+    scaled = scale is not None
+    full = lambda a: pl.BlockSpec(a.shape, lambda i, h, n=a.ndim: (0,) * n)  # noqa: E731
+    args = [jnp.asarray(owner, jnp.int32), q, kmin, kmax] + ([scale.astype(jnp.float32)] if scaled else [])
+    kernel = functools.partial(_quest_blocks_kernel, E=E, P=P, G=H // n_kv, d=d, dp=next_pow2(d), R=R,
+                               scaled=scaled)
+    return pl.pallas_call(
+        kernel, grid=(cdiv(E * P, R), n_kv),
+        in_specs=[full(a) for a in args],
+        out_specs=pl.BlockSpec((E, n_kv, P), lambda i, h: (0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((E, n_kv, P), jnp.float32),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1), interpret=interpret,
+        name="kvo_quest_block_bounds",
+    )(*args)
+
+
 # ----------------------------------------------------------------------------
 # HATA Hamming scores on packed sign codes
 # ----------------------------------------------------------------------------
@@ -699,8 +768,12 @@ RADIX_MIN_CANDIDATES = 1 << 17
 # On the GPU "auto" takes the Pallas select ("kernel") from this many candidates: at 8 x 128K with one row
 # selecting (a clo layer at a hit rate of ~0.86) 87 us against the XLA radix's 206 and the sort's 318, in a
 # jit of 10 calls; the 128K clo step 18.7-19.8 ms against radix's 22.9. At 32K the sort's step was faster
-# (19.7 vs 22.8 ms), so the sort below 128K (ninth session, H100, BENCHMARKS.md).
+# (19.7 vs 22.8 ms), so the sort below 128K (ninth session, H100, BENCHMARKS.md) ...
 KERNEL_MIN_CANDIDATES = 1 << 17
+# ... except for short rows (page-level votes: a clo head's 128K tokens in pages of 32 are 4096 candidates), where
+# the kernel's launches are short and the sort's are not: H200, 8 x 4096 44.6-53 us against the sort's 65-80,
+# 8 x 16384 46.5 against 107-118, 512 x 256 (b64) 22-36 against 34-38 (twenty-sixth session)
+KERNEL_MAX_SHORT = 1 << 14
 
 
 def resolve_topk_method(method: str, n_candidates: int, gpu: bool | None = None) -> str:
@@ -710,7 +783,7 @@ def resolve_topk_method(method: str, n_candidates: int, gpu: bool | None = None)
         raise ValueError(f"top-k method must be one of {TOPK_METHODS}, got {method!r}")
     if method == "auto":
         if on_gpu() if gpu is None else gpu:
-            return "kernel" if n_candidates >= KERNEL_MIN_CANDIDATES else "sort"
+            return "kernel" if n_candidates >= KERNEL_MIN_CANDIDATES or n_candidates <= KERNEL_MAX_SHORT else "sort"
         return "radix" if n_candidates >= RADIX_MIN_CANDIDATES else "sort"
     return method
 
@@ -726,7 +799,8 @@ def top_count_ascending(pri, counts, k, *, method="auto", digit_bits=4):
     * "kernel": the same radix select and compaction as Pallas kernels (`pallas/select.py`: 8 count launches
       and one compaction, many programs per row; a row of count 0 exits at once). On an H100, 8 x 128K with
       one row selecting: 87 us against radix's 206 and the sort's 318. Off the GPU it runs interpreted (slow).
-    * "auto" (the default): on the GPU "kernel" from KERNEL_MIN_CANDIDATES (128K) per row, else the sort; off it
+    * "auto" (the default): on the GPU "kernel" from KERNEL_MIN_CANDIDATES (128K) per row and up to
+      KERNEL_MAX_SHORT (16K), else the sort; off it
       radix from RADIX_MIN_CANDIDATES (128K), else the sort."""
     R, N = pri.shape
     method = resolve_topk_method(method, N)

@@ -39,8 +39,8 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
      is one of them), or with ``quest_dtype="int8"`` as int8 with one scale per page and head, min rounded
      down and max up so the bound stays an upper bound (``quest_int8``: about half of bf16's bytes, so 32-token
      pages cost the GPU memory of 64-token ones in bf16). Score of a page per KV head: max over the group of Quest's upper bound
-     sum_c max(q_c min_c, q_c max_c) (``quest_bounds``, as q+ . max + q- . min: two batched matmuls over
-     the extents' blocks, each block against its owner's query); whole pages
+     sum_c max(q_c min_c, q_c max_c) (``quest_bounds``, as q+ . max + q- . min over the extents' blocks, each
+     block against its owner's query: ``ops.quest_block_bounds``, a Pallas kernel on the GPU); whole pages
      are selected (``choose_tokens`` with page_size = quest_page_tokens).
    * ``hata``: per token a ``hata_bits``-bit sign code of the key (default: the trained weights' width, or 128
      for random projections) (``ops.hata_encode`` with a per-KV-head
@@ -108,7 +108,7 @@ from kvoffload.importance.deploy import group_similarity
 from kvoffload.models.transformer import family
 from kvoffload.offload import sharding as S
 from kvoffload.offload.pipeline import attend_pool, native_extent
-from kvoffload.offload.pool import write_blocks, write_blocks_stacked
+from kvoffload.offload.pool import write_blocks_many, write_blocks_stacked
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
@@ -251,22 +251,17 @@ def exact_scores(q, keys, tables, space: TokenSpace | None = None, skip=None):
     return space.per_request(jnp.concatenate(out))
 
 
-def quest_bounds(q, kmin, kmax, scale=None):
+def quest_bounds(q, kmin, kmax, scale=None, owner=None):
     """[E, n_kv, P] f32: per page, max over each KV head's query heads of Quest's upper bound
-    sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min. q [E, H, d]: each block's owner's query;
+    sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min (`ops.quest_block_bounds`: the kernel on the GPU).
+    owner None: q [E, H, d], each block's query; else q [B, H, d] and owner [E] each block's request.
     kmin, kmax [E, n_kv, P, d]; int8 pages (``quest_int8``) with their scale [E, n_kv, P], applied to the
     page's dot products (a scale per page factors out of the sum over channels: no dequantized copy).
-    Operands in q's dtype (the model's), sums in f32: a bf16 model's bounds are bf16 products (int8 pages are
-    exact in bf16), half the f32 form's time on an H100; an f32 model's are f32 at full precision."""
-    E, H, d = q.shape
-    n_kv = kmin.shape[1]
-    qg = q.reshape(E, n_kv, H // n_kv, d)
-    kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
-    s = jnp.einsum("ehgd,ehpd->ehgp", jnp.maximum(qg, 0), kmax.astype(q.dtype), **kw) + \
-        jnp.einsum("ehgd,ehpd->ehgp", jnp.minimum(qg, 0), kmin.astype(q.dtype), **kw)
-    if scale is not None:
-        s = s * scale[:, :, None, :]
-    return jnp.max(s, axis=2)
+    Operands in q's dtype (the model's), products and sums in f32: int8 pages are exact in bf16, and bf16
+    operands took half the f32 form's time on an H100 in XLA's matmul form (fifteenth session)."""
+    if owner is None:
+        owner = jnp.arange(kmin.shape[0], dtype=jnp.int32)
+    return ops.quest_block_bounds(q, owner, kmin, kmax, scale)
 
 
 def quest_int8(kmin, kmax):
@@ -294,11 +289,11 @@ def quest_token_scores(q, meta, tables, blk, space: TokenSpace | None = None):
     (``quest_bounds``, each block against its owner's query); -inf where the request owns no token.
     meta: per extent (kmin, kmax) [E, n_kv, P, d] or their int8 form (``quest_int8``)."""
     space = token_space(tables, blk) if space is None else space
-    qb = space.owner_rows(q)
     out, start = [], 0
     for m in meta:  # (kmin, kmax) or (qmin, qmax, scale)
         E, P = m[0].shape[0], m[0].shape[2]
-        out.append(jnp.repeat(quest_bounds(qb[start:start + E], *m), blk // P, axis=-1))  # [E, n_kv, blk]
+        bounds = quest_bounds(q, *m, owner=space.owner[start:start + E])  # each block against its owner's query
+        out.append(jnp.repeat(bounds, blk // P, axis=-1))  # [E, n_kv, blk]
         start += E
     return space.per_request(jnp.concatenate(out))
 
@@ -337,6 +332,12 @@ def key_metadata(k_blocks, w, retrieval, page, quest_dtype="keys"):
     from kvoffload.importance.hata import encode_keys
 
     return (encode_keys(w, k_blocks),)
+
+
+@functools.partial(jax.jit, static_argnames=("retrieval", "page", "quest_dtype"))
+def _key_metadata_layers(k_blocks, ws, retrieval, page, quest_dtype="keys"):
+    """`key_metadata` of several layers' K blocks (each with its own HATA projections ws[j]) in one program."""
+    return tuple(key_metadata(kb, w, retrieval, page, quest_dtype) for kb, w in zip(k_blocks, ws))
 
 
 def aggregate_similarity(cos, weights, how: str):
@@ -733,15 +734,23 @@ class CloHooks(TokenSelectHooks):
         self.hata_bits = int(w.shape[3])  # the trained width (hata_bits not given)
         return w, self.hata_weights
 
-    def keys_written(self, pipe, slot, extent, k_blocks, at):
+    def keys_written(self, pipe, slots, extent, k_blocks, at):
         r = self.attend.retrieval
-        if r == "exact" or slot.dense:
-            return slot
-        new = key_metadata(k_blocks, slot.hata_w, r, self.attend.page_size, self.attend.quest_dtype)
-        if pipe.mesh is not None:  # the blocks' metadata split by head like the extent's (write_blocks keeps it)
-            new = jax.device_put(new, jax.tree.map(lambda old: old.sharding, slot.meta[extent]))
-        written = tuple(write_blocks(old, part, at) for old, part in zip(slot.meta[extent], new))
-        return dataclasses.replace(slot, meta=slot.meta[:extent] + (written,) + slot.meta[extent + 1:])
+        live = [j for j, slot in enumerate(slots) if r != "exact" and not slot.dense]
+        if not live:
+            return slots
+        # every layer's metadata made in one program and written in one (per memory space): the blocks' metadata
+        # placed as the extent's (split by head under a mesh) by the write
+        new = _key_metadata_layers(tuple(k_blocks[j] for j in live), tuple(slots[j].hata_w for j in live), r,
+                                   self.attend.page_size, self.attend.quest_dtype)
+        written = iter(write_blocks_many([a for j in live for a in slots[j].meta[extent]],
+                                         [a for m in new for a in m], at))
+        out = list(slots)
+        for j in live:
+            meta = slots[j].meta
+            out[j] = dataclasses.replace(slots[j], meta=meta[:extent] + (tuple(next(written) for _ in meta[extent]),)
+                                         + meta[extent + 1:])
+        return tuple(out)
 
     def loop_refusal(self, pipe):
         if self.attend.retrieval not in ("quest", "hata"):  # exact scores read the keys at the selection's own ids
