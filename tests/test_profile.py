@@ -22,6 +22,40 @@ def test_scope_paths_and_parts_from_op_names():
     assert _common({"qkv", "out_mlp"}) == "?"
 
 
+def test_a_fusion_without_an_op_name_takes_its_fused_instructions_scope():
+    """XLA makes some fusions without metadata (a GEMM fusion of an H200 step, a concatenation of two weights): such
+    a kernel takes the common scope of the instructions inside its fused computation, not "other"."""
+    from kvoffload.profile import ProgramScopes
+
+    text = """HloModule jit_layer_body
+
+%fused_dot (p0: bf16[1,64], p1: bf16[64,64]) -> bf16[1,64] {
+  %p0 = bf16[1,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[1,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_type="dot_general" op_name="jit(layer_body)/out_mlp/jit(linear)/dot_general"}
+}
+
+%fused_mixed (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  %a = f32[8]{0} exp(%p0), metadata={op_name="jit(layer_body)/qkv/exp"}
+  ROOT %b = f32[8]{0} log(%a), metadata={op_name="jit(layer_body)/out_mlp/log"}
+}
+
+ENTRY %main (x: bf16[1,64], w: bf16[64,64], y: f32[8]) -> (bf16[1,64], f32[8]) {
+  %x = bf16[1,64]{1,0} parameter(0)
+  %w = bf16[64,64]{1,0} parameter(1)
+  %y = f32[8]{0} parameter(2)
+  %gemm_fusion_dot.14 = bf16[1,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %loop_fusion = f32[8]{0} fusion(%y), kind=kLoop, calls=%fused_mixed
+  ROOT %t = (bf16[1,64]{1,0}, f32[8]{0}) tuple(%gemm_fusion_dot.14, %loop_fusion)
+}
+"""
+    prog = ProgramScopes("jit_layer_body", text)
+    assert prog.scope_of("gemm_fusion_dot.14", "gemm_fusion_dot_14") == "out_mlp"
+    assert prog.scope_of(None, "gemm_fusion_dot_14") == "out_mlp"  # inside a command buffer: by kernel name
+    assert prog.scope_of("loop_fusion", "loop_fusion") == "?"  # two scopes inside, none in common: unattributed
+
+
 def test_a_traced_program_splits_by_its_named_scopes(tmp_path):
     @jax.jit
     def f(x, w):

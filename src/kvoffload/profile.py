@@ -22,7 +22,7 @@ import os
 import re
 import sys
 
-from kvoffload.hlo_text import FREE, control_computations, instruction, op_name
+from kvoffload.hlo_text import FREE, computations, control_computations, instruction, op_name
 
 # the Fig. 11 parts of the CLO paper, and the rest of a layer, by the scopes an op_name holds
 # (first match wins; a scope path is the named scopes among SCOPES in the op_name, outermost first)
@@ -147,6 +147,7 @@ _PALLAS = re.compile(r"([\w.\-]+)/pallas_call$")
 _COPY = re.compile(r"^(memcpy|memset)", re.I)
 _GEMM = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas", re.I)
 _NO_KERNEL = FREE | {"while", "call", "conditional"}
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
 def _kernel_name(instr: str) -> str:
@@ -164,10 +165,17 @@ class ProgramScopes:
     def __init__(self, name: str, text: str):
         self.name = name
         self.by_instr, self.by_kernel_name, self.by_key = {}, {}, collections.defaultdict(set)
+        inside = {}  # a fused computation's scope: that of its instructions (a fusion XLA made may carry none)
+        for comp, lines in computations(text).items():
+            paths = {scope_path(op) for op in map(op_name, lines) if op} - {""}
+            inside[comp] = _common(paths) if paths else ""
         for line in text.splitlines():  # every instruction: a kernel may be named after one inside a wrapper
             ins = instruction(line)  # fusion (a sort's)
             if ins:
-                self.by_instr[ins[0]] = self.by_kernel_name[_kernel_name(ins[0])] = scope_path(op_name(line) or "")
+                op = op_name(line)
+                called = _CALLS.search(line) if op is None else None
+                path = scope_path(op) if op is not None else inside.get(called.group(1), "") if called else ""
+                self.by_instr[ins[0]] = self.by_kernel_name[_kernel_name(ins[0])] = path
         # the kernels in schedule order: the computations the program steps through (the entry, while bodies
         # and conditions, branches; `hlo_text.control_computations`), not the fused ones
         self.sequence = []
