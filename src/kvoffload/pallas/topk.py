@@ -8,7 +8,8 @@ int32) ready for :func:`kvoffload.ops.sparse_attention`.
 
 Every score function has a pure-jnp ``*_reference`` and a Pallas (Triton) ``*_kernel`` of
 the same signature (plus ``interpret``, ``poison`` and launch parameters): exact q.K
-scores, Quest page bounds (two fp32 matmuls on the sign-split query), HATA Hamming scores
+scores, Quest page bounds (two fp32 matmuls on the sign-split query; a pool's blocks against their owners'
+queries: f32 products summed row by row, `quest_block_bounds_*`), HATA Hamming scores
 (xor + popcount on int32 words; ``popcount="swar"`` is a shift/mask fallback) and the
 TokenSelect soft vote (exact, two passes: logits + per-split softmax statistics, then
 the merged statistics normalise the logits). All tiles are powers of two; other sizes
