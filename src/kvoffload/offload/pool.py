@@ -536,8 +536,8 @@ def write_blocks_many(exts, blocks, slots):
         run = len(sizes) == 1 and _contiguous(slots, sizes.pop())
         path, arg = ("run", lambda: int(slots[0])) if run else ("scatter", lambda: jnp.asarray(slots, jnp.int32))
         new = None
-        if len(idx) > 1:
-            new = _in_place(ext0, path, lambda: _many_program(sharding, len(idx), path)(
+        if len(idx) > 1:  # remembered apart from the one-array writes: a failure here must not turn those off
+            new = _in_place(ext0, path + " many", lambda: _many_program(sharding, len(idx), path)(
                 group, tuple(blocks[i] for i in idx), arg()), also=group[1:])
         if new is None:
             new = [write_blocks(exts[i], blocks[i], slots) for i in idx]
