@@ -651,9 +651,6 @@ def _pop(tail, blk, axis):
     return block, jnp.concatenate([rest, jnp.zeros_like(block)], axis=axis + 1)
 
 
-_pop_block = jax.jit(_pop, static_argnames=("blk", "axis"), donate_argnums=(0,))
-
-
 @functools.partial(jax.jit, static_argnames=("blk", "axes"), donate_argnums=(0,))
 def _pop_blocks(tails, blk, axes):
     """`_pop` of each of several tails (token axis of a row axes[i]) in one program: (blocks, tails)."""
@@ -1408,46 +1405,36 @@ class LayerPipeline:
         pop, one quantization and one write program per stacked extent for all looped layers; the policy's key
         metadata updated (`LayerHooks.keys_written_stacked`)."""
         blk, layout = gr.layout.block_tokens, gr.layout
-        bk, tail_k = _pop_block(stk.st.tail_k, blk, 2)  # [n, b, n_kv, blk, d]
-        bv, tail_v = _pop_block(stk.st.tail_v, blk, 2)
+        (bk, bv), (tail_k, tail_v) = _pop_blocks((stk.st.tail_k, stk.st.tail_v), blk, (2, 2))  # [n, b, n_kv, blk, d]
         dev_layer = {self.hooks.device_layer(self, stk.first + j) for j in range(stk.layers)}
         if len(dev_layer) != 1:  # stack_group loops only layers of one program, whose pools share a memory
             raise LoopLayersError("loop_layers: looped layers differ in where their blocks live")
-        on_dev, form = dev_layer.pop(), self._stored_form(bk, bv)
+        on_dev = dev_layer.pop()
         pk, pv, nbytes, fixed = list(stk.pool_k), list(stk.pool_v), 0, stk.fixed
+        popped, kinds = {True: bk, False: bv}, ((pk, True), (pv, False))
+        native = {(e, key): self._stores_native(layout, e, on_dev, key) for e in slots for key in (True, False)}
+        # blocks bound for host memory: int4 / int8 made once for all looped layers, K and V in one program
+        want = sorted({key for e in slots for pool, key in kinds if pool[stk.extent_of(e)[0]] is not None
+                       and not native[e, key] and self.host_spec(key) is not None})
+        made = dict(zip(want, _quantize_many(tuple(popped[k] for k in want), tuple(self.host_spec(k) for k in want))))
         for e, at in slots.items():
             share = float(np.mean(at < layout.size(e)))  # of the blocks written, those in extent e
             x, base, stride = stk.extent_of(e)
             ids = np.where(at < layout.size(e), at + base, -1)
-            for pool, key in ((pk, True), (pv, False)):
+            for pool, key in kinds:
                 if pool[x] is None:
                     continue
-                native = self._stores_native(layout, e, on_dev, key)
-                w = form(key, native)
+                w = popped[key] if native[e, key] else made.get(key, popped[key])
                 pool[x] = write_stored_blocks_strided(pool[x], w, ids, stride)
-                nbytes += 0 if native else int(_tree_bytes(w) * share)
+                nbytes += 0 if native[e, key] else int(_tree_bytes(w) * share)
             fixed = self.hooks.keys_written_stacked(self, dataclasses.replace(stk, fixed=fixed), e, bk, at)
         st = dataclasses.replace(stk.st, tail_k=tail_k, tail_v=tail_v)
         return dataclasses.replace(stk, st=st, fixed=fixed, pool_k=tuple(pk), pool_v=tuple(pv)), nbytes
 
     def _stores_native(self, layout: PoolLayout, e: int, device_layer: bool, key: bool) -> bool:
         """Whether extent e of a layer stores a flushed K (key) or V block as computed: a device extent or
-        layer, or K the policy keeps on the device; else in `host_form`."""
+        layer, or K the policy keeps on the device; else as `host_spec` says."""
         return layout.on_device(e) or device_layer or (key and self.hooks.keys_on_device(self))
-
-    def _stored_form(self, bk, bv):
-        """form(key, native): the flushed K (key) or V blocks as an extent stores them, `host_form` made once."""
-        made = {}
-
-        def form(key: bool, native: bool):
-            a = bk if key else bv
-            if native:
-                return a
-            if key not in made:
-                made[key] = self.host_form(a, key=key)
-            return made[key]
-
-        return form
 
     def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype, parts=None, on_device=False):
         """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty; and the
