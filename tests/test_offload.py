@@ -640,8 +640,8 @@ def test_many_writes_equal_separate_writes_in_one_program_per_memory_space(monke
 
     rng = np.random.default_rng(1)
     calls = []
-    real = P._many_program
-    monkeypatch.setattr(P, "_many_program", lambda sh, n, path: calls.append((n, path)) or real(sh, n, path))
+    real = P._write_program
+    monkeypatch.setattr(P, "_write_program", lambda sh, n, path: calls.append((n, path)) or real(sh, n, path))
 
     def extent(kind):
         base = jnp.asarray(rng.standard_normal((6, 2, 4, 16)), jnp.float32)
@@ -651,10 +651,10 @@ def test_many_writes_equal_separate_writes_in_one_program_per_memory_space(monke
     kinds = [("native", M.host_sharding()), ("int4", M.host_sharding()), ("int8", M.host_sharding()),
              ("native", M.device_sharding()), ("native", M.device_sharding())]
     for slots in (np.array([2, 3]), np.array([4, 1]), np.array([5, 6])):
-        calls.clear()
         bases = [extent(k) for k, _ in kinds]
         blocks = [jnp.asarray(rng.standard_normal((2, 2, 4, 16)), jnp.float32) for _ in kinds]
         want = [P.write_stored_blocks(jax.device_put(b, sh), x, slots) for b, x, (_, sh) in zip(bases, blocks, kinds)]
+        calls.clear()  # (each write above: a program of one array)
         got = P.write_stored_blocks_many([jax.device_put(b, sh) for b, (_, sh) in zip(bases, kinds)], blocks, slots)
         for g, w, b, (_, sh) in zip(got, want, bases, kinds):
             assert isinstance(g, P.QuantizedInt) == isinstance(b, P.QuantizedInt)
@@ -674,12 +674,12 @@ def test_a_per_layer_flush_writes_every_layer_at_once(monkeypatch):
     from test_tokenselect import _decode
 
     single, many = [], []
-    real_one, real_many = P.write_blocks, P._many_program
+    real_one, real_many = P.write_blocks, P._write_program
     model = tiny_random_model("llama", seed=1, num_hidden_layers=4)
     pol, _, state = _decode(model, "clo", 2, **dict(LOOP_QUEST, host_dtype="int4", int4_group_size=16,
                                                      int4_k_quant="int8", quest_dtype="int8"))
     monkeypatch.setattr(P, "write_blocks", lambda *a: single.append(1) or real_one(*a))
-    monkeypatch.setattr(P, "_many_program", lambda sh, n, path: many.append(n) or real_many(sh, n, path))
+    monkeypatch.setattr(P, "_write_program", lambda sh, n, path: many.append(n) or real_many(sh, n, path))
     tok = jnp.zeros((state.batch,), jnp.int32)
     flushed = 0
     while not flushed:

@@ -469,22 +469,6 @@ def _in_place(ext, path: str, call, also=()):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _write_program(sharding, path):
-    """A donated in-place write into an extent held on `sharding`: the blocks are moved into the
-    extent's memory inside the program (an update must share its operand's memory space), then
-    written with one dynamic_update_slice ("run": contiguous slots) or a scatter ("scatter")."""
-    def run(ext, blocks, start):
-        blocks = jax.device_put(blocks.astype(ext.dtype), sharding)
-        return jax.lax.dynamic_update_slice_in_dim(ext, blocks, start, axis=0)
-
-    def scatter(ext, blocks, slots):
-        blocks = jax.device_put(blocks.astype(ext.dtype), sharding)
-        return ext.at[slots].set(blocks, mode="drop")
-
-    return jax.jit(run if path == "run" else scatter, donate_argnums=(0,), out_shardings=sharding)
-
-
 def _contiguous(slots, size: int) -> bool:
     """Whether host slots are one run of consecutive ids inside an extent of `size` blocks."""
     return bool((slots == slots[0] + np.arange(len(slots))).all()) and 0 <= slots[0] and slots[-1] < size
@@ -498,7 +482,8 @@ def write_blocks(ext, blocks, slots):
     slots = np.asarray(slots)
     paths = (("run", lambda: int(slots[0])),) if _contiguous(slots, ext.shape[0]) else ()
     for path, arg in paths + (("scatter", lambda: jnp.asarray(slots, jnp.int32)),):
-        out = _in_place(ext, path, lambda p=path, a=arg: _write_program(ext.sharding, p)(ext, blocks, a()))
+        out = _in_place(ext, path, lambda p=path, a=arg: _write_program(ext.sharding, 1, p)((ext,), (blocks,),
+                                                                                          a())[0])
         if out is not None:
             return out
     from kvoffload.offload import memory as M
@@ -508,8 +493,11 @@ def write_blocks(ext, blocks, slots):
 
 
 @functools.lru_cache(maxsize=None)
-def _many_program(sharding, n: int, path: str):
-    """`_write_program` for n arrays on one sharding at the same slots: one program, every array donated."""
+def _write_program(sharding, n: int, path: str):
+    """A donated in-place write of n arrays held on `sharding`, each with its blocks at the same slots, in one
+    program: the blocks are moved into the arrays' memory inside the program (an update must share its operand's
+    memory space), then written with one dynamic_update_slice each ("run": contiguous slots, `at` the first) or a
+    scatter ("scatter": `at` the slots, those past an array's end dropped)."""
     def run(exts, blocks, at):
         out = []
         for ext, b in zip(exts, blocks):
@@ -537,7 +525,7 @@ def write_blocks_many(exts, blocks, slots):
         path, arg = ("run", lambda: int(slots[0])) if run else ("scatter", lambda: jnp.asarray(slots, jnp.int32))
         new = None
         if len(idx) > 1:  # remembered apart from the one-array writes: a failure here must not turn those off
-            new = _in_place(ext0, path + " many", lambda: _many_program(sharding, len(idx), path)(
+            new = _in_place(ext0, path + " many", lambda: _write_program(sharding, len(idx), path)(
                 group, tuple(blocks[i] for i in idx), arg()), also=group[1:])
         if new is None:
             new = [write_blocks(exts[i], blocks[i], slots) for i in idx]
