@@ -83,63 +83,31 @@ def _rebuild(round_refs, want, P, Pp, per_chunk=False):
     return prefix, remaining, above, cnt, d
 
 
-def _digit_counts(keys_ref, start, N, C, S, shift, prefix):
-    """[WIDTH] int32: of the keys [start, start + C) below N, those sharing prefix's digits above `shift` (every
-    key in the most significant round) whose digit at `shift` is >= c, for c = 0..WIDTH-1. Per-lane counts over
-    S-key pieces, reduced once after the loop."""
-    above = shift + DIGIT_BITS
-    lanes = jnp.arange(S, dtype=jnp.int32)
-    cand = jnp.arange(WIDTH, dtype=jnp.int32)
-
-    def count(i, acc):
-        pos = start + i * S + lanes
-        keys = load(keys_ref.at[pos], mask=pos < N, other=0)  # key 0: below every selectable one
-        digit = ((keys >> shift) & (WIDTH - 1)).astype(jnp.int32)
-        hit = digit[None, :] >= cand[:, None]  # [WIDTH, S]
-        if above < 32:
-            hit = hit & ((keys >> above) == (prefix >> above))[None, :]
-        return acc + hit.astype(jnp.int32)
-
-    return jnp.sum(jax.lax.fori_loop(0, C // S, count, jnp.zeros((WIDTH, S), jnp.int32)), axis=1)
-
-
-def _write_chosen(keys_ref, idx_ref, start, N, K, C, S, T, take, written, eq_seen):
-    """The compaction of keys [start, start + C) below N: the index of every key above T, and of each key equal to
-    T while its rank among those (eq_seen of them before `start`) is <= take, written at the row's running slot
-    from `written` on (a running sum, `jnp.cumsum`: Triton's scan)."""
-    from jax.experimental.pallas import triton as plgpu
-
-    lanes = jnp.arange(S, dtype=jnp.int32)
-
-    def compact(i, carry):
-        written, eq_seen = carry
-        pos = start + i * S + lanes
-        keys = load(keys_ref.at[pos], mask=pos < N, other=0)
-        gt = keys > T
-        eq = (keys == T) & (pos < N)
-        eq_rank = eq_seen + jnp.cumsum(eq.astype(jnp.int32))  # inclusive
-        chosen = gt | (eq & (eq_rank <= take))
-        ch = chosen.astype(jnp.int32)
-        slot = written + jnp.cumsum(ch) - 1
-        # lanes not chosen get distinct slots past the end: masked out on the GPU, and never aliasing a
-        # chosen lane's slot (interpret mode writes a masked scatter as read, select, write)
-        slot = jnp.where(chosen, slot, K + lanes)
-        plgpu.store(idx_ref.at[slot], pos, mask=chosen & (slot < K))
-        return written + jnp.sum(ch), eq_seen + jnp.sum(eq.astype(jnp.int32))
-
-    jax.lax.fori_loop(0, C // S, compact, (written, eq_seen))
-
-
 def _count_kernel(want_ref, keys_ref, *rest, r, N, C, S, P, Pp):
     # rest: the counts of rounds 0..r-1 ([P, WIDTH] each: this row), then this round's out [WIDTH]
     round_refs, out_ref = rest[:r], rest[r]
     want = want_ref[0]
     p = pl.program_id(1)
+    shift = 32 - DIGIT_BITS * (r + 1)
+    above = shift + DIGIT_BITS
+    lanes = jnp.arange(S, dtype=jnp.int32)
+    cand = jnp.arange(WIDTH, dtype=jnp.int32)
 
     @pl.when(want > 0)
     def _():
         prefix, _, _, _, _ = _rebuild(round_refs, want, P, Pp)
-        out_ref[...] = _digit_counts(keys_ref, p * C, N, C, S, 32 - DIGIT_BITS * (r + 1), prefix)
+
+        def count(i, acc):  # per-lane counts, reduced once after the loop
+            pos = p * C + i * S + lanes
+            keys = load(keys_ref.at[pos], mask=pos < N, other=0)  # key 0: below every selectable one
+            digit = ((keys >> shift) & (WIDTH - 1)).astype(jnp.int32)
+            hit = digit[None, :] >= cand[:, None]  # [WIDTH, S]
+            if above < 32:
+                hit = hit & ((keys >> above) == (prefix >> above))[None, :]
+            return acc + hit.astype(jnp.int32)
+
+        acc = jax.lax.fori_loop(0, C // S, count, jnp.zeros((WIDTH, S), jnp.int32))
+        out_ref[...] = jnp.sum(acc, axis=1)
 
     @pl.when(want <= 0)
     def _():
@@ -169,7 +137,25 @@ def _compact_kernel(want_ref, keys_ref, *rest, N, K, C, S, P, Pp, Z, Zp):
         taken = jnp.clip(take - eq_before, 0, equal)
         written0 = jnp.sum(jnp.where(chunks < p, above + taken, 0))
         eq_seen0 = jnp.sum(jnp.where(chunks == p, eq_before, 0))
-        _write_chosen(keys_ref, idx_ref, p * C, N, K, C, S, T, take, written0, eq_seen0)
+        lanes = jnp.arange(S, dtype=jnp.int32)
+
+        def compact(i, carry):
+            written, eq_seen = carry
+            pos = p * C + i * S + lanes
+            keys = load(keys_ref.at[pos], mask=pos < N, other=0)
+            gt = keys > T
+            eq = (keys == T) & (pos < N)
+            eq_rank = eq_seen + jnp.cumsum(eq.astype(jnp.int32))  # inclusive
+            chosen = gt | (eq & (eq_rank <= take))
+            ch = chosen.astype(jnp.int32)
+            slot = written + jnp.cumsum(ch) - 1
+            # lanes not chosen get distinct slots past the end: masked out on the GPU, and never aliasing a
+            # chosen lane's slot (interpret mode writes a masked scatter as read, select, write)
+            slot = jnp.where(chosen, slot, K + lanes)
+            plgpu.store(idx_ref.at[slot], pos, mask=chosen & (slot < K))
+            return written + jnp.sum(ch), eq_seen + jnp.sum(eq.astype(jnp.int32))
+
+        jax.lax.fori_loop(0, C // S, compact, (written0, eq_seen0))
 
 
 def _fused_kernel(want_ref, keys_ref, idx_ref, *, N, K, C, S, Kp):
@@ -180,16 +166,43 @@ def _fused_kernel(want_ref, keys_ref, idx_ref, *, N, K, C, S, Kp):
     want = want_ref[0]
     zpos = jnp.arange(Kp, dtype=jnp.int32)
     plgpu.store(idx_ref.at[zpos], jnp.zeros((Kp,), jnp.int32), mask=(zpos < K) & (zpos >= jnp.maximum(want, 0)))
+    lanes = jnp.arange(S, dtype=jnp.int32)
+    cand = jnp.arange(WIDTH, dtype=jnp.int32)
 
     @pl.when(want > 0)
     def _():
         prefix, remaining = jnp.zeros((), jnp.uint32), want
-        for r in range(ROUNDS):  # `_count_kernel`'s counts and `_rebuild`'s digit choice, in registers
+        for r in range(ROUNDS):  # the counting of `_count_kernel`, the digit choice of `_rebuild`, in registers
             shift = 32 - DIGIT_BITS * (r + 1)
-            d, higher = _digit_of(_digit_counts(keys_ref, 0, N, C, S, shift, prefix), remaining)
+            above = shift + DIGIT_BITS
+
+            def count(i, acc, shift=shift, above=above, prefix=prefix):
+                pos = i * S + lanes
+                keys = load(keys_ref.at[pos], mask=pos < N, other=0)
+                hit = ((keys >> shift) & (WIDTH - 1)).astype(jnp.int32)[None, :] >= cand[:, None]
+                if above < 32:
+                    hit = hit & ((keys >> above) == (prefix >> above))[None, :]
+                return acc + hit.astype(jnp.int32)
+
+            counts = jnp.sum(jax.lax.fori_loop(0, C // S, count, jnp.zeros((WIDTH, S), jnp.int32)), axis=1)
+            d, higher = _digit_of(counts, remaining)
             remaining = remaining - higher
             prefix = prefix | (d.astype(jnp.uint32) << shift)
-        _write_chosen(keys_ref, idx_ref, 0, N, K, C, S, prefix, remaining, jnp.int32(0), jnp.int32(0))
+        T, take = prefix, remaining
+
+        def compact(i, carry):  # `_compact_kernel`'s, from slot 0
+            written, eq_seen = carry
+            pos = i * S + lanes
+            keys = load(keys_ref.at[pos], mask=pos < N, other=0)
+            eq = (keys == T) & (pos < N)
+            eq_rank = eq_seen + jnp.cumsum(eq.astype(jnp.int32))
+            chosen = (keys > T) | (eq & (eq_rank <= take))
+            ch = chosen.astype(jnp.int32)
+            slot = jnp.where(chosen, written + jnp.cumsum(ch) - 1, K + lanes)
+            plgpu.store(idx_ref.at[slot], pos, mask=chosen & (slot < K))
+            return written + jnp.sum(ch), eq_seen + jnp.sum(eq.astype(jnp.int32))
+
+        jax.lax.fori_loop(0, C // S, compact, (jnp.int32(0), jnp.int32(0)))
 
 
 # rows up to this many keys: one launch, one program per row (`_fused_kernel`). H200, 512 rows of 256 (b64 x 8 heads
