@@ -140,7 +140,8 @@ def test_layer_weights_read_a_stacked_weight_by_index_inside_a_loop(impl, monkey
 
     if impl == "interpret":
         orig = ops.stacked_linear
-        monkeypatch.setattr(ops, "stacked_linear", lambda *a, **k: orig(*a, **k, impl="kernel", interpret=True))
+        monkeypatch.setattr(ops, "stacked_linear",
+                            lambda *a, **k: orig(*a, **{**k, "impl": "kernel", "interpret": True}))
     rng = np.random.default_rng(0)
     st = {"w": jnp.asarray(rng.standard_normal((3, 40, 24)) / 6, jnp.bfloat16),
           "b": jnp.asarray(rng.standard_normal((3, 24)), jnp.bfloat16),

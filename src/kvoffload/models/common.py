@@ -72,10 +72,8 @@ def layer_weights(stacked_params, index):
 
 
 def linear(x, w, b=None):
-    if isinstance(w, LayerWeight):
-        y = ops.stacked_linear(x, w.stacked, w.index, out_dtype=jnp.float32)
-    else:
-        y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    """x @ w (+ b), fp32 accumulation (`ops.matmul_f32`; a `LayerWeight` read in place), rounded once to x's dtype."""
+    y = ops.matmul_f32(x, w)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)

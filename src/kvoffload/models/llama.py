@@ -98,7 +98,7 @@ def logits(cfg: ModelConfig, params: LlamaParams, h):
     h = rms_norm(h, params.final_norm, cfg.norm_eps)
     if params.lm_head is None:  # tied: contract with the embedding directly (a transpose would copy it)
         return jnp.einsum("...h,vh->...v", h, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,hv->...v", h, params.lm_head, preferred_element_type=jnp.float32)
+    return ops.matmul_f32(h, params.lm_head)
 
 
 def init_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02) -> LlamaParams:

@@ -962,8 +962,9 @@ class PipelineOptions:
     # call a step for those layers instead of one each (clo at 128K b1 on an H200: 3.4-3.9 ms of host a step and
     # 1.19-1.21x `full`, where the calls took 14-23 ms of host and 1.17-1.65x). Needs a step that moves nothing between layers (as layers_per_program),
     # one device, K/V extents all in one memory (no stored activations); keeps a stacked copy of the
-    # looped layers' weights, read by layer index (`models.common.layer_weights`, the stacked-linear kernel:
-    # other bits than the per-layer calls' XLA matmuls, so compare a looped policy with a looped `full`).
+    # looped layers' weights, read by layer index (`models.common.layer_weights`, the stacked-linear kernel; above
+    # `ops.FEW_ROWS_MAX` rows other bits than the per-layer calls' XLA matmuls, so compare a looped policy with a
+    # looped `full`). GPU memory: one more copy of the looped layers' weights.
     loop_layers: bool = False
 
     def __post_init__(self):

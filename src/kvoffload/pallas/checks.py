@@ -1066,6 +1066,9 @@ def gpu_cases():
     for M in (1, 64):  # Llama-3-8B's q / K / V, o, gate / up and down shapes, decode batch 1 and 64
         for K, N in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)):
             add(check_stacked_linear, dict(L=3, M=M, K=K, N=N, dtype="bfloat16"))
+    for M in (1, 16):  # the few-row linear's tiles (ops.matmul_f32: decode at batch 1), K|V to a wide lm_head
+        for K, N in ((4096, 1024), (4096, 2048), (4096, 14336), (14336, 4096), (4096, 32768)):
+            add(check_stacked_linear, dict(L=1, M=M, K=K, N=N, dtype="bfloat16", **_sl.FEW_ROWS_TILES))
     return cases
 
 

@@ -27,22 +27,26 @@ def apply_rope_split_half(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv):
-    """Pure-jnp reference. x [B, T, H] -> k, v [B, n_kv, T, d] in x.dtype (w_k None: V alone, k None)."""
+def recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, matmul=None):
+    """Pure-jnp reference. x [B, T, H] -> k, v [B, n_kv, T, d] in x.dtype (w_k None: V alone, k None).
+    matmul(x, w) -> fp32 x @ w: XLA's einsum by default; `ops` passes its few-row linear for a decode step."""
     B, T, H = x.shape
     d = w_v.shape[1] // n_kv
     # HIGHEST keeps fp32 matmuls off TF32. For a bf16 decode step's one token XLA:GPU then writes x*W_K and x*W_V
     # out in fp32 (H100 dump, Llama-3-8B: 84 MB per layer for 17 MB of weights), yet the default precision was
     # not faster: `full` at 128K the same (17.7 ms), `clo` exact 28-30 ms against 18 (two processes each, one H100;
     # BENCHMARKS, eleventh session). Kept HIGHEST everywhere.
-    prec = jax.lax.Precision.HIGHEST
-    v = jnp.einsum("bth,hn->btn", x, w_v, preferred_element_type=jnp.float32, precision=prec)
+    if matmul is None:
+        def matmul(a, w):
+            return jnp.einsum("bth,hn->btn", a, w, preferred_element_type=jnp.float32,
+                              precision=jax.lax.Precision.HIGHEST)
+    v = matmul(x, w_v)
     if b_v is not None:
         v = v + b_v.astype(jnp.float32)
     v = v.reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
     if w_k is None:
         return None, v.astype(x.dtype)
-    k = jnp.einsum("bth,hn->btn", x, w_k, preferred_element_type=jnp.float32, precision=prec)
+    k = matmul(x, w_k)
     if b_k is not None:
         k = k + b_k.astype(jnp.float32)
     k = k.reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
