@@ -56,6 +56,8 @@ def main(argv=None) -> dict:
                          "refilled and read in place at its row offset (tokenselect.LayerRows), or stacked [n, ...] "
                          "and sliced per layer like the other slots (XLA copies the slice out and back)")
     ap.add_argument("--list-min-kib", type=int, default=1024, help="list the loop's writes of at least this size")
+    ap.add_argument("--list-opcodes", default=None,
+                    help="comma list: list only these instructions (e.g. copy,dynamic-update-slice: the loop's copies)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.policy not in ("clo", "full"):
@@ -145,8 +147,10 @@ def main(argv=None) -> dict:
     # that the calls do not: a stacked array's slice an opaque kernel needs as its own buffer)
     loop_exe = PL.loop_layers.lower(lp=lp_st, st=st, fixed=fixed_st, h=h0, positions=pos, tail_len=tail_len,
                                     sources=sources, tables=tables, **loop_args).compile()
-    writes = large_writes(loop_exe.as_text(), args.list_min_kib << 10)
-    print(f"loop program: {len(writes)} instructions writing >= {args.list_min_kib} KiB", *writes[:40],
+    opcodes = set(args.list_opcodes.split(",")) if args.list_opcodes else None
+    writes = large_writes(loop_exe.as_text(), args.list_min_kib << 10, opcodes)
+    print(f"loop program: {len(writes)} instructions writing >= {args.list_min_kib} KiB"
+          + (f" ({args.list_opcodes})" if opcodes else ""), *writes[:40 if opcodes is None else 400],
           sep="\n  ", flush=True)
 
     # --linear pallas: the calls read the same stacked weights by index (the loop's bits); made once, outside the
