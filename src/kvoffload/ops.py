@@ -34,6 +34,7 @@ Conventions
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 
@@ -138,10 +139,7 @@ FEW_ROWS_MAX = 1
 
 
 def _few_rows_ok(x, w) -> bool:
-    rows = 1
-    for n in x.shape[:-1]:
-        rows *= int(n)
-    return (w.ndim == 2 and rows <= FEW_ROWS_MAX and x.dtype == w.dtype
+    return (w.ndim == 2 and math.prod(x.shape[:-1]) <= FEW_ROWS_MAX and x.dtype == w.dtype
             and x.dtype in (jnp.bfloat16, jnp.float16) and _sh.context_size() == 1)
 
 
@@ -153,10 +151,7 @@ def _matmul_f32_reference(x, w):
 # the reference's
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_f32_kernel(x, w, interpret):
-    lead, K = x.shape[:-1], x.shape[-1]
-    y = _sl.stacked_linear_kernel(x.reshape(-1, K), w[None], jnp.int32(0), interpret=interpret,
-                                  out_dtype=jnp.float32, **_sl.FEW_ROWS_TILES)
-    return y.reshape(*lead, w.shape[-1])
+    return stacked_linear(x, w[None], 0, impl="kernel", interpret=interpret, out_dtype=jnp.float32)
 
 
 def _matmul_f32_kernel_fwd(x, w, interpret):

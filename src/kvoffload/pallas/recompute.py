@@ -32,10 +32,9 @@ def recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, m
     matmul(x, w) -> fp32 x @ w: XLA's einsum by default; `ops` passes its few-row linear for a decode step."""
     B, T, H = x.shape
     d = w_v.shape[1] // n_kv
-    # HIGHEST keeps fp32 matmuls off TF32. For a bf16 decode step's one token XLA:GPU then writes x*W_K and x*W_V
+    # HIGHEST keeps fp32 matmuls off TF32. For a bf16 decode step's one token XLA:GPU then wrote x*W_K and x*W_V
     # out in fp32 (H100 dump, Llama-3-8B: 84 MB per layer for 17 MB of weights), yet the default precision was
-    # not faster: `full` at 128K the same (17.7 ms), `clo` exact 28-30 ms against 18 (two processes each, one H100;
-    # BENCHMARKS, eleventh session). Kept HIGHEST everywhere.
+    # not faster (BENCHMARKS, eleventh session); that token now takes `ops.matmul_f32`'s kernel on a GPU.
     if matmul is None:
         def matmul(a, w):
             return jnp.einsum("bth,hn->btn", a, w, preferred_element_type=jnp.float32,
