@@ -28,6 +28,9 @@ What is measured, per (policy, context, batch); the JSON's "method" says the sam
   from the keys) and the decode is unmodified. The plan counts a chunked prefill (prefill_chunk_tokens 8192).
 * **Decode step**: `warmup` steps (compilation), then `steps` steps each ending with its tokens on the host
   (as `offload/bench.py`'s `timed_decode`); the median. Hit rates, scoring and bytes over the timed steps.
+  Then "as generate": --generate-windows windows of `engine.SYNC_EVERY` steps, the host reading the device once a
+  window as `engine.generate` does (it dispatches the next step while the device runs this one, so the host's
+  work before a step's first large program is hidden); the median window's time per step.
 * **Attention per layer** (a jitted microbenchmark): the policy's `attend` (what the layer program folds
   the pool with: scoring, top-k, cache decision, gathers, sparse or paged attention; not the GPU tail's few
   tokens) on the run's own state for layer L/2 (clo's layer 0 attends everything), `attn_reps` fresh random
@@ -453,7 +456,8 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload.bench import decode_steps, host_gauge, timed_decode
+    from kvoffload.engine import SYNC_EVERY
+    from kvoffload.offload.bench import decode_steps, decode_windows, host_gauge, timed_decode
     from kvoffload.plan.memory import MemoryPlanError
     from kvoffload.policies import make_policy
 
@@ -485,7 +489,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         opts["gpu_memory_limit_gb"] = (base["bytes_limit"] - base["bytes_in_use"] + weights_bytes) / GB
     pol = make_policy(policy, **opts)
     lengths = np.full((batch,), ctx, np.int64)
-    capacity = ctx + args.warmup + args.steps + 1
+    capacity = ctx + args.warmup + args.steps + 1 + args.generate_windows * SYNC_EVERY
     try:
         pol.pipeline.plan(model, lengths, ctx, capacity)
     except MemoryPlanError as e:
@@ -518,6 +522,10 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     first = flushed.index(True) if any(flushed) else None
     r["step_s_mean"] = float(np.mean([t for i, t in enumerate(times) if i != first] or [np.nan]))
     r["bytes_h2d_per_step"] = float(np.mean([x.get("bytes_h2d", 0) for x in recs]))  # whole extents fetched
+    if args.generate_windows:  # the step as `engine.generate` runs it: the host a step ahead, one read a window
+        win, state, nxt = decode_windows(pol, model, state, nxt, args.generate_windows, SYNC_EVERY)
+        # the median window: a flush (one every block_tokens steps) falls in some windows, not most
+        r.update(generate_window_step_s=win, generate_step_s=float(np.median(win)), generate_window=SYNC_EVERY)
     if c1 is not None:
         looks = max(1, c1["looks"] - c0["looks"])
         r["hit_rate_timed_steps"] = (c1["hits"] - c0["hits"]) / looks
@@ -666,9 +674,10 @@ def table(doc) -> str:
              f"h2d {fmt(doc['meta']['probes'].get('pcie_bytes_per_s'), '{:.1f}', 1e-9)} GB/s, row gather "
              f"{fmt(doc['meta']['probes'].get('row_gather_bytes_per_s'), '{:.1f}', 1e-9)} GB/s (2 GiB pool) (measured)",
              "",
-             "| policy | ctx | b | replay | step ms | / full | mean ms | attn/layer us (replay / miss / hit) | "
+             "| policy | ctx | b | replay | step ms | / full | mean ms | as generate ms | / full | "
+             "attn/layer us (replay / miss / hit) | "
              "floor us | attn/floor | hit rate | GPU KV GB (state) | / full | rows or extents MB/step | note |",
-             "|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|---|"]
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|---|"]
     for r in rows:
         key = (r["context"], r["batch"])
         f = full.get(key)
@@ -679,7 +688,7 @@ def table(doc) -> str:
         if "step_s" not in r:
             why = r.get("refused") or r.get("error") or r.get("skipped") or "?"
             tag = "REFUSED" if "refused" in r else ("ERROR" if "error" in r else "skipped")
-            lines.append(head + " - | - | - | - | - | - | - | - | - | - | " + f"{tag}: {why[:160]} |")
+            lines.append(head + " - | - | - | - | - | - | - | - | - | - | - | - | " + f"{tag}: {why[:160]} |")
             continue
         a = r.get("attention") or {}
         us = " / ".join(fmt((a.get(c) or {}).get("s_per_call"), "{:.0f}", 1e6) for c in ("replayed", "all_miss", "all_hit")
@@ -688,8 +697,11 @@ def table(doc) -> str:
         kv = r["state_bytes"]["gpu_kv_total"]
         kv_full = f["state_bytes"]["gpu_kv_total"] if f else None
         moved = r.get("bytes_rows_per_step") or r.get("bytes_h2d_per_step")
+        gen = r.get("generate_step_s")
         lines.append(head + f" {fmt(r['step_s'], '{:.2f}', 1e3)} | {fmt(r['step_s'] / f['step_s'] if f else None)} | "
-                     f"{fmt(r.get('step_s_mean'), '{:.2f}', 1e3)} | {us} | {fmt(fl.get('floor_s'), '{:.0f}', 1e6)} | "
+                     f"{fmt(r.get('step_s_mean'), '{:.2f}', 1e3)} | {fmt(r.get('generate_step_s'), '{:.2f}', 1e3)} | "
+                     f"{fmt(gen / f['generate_step_s'] if gen and f and f.get('generate_step_s') else None)} | "
+                     f"{us} | {fmt(fl.get('floor_s'), '{:.0f}', 1e6)} | "
                      f"{fmt(fl.get('measured_over_floor'))} | "
                      f"{fmt(r.get('hit_rate_timed_steps'))} | {fmt(kv, '{:.2f}', 1e-9)} | "
                      f"{fmt(kv / kv_full if kv_full else None)} | {fmt(moved, '{:.1f}', 1e-6)} | "
@@ -714,6 +726,10 @@ def build_parser():
                     help="an extra policy option for one variant (repeatable), e.g. clo_hata:host_dtype=int4")
     ap.add_argument("--warmup", type=int, default=2, help="decode steps before the timed ones (compilation)")
     ap.add_argument("--steps", type=int, default=5, help="timed decode steps")
+    ap.add_argument("--generate-windows", type=int, default=4, metavar="N",
+                    help="after the timed steps, N windows of engine.SYNC_EVERY steps timed as engine.generate runs "
+                         "them (one device read a window: the host dispatches a step while the device runs the one "
+                         "before); the median window's step is 'as generate' (0: none)")
     ap.add_argument("--attn-reps", type=int, default=16, help="attention calls per microbenchmark scan")
     ap.add_argument("--timing-reps", type=int, default=3, help="timed scans per microbenchmark case")
     ap.add_argument("--attn-method", default="auto", choices=("auto", "scan", "calls"),
@@ -740,7 +756,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     if args.cpu_smoke:
         args.contexts, args.batches, args.dtype = "256,1m", "1", "float32"
-        args.warmup, args.steps, args.attn_reps, args.timing_reps = 1, 1, 2, 1
+        args.warmup, args.steps, args.attn_reps, args.timing_reps, args.generate_windows = 1, 1, 2, 1, 1
         args.host_limit_gb = 0.5 if args.host_limit_gb is None else args.host_limit_gb
     if args.quick:
         args.batches, args.warmup, args.steps, args.attn_reps = "1", 1, 3, 8

@@ -231,6 +231,8 @@ def lower_only_checks():
         want = jnp.full((R,), kk // 2, jnp.int32)
         cases.append((f"select_rows R{R} N{N} k{kk}", lambda x, n, kk=kk: _sel.select_rows_kernel(x, n, kk),
                       (keys, want)))
+        cases.append((f"select_rows one launch R{R} N{N} k{kk}", lambda x, n, kk=kk, N=N: _sel.select_rows_kernel(
+            x, n, kk, fused_max=N), (keys, want)))
     from kvoffload.pallas import stacked_linear as _sl
     for L, M, K, N in ((3, 1, 300, 130), (2, 70, 4096, 1024), (3, 5, 1100, 48)):
         xs = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)

@@ -25,6 +25,12 @@ refill  the same step's refills through ``ops.refill_block_rows`` (every head mi
       kernel, int8 K + int4 V extents by the dequantizing kernel (``refill_rows_int_kernel``) and by the
       gathers + dequantize + ``where`` it replaces; the kernel's buffers checked against the gathers'.
 
+layout  the same step's int8 K and int4 V refills (dequantizing kernel) into every layer's rows of one buffer (at a
+      row offset, as a loop over stacked layers writes them), the host rows stored three ways: each layer's own
+      extents (the layer calls), every layer's in ONE extent a kind read at token ids + l x E x blk (the loop;
+      1-byte arrays of 2-4 GiB padded past 4 GiB: 64-bit offsets), and in chunks of whole layers of at most
+      --chunk-bytes a 1-byte array (32-bit offsets, several extents a kernel). K and V timed apart.
+
 Writes probe_row_gather.json / .md to --out (default $OUT or results/). --smoke: tiny sizes on any backend
 (CPU: interpret mode; the numbers mean nothing, the code paths and the row checks run).
 """
@@ -32,6 +38,7 @@ Writes probe_row_gather.json / .md to --out (default $OUT or results/). --smoke:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -198,10 +205,77 @@ def probe_refill(args, rows_out, interpret):
     print(f"refill: the kernel's buffers equal the gathers' (within a bf16 rounding): {same}", flush=True)
 
 
+def layer_chunks(exts, max_bytes: int):
+    """Consecutive runs of the layers' extents whose 1-byte arrays stay within max_bytes together (at least one
+    layer a run)."""
+    runs, size = [[]], 0
+    for x in exts:
+        nbytes = max(a.nbytes for a in jax.tree.leaves(x) if a.dtype.itemsize == 1)
+        if runs[-1] and size + nbytes > max_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(x)
+        size += nbytes
+    return runs
+
+
+def probe_layout(args, rows_out, interpret):
+    """A step's int8 K / int4 V refills into one [1, n_kv, L K, d] buffer a kind at layer l's row offset, the host
+    rows read from each layer's extents, from one stacked extent a kind at token offsets, or from chunks of it."""
+    from kvoffload.offload.pipeline import stacked_extent
+
+    rng = np.random.default_rng(4)
+    layers, tokens = (3, 2048) if args.smoke else (args.layers, args.context)
+    chunk_bytes = 2**20 if args.smoke else args.chunk_bytes
+    E, K = tokens // BLK, tokens // 10 // 32 * 32
+    toks = [jnp.asarray(np.asarray(b) * BLK + np.asarray(o), jnp.int32)
+            for b, o in (selection(rng, tokens, K, 32) for _ in range(layers))]
+    tile = jax.random.normal(jax.random.PRNGKey(5), (min(E, 64), N_KV, BLK, D), jnp.float32)
+    per_layer = {8: [quantized_host(tile * (1 + l / 8), E, 8) for l in range(layers)],
+                 4: [quantized_host(tile * (1 - l / 64), E, 4) for l in range(layers)]}
+    layouts = {"per-layer extents": {b: [(x,) for x in xs] for b, xs in per_layer.items()},
+               "one stacked extent": {b: (stacked_extent(xs),) for b, xs in per_layer.items()},
+               "chunks": {b: tuple(stacked_extent(c) for c in layer_chunks(xs, chunk_bytes))
+                          for b, xs in per_layer.items()}}
+
+    def step_of(stacked: bool):
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def step(buf, exts, toks):
+            for l, t in enumerate(toks):
+                src = exts if stacked else exts[l]
+                buf = ops.refill_block_rows(buf, src, t + l * E * BLK if stacked else t, BLK, impl="kernel",
+                                            interpret=interpret, row_offset=jnp.int32(l * K))
+            return buf
+        return step
+
+    want = {}
+    for name, pools in layouts.items():
+        step = step_of(name != "per-layer extents")
+        for bits, kind in ((8, "K int8"), (4, "V int4")):
+            exts = pools[bits]
+            fresh = lambda: jnp.zeros((1, N_KV, layers * K, D), jnp.bfloat16)  # noqa: E731
+            got = step(fresh(), exts, toks)
+            want.setdefault(bits, got)
+            same = bool(jnp.array_equal(got, want[bits]))
+            t = median_time(lambda: step(fresh(), exts, toks), reps=7, warmup=2)
+            n_ext = len(exts) if name != "per-layer extents" else layers
+            row_bytes = D // (8 // bits) + 2 * 4 * (D // 64)
+            nbytes = layers * N_KV * K * row_bytes
+            pool_bytes = sum(int(a.nbytes) for a in jax.tree.leaves(exts))
+            rows_out.append(dict(probe="layout", form=f"{kind}, {name}", extents=n_ext, row_bytes=row_bytes,
+                                 layers=layers, context=tokens, pool_bytes=pool_bytes, us=t * 1e6,
+                                 us_per_layer=t * 1e6 / layers, GBps=nbytes / t / 1e9, exact=same))
+            print(f"layout {kind} {name:20s} ({n_ext} extents, {pool_bytes / GIB:.2f} GiB): {t * 1e6:9.1f} us "
+                  f"({t * 1e6 / layers:.1f} us a layer, {nbytes / t / 1e9:6.1f} GB/s) rows as per-layer: {same}",
+                  flush=True)
+    del layouts, per_layer
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default="one,step,refill", help="comma list of: one, step, refill")
+    ap.add_argument("--only", default="one,step,refill,layout", help="comma list of: one, step, refill, layout")
+    ap.add_argument("--chunk-bytes", type=int, default=2**31, help="layout: a chunk's 1-byte arrays at most")
     ap.add_argument("--layers", type=int, default=31, help="step: layers gathered per step (clo: 31 of 32)")
     ap.add_argument("--context", type=int, default=131072, help="step: tokens per layer")
     ap.add_argument("--smoke", action="store_true")
@@ -214,7 +288,8 @@ def main(argv=None):
     mode = " (interpret)" if interpret else ""
     print(f"[probe_row_gather] {dev.device_kind} jax {jax.__version__}{mode}", flush=True)
     for name in args.only.split(","):
-        {"one": probe_one, "step": probe_step, "refill": probe_refill}[name](args, rows, interpret)
+        {"one": probe_one, "step": probe_step, "refill": probe_refill, "layout": probe_layout}[name](args, rows,
+                                                                                                  interpret)
     meta = dict(device=dev.device_kind, jax=jax.__version__, interpret=interpret, seconds=time.time() - t0,
                 date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     with open(os.path.join(out, "probe_row_gather.json"), "w") as fh:

@@ -16,7 +16,7 @@ extent of 2-4 GiB padded past 4 GiB, `addressable_rows`) are made once, outside 
 compiled once, ahead, its writes of >= --list-min-kib listed (what it copies that the calls do not).
 
 Weights (`--linear`): `einsum`, the model's (the loop slices each layer's: XLA writes the slice out in fp32);
-`pallas`, read by index from the stacked arrays through the stacked-linear kernel (`models.common.LayerWeight`)
+`pallas`, read by index from the stacked arrays through the stacked-linear kernel (`models.common.LayerSlice`)
 in the loop and in the calls alike, so the bits compare, with a third variant `calls_einsum` timing the calls as
 the pipeline runs them; `mulsum`, a multiply and sum in both (reads in place; too slow for a long prefill).
 Row buffers (`--buffers`): `in-place`, every layer's along the rows of one array a kind, refilled and attended
@@ -48,7 +48,7 @@ def main(argv=None) -> dict:
     add_random_prompt_args(ap, policy="clo", shape="llama-3-8b", batch=1, prompt=8192)
     ap.add_argument("--linear", default="einsum", choices=("einsum", "mulsum", "pallas"),
                     help="pallas: 2-D weights read from the stacked arrays by layer index (models.common."
-                         "LayerWeight, the stacked_linear kernel), in the loop and in the calls alike")
+                         "LayerSlice, the stacked_linear kernel), in the loop and in the calls alike")
     ap.add_argument("--steps", type=int, default=8, help="timed steps a block")
     ap.add_argument("--rounds", type=int, default=3, help="blocks per variant, interleaved")
     ap.add_argument("--buffers", default="in-place", choices=("in-place", "sliced"),
@@ -58,6 +58,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--list-min-kib", type=int, default=1024, help="list the loop's writes of at least this size")
     ap.add_argument("--list-opcodes", default=None,
                     help="comma list: list only these instructions (e.g. copy,dynamic-update-slice: the loop's copies)")
+    ap.add_argument("--dump-hlo", default=None, help="write the loop's optimized HLO text to this file")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.policy not in ("clo", "full"):
@@ -148,6 +149,9 @@ def main(argv=None) -> dict:
     loop_exe = PL.loop_layers.lower(lp=lp_st, st=st, fixed=fixed_st, h=h0, positions=pos, tail_len=tail_len,
                                     sources=sources, tables=tables, **loop_args).compile()
     opcodes = set(args.list_opcodes.split(",")) if args.list_opcodes else None
+    if args.dump_hlo:
+        with open(args.dump_hlo, "w") as f:
+            f.write(loop_exe.as_text())
     writes = large_writes(loop_exe.as_text(), args.list_min_kib << 10, opcodes)
     print(f"loop program: {len(writes)} instructions writing >= {args.list_min_kib} KiB"
           + (f" ({args.list_opcodes})" if opcodes else ""), *writes[:40 if opcodes is None else 400],

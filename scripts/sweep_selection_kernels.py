@@ -30,7 +30,7 @@ def main(argv=None):
     ap.add_argument("--only", default="select,scores,refill")
     ap.add_argument("--select-shapes", default="8x131072",
                     help="rows x keys of the select sweep, comma-separated (8x4096: a clo layer's pages of 32 at 128K; "
-                         "512x256: b64 x 8 heads at 8K); rows of up to select.FUSED_MAX_KEYS take the one-launch kernel")
+                         "512x256: b64 x 8 heads at 8K); rows of up to 16K keys: the one-launch kernel against the 9 launches")
     ap.add_argument("--calls", type=int, default=10, help="calls per jit")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, one variant each (CPU)")
@@ -74,9 +74,8 @@ def main(argv=None):
             keys = [tk.orderable_keys(p) for p in pris]
             if args.smoke:
                 variants = [dict(), dict(fused_max=0)]
-            elif N <= sel.FUSED_MAX_KEYS:  # the one-launch kernel over its parameters, and the multi-launch one
-                variants = [dict(count_piece=pc, num_warps=w) for pc in (256, 512, 1024) for w in (4, 8)] + \
-                    [dict(fused_max=0), dict(fused_max=0, chunk=1024)]
+            elif N <= 1 << 14:  # the one-launch kernel over its warps, and the multi-launch one
+                variants = [dict(fused_max=N, fused_warps=w) for w in (4, 8, 16)] + [dict(fused_max=0)]
             else:
                 variants = [dict(chunk=c, count_piece=pc, num_warps=w) for c in (2048, 4096) for pc in (256, 512)
                             for w in (4, 8)] + [dict(compact_piece=cp) for cp in (256, 512, 2048)]

@@ -30,6 +30,8 @@ def test_cpu_smoke_runs_every_part_and_writes_results(tmp_path, capsys):
         assert r["step_s"] > 0 and len(r["step_times_s"]) == 1 and r["memory_plan"]["gpu_kv_bytes"] > 0
         assert r["flush_step_times_s"] == [] and r["step_s_without_flushes"] == r["step_s"]  # 1 step: no flush
         assert r["step_s_mean"] == r["step_s"]
+        # one window of engine.SYNC_EVERY steps as engine.generate runs them (one device read)
+        assert r["generate_window"] == 16 and len(r["generate_window_step_s"]) == 1 and r["generate_step_s"] > 0
         # the traced step by the runtime's named scopes: the mean layer's attention and projections
         b = r["scope_breakdown"]
         assert b["per_layer"]["attention"] > 0 and b["per_layer"]["projections and MLP"] > 0, b

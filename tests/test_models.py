@@ -130,13 +130,13 @@ def test_bf16_load(tmp_path):
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
 def test_layer_weights_read_a_stacked_weight_by_index_inside_a_loop(impl, monkeypatch):
-    """A loop over stacked layers gives `linear` layer j's weight as a `LayerWeight` (`layer_weights`): the same
+    """A loop over stacked layers gives `linear` layer j's weight as a `LayerSlice` (`layer_weights`): the same
     product and bias as the layer's own arrays (fp32 accumulation, rounded once), norms and biases sliced, the
     weight as an array (`__jax_array__`) its slice; the stacked-linear kernel (interpret) agrees."""
     import jax
 
     from kvoffload import ops
-    from kvoffload.models.common import LayerWeight, layer_weights, linear
+    from kvoffload.models.common import LayerSlice, layer_weights, linear
 
     if impl == "interpret":
         orig = ops.stacked_linear
@@ -151,7 +151,7 @@ def test_layer_weights_read_a_stacked_weight_by_index_inside_a_loop(impl, monkey
     def looped(st, x):
         def body(j, out):
             lp = layer_weights(st, j)
-            assert isinstance(lp["w"], LayerWeight) and lp["w"].shape == (40, 24) and lp["norm"].shape == (40,)
+            assert isinstance(lp["w"], LayerSlice) and lp["w"].shape == (40, 24) and lp["norm"].shape == (40,)
             return out.at[j].set(linear(x * lp["norm"], lp["w"], lp["b"]))
         return jax.lax.fori_loop(0, 3, body, jnp.zeros((3, 2, 1, 24), x.dtype))
 

@@ -1,5 +1,5 @@
 """scripts/probe_row_gather.py --smoke: every probe runs on tiny pools, every gathered row matches and the int
-refill kernel's buffers equal the gathers'."""
+refill kernel's buffers equal the gathers'; the layouts of the loop's host rows refill the same rows."""
 
 import json
 
@@ -29,3 +29,8 @@ def test_smoke_rows_match_and_every_form_reports(tmp_path):
     refill = {r["form"]: r for r in rows if r["probe"] == "refill"}
     assert set(refill) == {"bf16", "int8 K + int4 V, kernel", "int8 K + int4 V, gathers + where"}
     assert refill["bf16"]["row_bytes"] == 512 and refill["int8 K + int4 V, kernel"]["row_bytes"] == 224
+    # the loop's host layouts: each layer's extents, one stacked extent, chunks of it; the same rows each way
+    layout = {r["form"]: r for r in rows if r["probe"] == "layout"}
+    assert set(layout) == {f"{k}, {n}" for k in ("K int8", "V int4")
+                           for n in ("per-layer extents", "one stacked extent", "chunks")}
+    assert layout["V int4, one stacked extent"]["extents"] == 1 < layout["V int4, chunks"]["extents"] <= 3

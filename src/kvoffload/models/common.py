@@ -36,11 +36,12 @@ def layer_norm(x, weight, bias, eps):
 
 
 @dataclasses.dataclass
-class LayerWeight:
-    """Layer `index`'s [K, N] weight inside a stacked [L, K, N] array: what a step looping over stacked layers
-    gives `linear` (`layer_weights`), which then reads the slice in place (`ops.stacked_linear`); XLA
-    would write a dynamic slice out before its matmul, tripling the weights' traffic. Anything else reading it
-    as an array (`__jax_array__`) gets the slice itself."""
+class LayerSlice:
+    """Layer `index`'s slice of a stacked [L, ...] array, for a kernel that reads it in place: what a step looping
+    over stacked layers gives `linear` for a [K, N] weight (`layer_weights`; `ops.stacked_linear`) and clo's
+    Quest pages (`ops.quest_block_bounds`). XLA writes a dynamic slice out before a custom call reads it (a
+    weight's traffic tripled; 8 MiB of pages a layer at 128K). Anything else reading it as an array
+    (`__jax_array__`) gets the slice itself."""
 
     stacked: jax.Array
     index: jax.Array
@@ -56,7 +57,7 @@ class LayerWeight:
         return self.__jax_array__().astype(dtype)
 
 
-jax.tree_util.register_dataclass(LayerWeight, data_fields=["stacked", "index"], meta_fields=[])
+jax.tree_util.register_dataclass(LayerSlice, data_fields=["stacked", "index"], meta_fields=[])
 
 
 def stack_trees(trees):
@@ -65,14 +66,14 @@ def stack_trees(trees):
 
 
 def layer_weights(stacked_params, index):
-    """Layer `index` of stacked layer parameters (every leaf [L, ...]): 2-D weights as `LayerWeight` (read in
+    """Layer `index` of stacked layer parameters (every leaf [L, ...]): 2-D weights as `LayerSlice` (read in
     place by `linear`), the rest (norms, biases) sliced."""
     index = jnp.asarray(index, jnp.int32)
-    return jax.tree.map(lambda a: LayerWeight(a, index) if a.ndim == 3 else a[index], stacked_params)
+    return jax.tree.map(lambda a: LayerSlice(a, index) if a.ndim == 3 else a[index], stacked_params)
 
 
 def linear(x, w, b=None):
-    """x @ w (+ b), fp32 accumulation (`ops.matmul_f32`; a `LayerWeight` read in place), rounded once to x's dtype."""
+    """x @ w (+ b), fp32 accumulation (`ops.matmul_f32`; a `LayerSlice` read in place), rounded once to x's dtype."""
     y = ops.matmul_f32(x, w)
     if b is not None:
         y = y + b.astype(jnp.float32)

@@ -250,6 +250,25 @@ def decode_steps(pol, model, state, nxt, n_steps: int, logits=None, issued: list
     return times, logits, state, nxt
 
 
+def decode_windows(pol, model, state, nxt, n_windows: int, window: int):
+    """n_windows windows of `window` greedy decode steps each, as `engine.generate` decodes (the host reads the
+    device once a window, `engine.SYNC_EVERY` steps: it dispatches step t + 1 while the device runs step t, so a
+    step costs the larger of its host and device times, not their sum up to the first program's dispatch).
+    Returns (per-step seconds of each window: its wall time / window, state, the last tokens)."""
+    from kvoffload.engine import frozen_gc
+
+    per_step = []
+    with frozen_gc():
+        for _ in range(n_windows):
+            t = time.perf_counter()
+            for _ in range(window):
+                logits, state = pol.decode_step(model, state, nxt)
+                nxt = _greedy(logits)
+            on_host(nxt)
+            per_step.append((time.perf_counter() - t) / window)
+    return per_step, state, nxt
+
+
 def watch_layer_calls(pol, model, state, nxt):
     """One decode step with `pipeline.layer_step` watched: (the arguments of each layer call in order, the state
     after the step). The host probes re-run the real layer programs from these."""

@@ -577,13 +577,18 @@ def stacked_extent(exts):
     return jax.tree.map(join, *exts)
 
 
+def _layer_fixed(fixed, j):
+    """Layer j's fixed slots, sliced (a policy's `layer_fixed` may read some in place instead)."""
+    return jax.tree.map(lambda a: a[j], fixed)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "options", "row_stride", "table_stride",
                                              "linear_by_index"), donate_argnames=("st",))
 def loop_layers(cfg, lp, st: StackedLayers, fixed, h, positions, tail_len, sources, tables, attend, options,
                 row_stride: int = 0, table_stride: tuple = (), linear_by_index: bool = True):
     """The layers of st as one program: a `fori_loop` over `layer_body` with the policy's attend, its weights
     lp [n, ...] by index (linear_by_index: `layer_weights`; else sliced, which XLA copies out), its row buffers
-    in place, its fixed slots sliced. sources' pool holds every layer's blocks (`LayerStack`): a selection policy
+    in place, its fixed slots sliced (or as the policy's `layer_fixed` gives them). sources' pool holds every layer's blocks (`LayerStack`): a selection policy
     reads layer j's rows at token ids + j x row_stride (`SelectSources.row_offset`), a policy attending whole
     blocks through the block tables gets extent e's shifted by j x table_stride[e]. The host issues the whole
     stack in one call. Returns (h, st) with st's tails and slots updated (st donated)."""
@@ -595,7 +600,7 @@ def loop_layers(cfg, lp, st: StackedLayers, fixed, h, positions, tail_len, sourc
         src = dataclasses.replace(sources, row_offset=(j * row_stride).astype(jnp.int32)) if row_stride else sources
         tbl = tables if not table_stride else dataclasses.replace(
             tables, table=tuple(t + j * stride for t, stride in zip(tables.table, table_stride)))
-        fx = None if fixed is None else jax.tree.map(lambda a: a[j], fixed)
+        fx = None if fixed is None else getattr(attend, "layer_fixed", _layer_fixed)(fixed, j)
         h, k, v, _, m = layer_body(cfg, lw, h, positions, now.tail_k[j], now.tail_v[j], None, tail_len, src, tbl,
                                    layer_slots(now, j), fx, attend, options)
         return h, dataclasses.replace(now, tail_k=now.tail_k.at[j].set(k), tail_v=now.tail_v.at[j].set(v),

@@ -399,20 +399,23 @@ def check_quest(B=2, n_kv=2, G=3, S=200, d=64, page_size=16, dtype="float32",
                          np.isfinite(ref), 1e-5)
 
 
-def check_quest_blocks(B=2, E=13, n_kv=2, G=3, P=2, d=64, dtype="float32", int8=True, mode="reference", seed=0,
-                       **kw):
+def check_quest_blocks(B=2, E=13, n_kv=2, G=3, P=2, d=64, dtype="float32", int8=True, layers=1, mode="reference",
+                       seed=0, **kw):
     """Quest's page bounds of pool blocks against their owners' queries (`quest_block_bounds_*`: int8 pages with
     a scale per page, or pages in the query's dtype; free blocks, owner -1, scored against request 0) against a
-    float64 loop over blocks, heads and pages."""
+    float64 loop over blocks, heads and pages. layers > 1: the pages of that many layers stacked [layers E, ...],
+    layer layers // 2's read at block_offset (a loop over stacked layers reading its layer's pages in place)."""
     from kvoffload.policies.clo import quest_int8
 
     rng = np.random.default_rng(seed)
     H = n_kv * G
     q, q64 = _rand(rng, (B, H, d), dtype)
     owner = rng.integers(-1, B, E).astype(np.int32)
-    lo, _ = _rand(rng, (E, n_kv, P, d), dtype)
-    hi = lo + jnp.abs(_rand(rng, (E, n_kv, P, d), dtype)[0])
-    pages = quest_int8(lo, hi) if int8 else (lo, hi, None)
+    lo, _ = _rand(rng, (layers * E, n_kv, P, d), dtype)
+    hi = lo + jnp.abs(_rand(rng, (layers * E, n_kv, P, d), dtype)[0])
+    stacked = quest_int8(lo, hi) if int8 else (lo, hi, None)
+    at = (layers // 2) * E
+    pages = tuple(None if a is None else a[at:at + E] for a in stacked)
     mn64, mx64 = (np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64) for a in pages[:2])
     sc64 = np.ones((E, n_kv, P)) if pages[2] is None else np.asarray(pages[2], np.float64)
     ref = np.zeros((E, n_kv, P))
@@ -421,13 +424,15 @@ def check_quest_blocks(B=2, E=13, n_kv=2, G=3, P=2, d=64, dtype="float32", int8=
             qs = q64[max(owner[e], 0), h * G:(h + 1) * G]  # [G, d]
             for p in range(P):
                 ref[e, h, p] = sc64[e, h, p] * np.max(np.maximum(qs * mn64[e, h, p], qs * mx64[e, h, p]).sum(-1))
+    off = dict(block_offset=jnp.int32(at)) if layers > 1 else {}
     if mode == "reference":
-        out = _tk.quest_block_bounds_reference(q, jnp.asarray(owner), *pages)
+        out = _tk.quest_block_bounds_reference(q, jnp.asarray(owner), *stacked, **off)
     else:
-        out = _tk.quest_block_bounds_kernel(q, jnp.asarray(owner), *pages, interpret=(mode == "interpret"), **kw)
+        out = _tk.quest_block_bounds_kernel(q, jnp.asarray(owner), *stacked, interpret=(mode == "interpret"), **off,
+                                            **kw)
     err = float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
-    return _result(f"quest_blocks B{B} E{E} kv{n_kv} G{G} P{P} d{d} {dtype} int8={int8}", mode,
-                   dict(err_rel=err), 1e-5)
+    return _result(f"quest_blocks B{B} E{E} kv{n_kv} G{G} P{P} d{d} {dtype} int8={int8}"
+                   + (f" layer {layers // 2} of {layers}" if layers > 1 else ""), mode, dict(err_rel=err), 1e-5)
 
 
 def np_hata_encode(x64, w64):
@@ -903,7 +908,8 @@ def kernel_cases(full=False):
               dict(G=3, d=128, S=70, shared=True, block_s=16, num_splits=2)]
     cases += [(check_quest, kw) for kw in qu]
     cases += [(check_quest_blocks, dict()), (check_quest_blocks, dict(B=1, int8=False, d=80, G=4, P=4, rows=16)),
-              (check_quest_blocks, dict(B=3, E=7, n_kv=1, G=1, P=1, d=16, dtype="bfloat16", rows=8))]
+              (check_quest_blocks, dict(B=3, E=7, n_kv=1, G=1, P=1, d=16, dtype="bfloat16", rows=8)),
+              (check_quest_blocks, dict(E=5, layers=3)), (check_quest_blocks, dict(E=6, layers=4, int8=False))]
     cases += [(check_hata, kw) for kw in ha]
     cases += [(check_tokenselect, kw) for kw in ts]
     for d, gs, dt, g in ([(128, 64, "float32", 4), (64, 64, "bfloat16", 3)] if not full else
@@ -927,7 +933,8 @@ def kernel_cases(full=False):
               (check_select_rows, dict(R=3, N=300, kind="normal", fused_max=0)),  # the multi-launch path
               (check_select_rows, dict(R=2, N=77, kind="ties", fused_max=0)),
               (check_select_rows, dict(R=3, N=200, ratio=0.3, chunk=32, count_piece=16, compact_piece=8, fused_max=0)),
-              (check_select_rows, dict(R=3, N=200, ratio=0.3, count_piece=16))]  # fused, several pieces a row
+              (check_select_rows, dict(R=3, N=200, ratio=0.3, fused_warps=8)),  # one launch: the row in registers
+              (check_select_rows, dict(R=2, N=1500, ratio=0.2, kind="ties", fused_max=2048))]
     cases += [(check_stacked_linear, dict()), (check_stacked_linear, dict(M=5, K=1100, N=48, dtype="bfloat16")),
               (check_stacked_linear, dict(L=2, M=70, K=64, N=200, block_n=32, block_k=16))]
     return cases
@@ -1027,6 +1034,7 @@ def gpu_cases():
     add(check_quest, dict(B=2, n_kv=8, G=4, d=128, S=8192, page_size=16))
     add(check_quest_blocks, dict(B=1, E=2048, n_kv=8, G=4, P=2, d=128, dtype="bfloat16"))  # 128K, pages of 32
     add(check_quest_blocks, dict(B=64, E=8192, n_kv=8, G=4, P=2, d=128, dtype="bfloat16"))  # b64 at 8K
+    add(check_quest_blocks, dict(B=1, E=2048, n_kv=8, G=4, P=2, d=128, dtype="bfloat16", layers=31))  # the loop's
     add(check_quest_blocks, dict(B=2, E=100, n_kv=4, G=7, P=4, d=80, dtype="bfloat16", int8=False))
     add(check_hata, dict(B=2, n_kv=8, G=4, S=8192, r=128, lengths=[8192, 5000]))
     add(check_hata, dict(B=2, n_kv=8, G=4, S=8192, r=128, lengths=[8192, 5000],
@@ -1057,8 +1065,10 @@ def gpu_cases():
         add(check_prefill, dict(B=2, n_kv=2, G=4, d=d, dtype="bfloat16", T=T, Tc=Tc, q_start=start, impl="cudnn"))
     add(check_select_rows, dict(R=8, N=131072))
     add(check_select_rows, dict(R=8, N=131072, kind="ties"))
-    add(check_select_rows, dict(R=8, N=4096))  # fused (one launch): a clo head's 128K tokens in pages of 32
+    add(check_select_rows, dict(R=8, N=4096))  # a clo head's 128K tokens in pages of 32
     add(check_select_rows, dict(R=8, N=4096, kind="ties"))
+    for n, w in ((4096, 4), (16384, 8)):  # the one launch with other warps than `fused_num_warps`
+        add(check_select_rows, dict(R=8, N=n, fused_warps=w))
     add(check_select_rows, dict(R=512, N=256, ratio=0.2))  # fused: b64 x 8 heads at 8K in pages of 32
     add(check_select_rows, dict(R=8, N=16384, ratio=0.05))
     add(check_select_rows, dict(R=16, N=20000, ratio=0.5))

@@ -17,6 +17,9 @@ equal to T: exclusive sums over the chunks before its own give every program its
 then writes the index of every key above T, and of the first `take` keys equal to it, at its running
 position (a running sum, `jnp.cumsum`: Triton's scan), and zeros past the row's count in its share of the
 output. Semantics and output equal `top_count_ascending`'s (ties to the lower index).
+
+Rows of up to `FUSED_MAX_KEYS` keys (page-level votes) take one launch instead: one program a row, the row in its
+registers (`_fused_kernel`).
 """
 
 from __future__ import annotations
@@ -158,72 +161,62 @@ def _compact_kernel(want_ref, keys_ref, *rest, N, K, C, S, P, Pp, Z, Zp):
         jax.lax.fori_loop(0, C // S, compact, (written0, eq_seen0))
 
 
-def _fused_kernel(want_ref, keys_ref, idx_ref, *, N, K, C, S, Kp):
-    # one program per row, the whole row: the ROUNDS count rounds and the compaction in one launch (rows of up
-    # to FUSED_MAX_KEYS: a clo layer's page-level vote at 128K is 4096 pages a head)
+def _fused_kernel(want_ref, keys_ref, idx_ref, *, N, Np, K, Kp):
+    # one program per row, the whole row loaded once and kept in registers: the want-th largest key T found bit by
+    # bit, most significant first (the largest T with at least want keys >= T: 32 counts over the row, no global
+    # memory between them), then the compaction of `_compact_kernel` in one pass (two running sums). This
+    # kernel's first form reloaded the row for each of 8 rounds of 16 counts (8 x 4096: 52-74 us, slower than the
+    # 9 launches); 2 or 4 bits a round (3 or 15 counts side by side) were slower than 1 (twenty-eighth session)
     from jax.experimental.pallas import triton as plgpu
 
     want = want_ref[0]
     zpos = jnp.arange(Kp, dtype=jnp.int32)
     plgpu.store(idx_ref.at[zpos], jnp.zeros((Kp,), jnp.int32), mask=(zpos < K) & (zpos >= jnp.maximum(want, 0)))
-    lanes = jnp.arange(S, dtype=jnp.int32)
-    cand = jnp.arange(WIDTH, dtype=jnp.int32)
 
     @pl.when(want > 0)
     def _():
-        prefix, remaining = jnp.zeros((), jnp.uint32), want
-        for r in range(ROUNDS):  # the counting of `_count_kernel`, the digit choice of `_rebuild`, in registers
-            shift = 32 - DIGIT_BITS * (r + 1)
-            above = shift + DIGIT_BITS
-
-            def count(i, acc, shift=shift, above=above, prefix=prefix):
-                pos = i * S + lanes
-                keys = load(keys_ref.at[pos], mask=pos < N, other=0)
-                hit = ((keys >> shift) & (WIDTH - 1)).astype(jnp.int32)[None, :] >= cand[:, None]
-                if above < 32:
-                    hit = hit & ((keys >> above) == (prefix >> above))[None, :]
-                return acc + hit.astype(jnp.int32)
-
-            counts = jnp.sum(jax.lax.fori_loop(0, C // S, count, jnp.zeros((WIDTH, S), jnp.int32)), axis=1)
-            d, higher = _digit_of(counts, remaining)
-            remaining = remaining - higher
-            prefix = prefix | (d.astype(jnp.uint32) << shift)
-        T, take = prefix, remaining
-
-        def compact(i, carry):  # `_compact_kernel`'s, from slot 0
-            written, eq_seen = carry
-            pos = i * S + lanes
-            keys = load(keys_ref.at[pos], mask=pos < N, other=0)
-            eq = (keys == T) & (pos < N)
-            eq_rank = eq_seen + jnp.cumsum(eq.astype(jnp.int32))
-            chosen = (keys > T) | (eq & (eq_rank <= take))
-            ch = chosen.astype(jnp.int32)
-            slot = jnp.where(chosen, written + jnp.cumsum(ch) - 1, K + lanes)
-            plgpu.store(idx_ref.at[slot], pos, mask=chosen & (slot < K))
-            return written + jnp.sum(ch), eq_seen + jnp.sum(eq.astype(jnp.int32))
-
-        jax.lax.fori_loop(0, C // S, compact, (jnp.int32(0), jnp.int32(0)))
+        pos = jnp.arange(Np, dtype=jnp.int32)
+        ok = pos < N
+        keys = load(keys_ref.at[pos], mask=ok, other=0)  # key 0: below every selectable one
+        T = jnp.zeros((), jnp.uint32)
+        for b in range(31, -1, -1):
+            cand = T | jnp.uint32(1 << b)
+            T = jnp.where(jnp.sum((keys >= cand).astype(jnp.int32)) >= want, cand, T)
+        take = want - jnp.sum((keys > T).astype(jnp.int32))  # keys == T taken, lowest index first
+        eq = (keys == T) & ok
+        chosen = (keys > T) | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= take))
+        # lanes not chosen get distinct slots past the end (see `_compact_kernel`)
+        slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)) - 1, K + pos)
+        plgpu.store(idx_ref.at[slot], pos, mask=chosen & (slot < K))
 
 
-# rows up to this many keys: one launch, one program per row (`_fused_kernel`). H200, 512 rows of 256 (b64 x 8 heads
-# at 8K in pages of 32): 22-36 us against 47-76 for the 9 launches and 34-38 for XLA's sort; at 8 rows of 4096 one
-# program a row is latency-bound (52-74 us against 45-53 for the 9 launches; twenty-sixth session)
-FUSED_MAX_KEYS = 1 << 10
+# rows up to this many keys: one launch, one program per row (`_fused_kernel`), `fused_num_warps` warps. H200,
+# twenty-eighth session, 10 calls in a jit, per call (one row of 8 selecting / every row): 8 x 4096 (a clo layer's
+# pages of 32 at 128K) 26.2 / 30.7-33.8 us against 43.3 / 58.2 for the 9 launches; 8 x 16384 42.8 / 38.0 against
+# 60.9 / 50.4; 512 x 256 (b64 x 8 heads at 8K) 32.8 / 20.3 against 49.6 / 57.2
+FUSED_MAX_KEYS = 1 << 14
+
+
+def fused_num_warps(N: int) -> int:
+    """Warps of the one-launch kernel's program for rows of N keys (the row lives in their registers): the sweep's
+    pick (fewer warps for 4096 keys took 40 us, for 16384 82-100)."""
+    return 4 if N <= 1024 else (8 if N <= 4096 else 16)
 
 
 def select_rows_kernel(keys, want, k, *, chunk=None, count_piece=512, compact_piece=1024, num_warps=4,
-                       interpret=False, fused_max=FUSED_MAX_KEYS):
+                       interpret=False, fused_max=FUSED_MAX_KEYS, fused_warps=None):
     """(indices [R, k] int32 ascending, then 0) of the want[r] largest keys of each row of keys [R, N]
     (uint32, `topk.orderable_keys`); want [R] int32, each <= k and <= the row's keys above the floor
     (`topk.top_count_ascending` clips it; 0 skips the row). Grid (R, P) per launch: `chunking`. The defaults
     (2048-key chunks, 512-key count pieces, 4 warps) were the fastest of a sweep on an H100 at 8 x 128K with
-    one row and with every row selecting (ninth session); shorter rows take 1024-key chunks (`chunking`). Rows of at most fused_max keys take one launch of one
-    program per row instead (`_fused_kernel`: 9 launches of a few programs cost more than the work there)."""
+    one row and with every row selecting (ninth session); shorter rows take 1024-key chunks (`chunking`). Rows of
+    at most fused_max keys take one launch of one program per row instead (`_fused_kernel`, fused_warps warps:
+    default `fused_num_warps`; 9 launches of a few programs cost more than the work there)."""
     R, N = keys.shape
     k = int(k)
     if N <= fused_max:
-        C = next_pow2(N)
-        kernel = functools.partial(_fused_kernel, N=N, K=k, C=C, S=min(int(count_piece), C), Kp=next_pow2(k))
+        kernel = functools.partial(_fused_kernel, N=N, Np=next_pow2(N), K=k, Kp=next_pow2(k))
+        num_warps = fused_warps or fused_num_warps(N)
         return pl.pallas_call(
             kernel, grid=(R,),
             in_specs=[pl.BlockSpec((1,), lambda r: (r,)), pl.BlockSpec((None, N), lambda r: (r, 0))],

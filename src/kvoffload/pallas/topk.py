@@ -328,13 +328,17 @@ def quest_page_scores_kernel(q, kmin, kmax, num_pages=None, *, group_reduce="sum
     return out[:, :, :P]
 
 
-def quest_block_bounds_reference(q, owner, kmin, kmax, scale=None):
+def quest_block_bounds_reference(q, owner, kmin, kmax, scale=None, block_offset=0):
     """[E, n_kv, P] f32: per page of each pool block, max over its KV head's query heads of Quest's upper bound
     sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min, against the block's owner's query. q [B, H, d];
     owner [E] int32 (-1, a free block: request 0's); kmin, kmax [E, n_kv, P, d] (or int8 pages with their
-    scale [E, n_kv, P], applied to each page's dot products: a scale per page factors out of the channel sum).
-    Operands in q's dtype (int8 pages are exact in bf16), products and sums in f32."""
-    E, n_kv = kmin.shape[:2]
+    scale [E, n_kv, P], applied to each page's dot products: a scale per page factors out of the channel sum);
+    longer arrays are read from row block_offset on (E rows). Operands in q's dtype (int8 pages are exact in
+    bf16), products and sums in f32."""
+    E, n_kv = owner.shape[0], kmin.shape[1]
+    if kmin.shape[0] != E or not isinstance(block_offset, int) or block_offset:
+        kmin, kmax, scale = (None if a is None else jax.lax.dynamic_slice_in_dim(a, block_offset, E)
+                             for a in (kmin, kmax, scale))
     qb = q[jnp.maximum(owner, 0)]
     H, d = qb.shape[1:]
     qg = qb.reshape(E, n_kv, H // n_kv, d)
@@ -346,9 +350,10 @@ def quest_block_bounds_reference(q, owner, kmin, kmax, scale=None):
     return jnp.max(s, axis=2)
 
 
-def _quest_blocks_kernel(owner_ref, q_ref, lo_ref, hi_ref, *rest, E, P, G, d, dp, R, scaled):
-    # whole refs, addressed row by row: owner [E]; q [B, H, d]; lo, hi [E, n_kv, P, d]; scale [E, n_kv, P];
-    # out [E, n_kv, P]. A program: R consecutive (block, page) rows of one KV head
+def _quest_blocks_kernel(owner_ref, base_ref, q_ref, lo_ref, hi_ref, *rest, E, P, G, d, dp, R, scaled):
+    # whole refs, addressed row by row: owner [E]; base [1]; q [B, H, d]; lo, hi [>= base + E, n_kv, P, d];
+    # scale [>= base + E, n_kv, P]; out [E, n_kv, P]. A program: R consecutive (block, page) rows of one KV head;
+    # block e's pages are row base + e of lo / hi / scale
     from jax.experimental.pallas import triton as plgpu
 
     sc_ref, o_ref = rest if scaled else (None, rest[0])
@@ -356,35 +361,41 @@ def _quest_blocks_kernel(owner_ref, q_ref, lo_ref, hi_ref, *rest, E, P, G, d, dp
     row = pl.program_id(0) * R + jnp.arange(R, dtype=jnp.int32)
     blk, page = row // P, row % P
     ok = blk < E
+    at = blk + load(base_ref.at[jnp.zeros((R,), jnp.int32)])
     dc = jnp.arange(dp, dtype=jnp.int32)
     tile_ok = ok[:, None] & (dc < d)[None, :]
     head = jnp.zeros((R, 1), jnp.int32) + h
-    hi = load(hi_ref.at[blk[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
-    lo = load(lo_ref.at[blk[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
+    hi = load(hi_ref.at[at[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
+    lo = load(lo_ref.at[at[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
     own = jnp.maximum(load(owner_ref.at[blk], mask=ok, other=0), 0)
     best = jnp.full((R,), -jnp.inf, jnp.float32)
     for g in range(G):  # the group's query heads one by one: [R, d] products, no tensor-core padding of G
         qr = load(q_ref.at[own[:, None], head * G + g, dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
         best = jnp.maximum(best, jnp.sum(jnp.maximum(qr, 0) * hi + jnp.minimum(qr, 0) * lo, axis=1))
     if scaled:
-        best = best * load(sc_ref.at[blk, head[:, 0], page], mask=ok, other=1)
+        best = best * load(sc_ref.at[at, head[:, 0], page], mask=ok, other=1)
     plgpu.store(o_ref.at[blk, head[:, 0], page], best, mask=ok)
 
 
-def quest_block_bounds_kernel(q, owner, kmin, kmax, scale=None, *, rows=32, num_warps=4, interpret=False):
+def quest_block_bounds_kernel(q, owner, kmin, kmax, scale=None, *, block_offset=0, rows=32, num_warps=4,
+                              interpret=False):
     """Pallas (Triton) ``quest_block_bounds_reference``, reading the pages in place: one program per `rows`
     (block, page) rows of one KV head, each row against its block's owner's query rows (loaded by index: no
     per-block copy of the query), products and sums in f32 (the reference's up to summation order). XLA's
     form is a batched matmul of E x n_kv products of [G, d] x [d, P]: tiny tiles, ~27 us a call on an H200 for
-    4 MB of int8 pages at 128K (twenty-sixth session)."""
-    E, n_kv, P, d = kmin.shape
+    4 MB of int8 pages at 128K (twenty-sixth session). E = len(owner): block e's pages are row
+    block_offset + e of kmin / kmax / scale (int32, may be traced), so a loop over layers reads its layer's
+    pages inside an [n E, ...] stack without slicing them out."""
+    n_kv, P, d = kmin.shape[1:]
+    E = owner.shape[0]
     H = q.shape[1]
     R = int(rows)
     if R < 1 or R & (R - 1):
         raise ValueError(f"rows must be a power of two, got {rows}")
     scaled = scale is not None
     full = lambda a: pl.BlockSpec(a.shape, lambda i, h, n=a.ndim: (0,) * n)  # noqa: E731
-    args = [jnp.asarray(owner, jnp.int32), q, kmin, kmax] + ([scale.astype(jnp.float32)] if scaled else [])
+    base = jnp.reshape(jnp.asarray(block_offset, jnp.int32), (1,))
+    args = [jnp.asarray(owner, jnp.int32), base, q, kmin, kmax] + ([scale.astype(jnp.float32)] if scaled else [])
     kernel = functools.partial(_quest_blocks_kernel, E=E, P=P, G=H // n_kv, d=d, dp=next_pow2(d), R=R,
                                scaled=scaled)
     return pl.pallas_call(
@@ -798,7 +809,8 @@ def top_count_ascending(pri, counts, k, *, method="auto", digit_bits=4):
     * "radix": the k-th largest value by a radix select (`kth_largest_key`), then an order-keeping compaction
       (`prefix_count` and a scatter of unique slots), all in XLA: no sort, but ~40 kernels, each over every row.
     * "kernel": the same radix select and compaction as Pallas kernels (`pallas/select.py`: 8 count launches
-      and one compaction, many programs per row; a row of count 0 exits at once). On an H100, 8 x 128K with
+      and one compaction, many programs per row; rows of up to 16K keys one launch, a program a row; a row of
+      count 0 exits at once). On an H100, 8 x 128K with
       one row selecting: 87 us against radix's 206 and the sort's 318. Off the GPU it runs interpreted (slow).
     * "auto" (the default): on the GPU "kernel" from KERNEL_MIN_CANDIDATES (128K) per row and up to
       KERNEL_MAX_SHORT (16K), else the sort; off it

@@ -466,6 +466,20 @@ class CloAttend:
             slots.__dict__["selection"] = _with(sel, {"replay": draw})
         return slots
 
+    def layer_fixed(self, fixed: tuple, j):
+        """Layer j's read-only slots inside a loop over stacked layers (`pipeline.loop_layers`; fixed's leaves
+        [n, ...]): Quest's pages as `LayerSlice`s, read in place by the bounds kernel (sliced, XLA would copy 8 MiB
+        of them a layer at 128K out first); the rest sliced (XLA fuses those slices into their readers)."""
+        from kvoffload.models.common import LayerSlice
+
+        i = FIXED_SLOT_FIELDS.index("meta")
+        index = jnp.asarray(j, jnp.int32)
+        sliced = jax.tree.map(lambda a: a[index], fixed[:i] + fixed[i + 1:])
+        meta = fixed[i]
+        meta = jax.tree.map((lambda a: LayerSlice(a, index)) if self.retrieval == "quest" else (lambda a: a[index]),
+                            meta)
+        return sliced[:i] + (meta,) + sliced[i:]
+
     def selection_rule(self, q, src, tables, slots: CloSlots):
         """(reuse [B, n_kv], select, rule_hits): which (request, KV head) keep their cached selection for query
         q, a function giving a fresh selection (indices, num_valid) for q (scores, top-k, sinks and recent
