@@ -30,7 +30,8 @@ def main(argv=None):
     ap.add_argument("--only", default="select,scores,refill")
     ap.add_argument("--select-shapes", default="8x131072",
                     help="rows x keys of the select sweep, comma-separated (8x4096: a clo layer's pages of 32 at 128K; "
-                         "512x256: b64 x 8 heads at 8K); rows of up to 16K keys: the one-launch kernel against the 9 launches")
+                         "512x256: b64 x 8 heads at 8K); rows of up to 16K keys: the one-launch kernel against "
+                         "the 9 launches")
     ap.add_argument("--calls", type=int, default=10, help="calls per jit")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, one variant each (CPU)")

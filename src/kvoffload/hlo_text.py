@@ -88,9 +88,10 @@ def control_computations(text: str) -> dict:
 
 def large_writes(text: str, min_bytes: int = 1 << 20, opcodes=None) -> list[str]:
     """Instructions of the program's own computations (`control_computations`) whose array result is at least
-    min_bytes, as "opcode dtype[dims] MiB (name in computation) op_name": the copies and slices a program writes out, e.g. a loop
-    over stacked layers copying a layer's slice of a stacked array before a kernel reads it. opcodes: only these
-    (e.g. {"copy", "dynamic-update-slice"}: what copy insertion added, with the jax op it came from if any)."""
+    min_bytes, as "opcode dtype[dims] MiB (name in computation) op_name": the copies and slices a program writes
+    out, e.g. a loop over stacked layers copying a layer's slice of a stacked array before a kernel reads it (in
+    the loop's body, not the entry). opcodes: only these (e.g. {"copy", "dynamic-update-slice"}: what copy
+    insertion added, with the jax op it came from if any)."""
     out = []
     for comp, lines in control_computations(text).items():
         for line in lines:
@@ -100,5 +101,6 @@ def large_writes(text: str, min_bytes: int = 1 << 20, opcodes=None) -> list[str]
             size = ins and ins[2] not in FREE and array_bytes(ins[1])
             if size and size[0] >= min_bytes:
                 where = op_name(line)
-                out.append(f"{ins[2]} {size[1]} {size[0] / 2**20:.3f} MiB ({ins[0]} in {comp})" + (f" {where}" if where else ""))
+                out.append(f"{ins[2]} {size[1]} {size[0] / 2**20:.3f} MiB ({ins[0]} in {comp})"
+                           + (f" {where}" if where else ""))
     return out

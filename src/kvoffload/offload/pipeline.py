@@ -588,7 +588,8 @@ def loop_layers(cfg, lp, st: StackedLayers, fixed, h, positions, tail_len, sourc
                 row_stride: int = 0, table_stride: tuple = (), linear_by_index: bool = True):
     """The layers of st as one program: a `fori_loop` over `layer_body` with the policy's attend, its weights
     lp [n, ...] by index (linear_by_index: `layer_weights`; else sliced, which XLA copies out), its row buffers
-    in place, its fixed slots sliced (or as the policy's `layer_fixed` gives them). sources' pool holds every layer's blocks (`LayerStack`): a selection policy
+    in place, its fixed slots sliced (or as the policy's `layer_fixed` gives them). sources' pool holds every
+    layer's blocks (`LayerStack`): a selection policy
     reads layer j's rows at token ids + j x row_stride (`SelectSources.row_offset`), a policy attending whole
     blocks through the block tables gets extent e's shifted by j x table_stride[e]. The host issues the whole
     stack in one call. Returns (h, st) with st's tails and slots updated (st donated)."""
