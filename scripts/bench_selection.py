@@ -699,7 +699,7 @@ def table(doc) -> str:
         moved = r.get("bytes_rows_per_step") or r.get("bytes_h2d_per_step")
         gen = r.get("generate_step_s")
         lines.append(head + f" {fmt(r['step_s'], '{:.2f}', 1e3)} | {fmt(r['step_s'] / f['step_s'] if f else None)} | "
-                     f"{fmt(r.get('step_s_mean'), '{:.2f}', 1e3)} | {fmt(r.get('generate_step_s'), '{:.2f}', 1e3)} | "
+                     f"{fmt(r.get('step_s_mean'), '{:.2f}', 1e3)} | {fmt(gen, '{:.2f}', 1e3)} | "
                      f"{fmt(gen / f['generate_step_s'] if gen and f and f.get('generate_step_s') else None)} | "
                      f"{us} | {fmt(fl.get('floor_s'), '{:.0f}', 1e6)} | "
                      f"{fmt(fl.get('measured_over_floor'))} | "

@@ -258,7 +258,7 @@ def probe_layout(args, rows_out, interpret):
             want.setdefault(bits, got)
             same = bool(jnp.array_equal(got, want[bits]))
             t = median_time(lambda: step(fresh(), exts, toks), reps=7, warmup=2)
-            n_ext = len(exts) if name != "per-layer extents" else layers
+            n_ext = len(exts)  # per-layer: one tuple a layer
             row_bytes = D // (8 // bits) + 2 * 4 * (D // 64)
             nbytes = layers * N_KV * K * row_bytes
             pool_bytes = sum(int(a.nbytes) for a in jax.tree.leaves(exts))

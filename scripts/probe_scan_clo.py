@@ -149,10 +149,11 @@ def main(argv=None) -> dict:
     loop_exe = PL.loop_layers.lower(lp=lp_st, st=st, fixed=fixed_st, h=h0, positions=pos, tail_len=tail_len,
                                     sources=sources, tables=tables, **loop_args).compile()
     opcodes = set(args.list_opcodes.split(",")) if args.list_opcodes else None
+    hlo = loop_exe.as_text()
     if args.dump_hlo:
         with open(args.dump_hlo, "w") as f:
-            f.write(loop_exe.as_text())
-    writes = large_writes(loop_exe.as_text(), args.list_min_kib << 10, opcodes)
+            f.write(hlo)
+    writes = large_writes(hlo, args.list_min_kib << 10, opcodes)
     print(f"loop program: {len(writes)} instructions writing >= {args.list_min_kib} KiB"
           + (f" ({args.list_opcodes})" if opcodes else ""), *writes[:40 if opcodes is None else 400],
           sep="\n  ", flush=True)

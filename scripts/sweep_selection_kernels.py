@@ -75,7 +75,7 @@ def main(argv=None):
             keys = [tk.orderable_keys(p) for p in pris]
             if args.smoke:
                 variants = [dict(), dict(fused_max=0)]
-            elif N <= 1 << 14:  # the one-launch kernel over its warps, and the multi-launch one
+            elif N <= sel.FUSED_MAX_KEYS:  # the one-launch kernel over its warps, and the multi-launch one
                 variants = [dict(fused_max=N, fused_warps=w) for w in (4, 8, 16)] + [dict(fused_max=0)]
             else:
                 variants = [dict(chunk=c, count_piece=pc, num_warps=w) for c in (2048, 4096) for pc in (256, 512)

@@ -472,13 +472,10 @@ class CloAttend:
         of them a layer at 128K out first); the rest sliced (XLA fuses those slices into their readers)."""
         from kvoffload.models.common import LayerSlice
 
-        i = FIXED_SLOT_FIELDS.index("meta")
         index = jnp.asarray(j, jnp.int32)
-        sliced = jax.tree.map(lambda a: a[index], fixed[:i] + fixed[i + 1:])
-        meta = fixed[i]
-        meta = jax.tree.map((lambda a: LayerSlice(a, index)) if self.retrieval == "quest" else (lambda a: a[index]),
-                            meta)
-        return sliced[:i] + (meta,) + sliced[i:]
+        pages = FIXED_SLOT_FIELDS.index("meta") if self.retrieval == "quest" else None
+        return tuple(jax.tree.map((lambda a: LayerSlice(a, index)) if n == pages else (lambda a: a[index]), field)
+                     for n, field in enumerate(fixed))
 
     def selection_rule(self, q, src, tables, slots: CloSlots):
         """(reuse [B, n_kv], select, rule_hits): which (request, KV head) keep their cached selection for query
