@@ -604,9 +604,16 @@ def test_layer_rows_refill_and_attend_one_layers_rows_of_a_stacked_buffer_in_pla
             others[j * K:(j + 1) * K] = False
             np.testing.assert_array_equal(full[:, :, others], np.asarray(stacked)[:, :, others])
             np.testing.assert_array_equal(np.asarray(jnp.asarray(got)), np.asarray(want))  # __jax_array__: its rows
-            a = rows_attention(q, got, got, slot_ids, num_valid, "reference")
-            b = rows_attention(q, want, want, slot_ids, num_valid, "reference")
+            a = rows_attention(q, got, got, num_valid, "reference")
+            b = rows_attention(q, want, want, num_valid, "reference")
             np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), rtol=1e-6, atol=1e-6)
+            gathered = ops.sparse_attention(q, want, want, slot_ids, num_valid=num_valid, impl="reference")
+            np.testing.assert_allclose(np.asarray(b[0]), np.asarray(gathered[0]), rtol=1e-6, atol=1e-6)
+            if kernel:  # the kernel reads the layer's rows in place
+                c = jax.jit(lambda g: ops.rows_attention(q, g.stacked, g.stacked, num_valid, K, row_offset=g.offset,
+                                                         impl="kernel", interpret=True))(got)
+                np.testing.assert_allclose(np.asarray(c[0]), np.asarray(b[0]), rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(np.asarray(c[1]), np.asarray(b[1]), rtol=1e-5, atol=1e-5)
     finally:
         if kernel:
             ops.refill_block_rows = orig

@@ -404,6 +404,24 @@ def sparse_attention(q, k, v, indices, *, num_valid=None, page_size=1, scale=Non
     return _sparse_ref_jit(q, k, v, indices, num_valid, lengths, page_size, scale)
 
 
+def rows_attention(q, k, v, num_valid, rows: int, *, row_offset=None, impl="auto", interpret=False):
+    """Attention over row buffers (a selection's rows, gathered into device memory): each (request, KV head)'s
+    first num_valid [B, n_kv] rows of k, v [B, n_kv, R, d], at rows [row_offset, row_offset + rows) (row_offset
+    [] int32 or None: 0 and R = rows; several layers' buffers stacked along the rows). Returns (out [B, H, d],
+    lse [B, H]). The kernel reads the rows in place and consecutively (`sparse_attention`'s gather form loads
+    each block's indices first); per device on its heads under a tensor-parallel mesh."""
+    rows = int(rows)
+    num_valid = jnp.asarray(num_valid, jnp.int32)
+    off = None if row_offset is None else jnp.asarray(row_offset, jnp.int32)
+    if use_kernel(impl):
+        heads, rep = _sh.KV_SPEC, _sh.REPLICATED
+        return _sh.per_shard(
+            lambda q_, k_, v_, n_, o_: _sa.rows_attention_kernel(q_, k_, v_, n_, rows, row_offset=o_,
+                                                                 interpret=interpret),
+            (heads, heads, heads, heads, rep), (heads, heads))(q, k, v, num_valid, off)
+    return _sa.rows_attention_reference(q, k, v, num_valid, rows, row_offset=off)
+
+
 # ----------------------------------------------------------------------------
 # recompute
 # ----------------------------------------------------------------------------
@@ -513,8 +531,9 @@ def _quest_kernel_jit(q, kmin, kmax, num_pages, group_reduce, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _quest_blocks_kernel_jit(q, owner, kmin, kmax, scale, interpret, block_offset=0):
-    return _tk.quest_block_bounds_kernel(q, owner, kmin, kmax, scale, block_offset=block_offset, interpret=interpret)
+def _quest_blocks_kernel_jit(q, owner, kmin, kmax, scale, interpret, block_offset=0, active=None):
+    return _tk.quest_block_bounds_kernel(q, owner, kmin, kmax, scale, block_offset=block_offset, active=active,
+                                         interpret=interpret)
 
 
 def _layer_stacks(arrays):
@@ -527,9 +546,10 @@ def _layer_stacks(arrays):
             jnp.asarray(arrays[0].index, jnp.int32) * E)
 
 
-def quest_block_bounds(q, owner, kmin, kmax, scale=None, *, impl="auto", interpret=False):
+def quest_block_bounds(q, owner, kmin, kmax, scale=None, *, active=None, impl="auto", interpret=False):
     """Quest's page bounds of pool blocks, each against its owner's query (`pallas.topk.quest_block_bounds_reference`):
-    q [B, H, d]; owner [E]; kmin, kmax [E, n_kv, P, d] (int8 with scale [E, n_kv, P], or the keys' dtype).
+    q [B, H, d]; owner [E]; kmin, kmax [E, n_kv, P, d] (int8 with scale [E, n_kv, P], or the keys' dtype);
+    active [B, n_kv] or None: an inactive (request, head)'s bounds are -inf and its pages are not read.
     Returns [E, n_kv, P] f32. The kernel on the GPU, per device on its heads under a tensor-parallel mesh.
     The pages may be a looped layer's `models.common.LayerSlice`s (all alike): on one device read in place at
     the layer's row of their stacks; under a mesh sliced out."""
@@ -537,14 +557,15 @@ def quest_block_bounds(q, owner, kmin, kmax, scale=None, *, impl="auto", interpr
     if stacks is not None and _sh.context_size() == 1:
         (lo, hi, sc), offset = stacks
         if use_kernel(impl):
-            return _quest_blocks_kernel_jit(q, owner, lo, hi, sc, interpret, block_offset=offset)
-        return _tk.quest_block_bounds_reference(q, owner, lo, hi, sc, block_offset=offset)
+            return _quest_blocks_kernel_jit(q, owner, lo, hi, sc, interpret, block_offset=offset, active=active)
+        return _tk.quest_block_bounds_reference(q, owner, lo, hi, sc, block_offset=offset, active=active)
     kmin, kmax, scale = (None if a is None else jnp.asarray(a) for a in (kmin, kmax, scale))
     if use_kernel(impl):
         heads, rep = _sh.KV_SPEC, _sh.REPLICATED
-        return _sh.per_shard(lambda q_, o_, lo_, hi_, s_: _quest_blocks_kernel_jit(q_, o_, lo_, hi_, s_, interpret),
-                             (heads, rep, heads, heads, heads), heads)(q, owner, kmin, kmax, scale)
-    return _tk.quest_block_bounds_reference(q, owner, kmin, kmax, scale)
+        return _sh.per_shard(
+            lambda q_, o_, lo_, hi_, s_, a_: _quest_blocks_kernel_jit(q_, o_, lo_, hi_, s_, interpret, active=a_),
+            (heads, rep, heads, heads, heads, heads), heads)(q, owner, kmin, kmax, scale, active)
+    return _tk.quest_block_bounds_reference(q, owner, kmin, kmax, scale, active=active)
 
 
 def quest_page_scores(q, kmin, kmax, num_pages=None, *, group_reduce="sum", impl="auto",

@@ -25,6 +25,7 @@ from kvoffload.pallas import recompute as _rc
 from kvoffload.pallas import sparse_attention as _sa
 from kvoffload.pallas import stacked_linear as _sl
 from kvoffload.pallas import topk as _tk
+from kvoffload.pallas.common import next_pow2
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 # The kernels' bf16 path rounds p to bf16 before p @ V (as every flash kernel does);
@@ -243,6 +244,34 @@ def check_merge(dtype="float32", seed=0):
     return r
 
 
+def check_merge_splits(B=2, n_kv=3, NS=66, G=7, d=80, mode="reference", seed=0):
+    """The flash-decoding merge (`decode_attention.merge_splits`, one program per query row) of random
+    partials [B, n_kv, NS, Gp, dp] against float64 NumPy, with empty splits (lse -inf) and one row empty in
+    every split (out 0, lse -inf); mode reference is the jnp merge (`merge_attention`) of the same splits."""
+    rng = np.random.default_rng(seed)
+    Gp, dp = max(16, next_pow2(G)), max(16, next_pow2(d))
+    o = rng.standard_normal((B, n_kv, NS, Gp, dp)).astype(np.float32)
+    lse = (rng.standard_normal((B, n_kv, NS, Gp)) * 4).astype(np.float32)
+    lse[rng.random(lse.shape) < 0.2] = -np.inf
+    lse[0, 0, :, G - 1] = -np.inf
+    o[np.isneginf(lse)] = 0.0
+    o64, l64 = o.astype(np.float64), lse.astype(np.float64)
+    m = np.max(l64, axis=2, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    w = np.where(np.isfinite(l64), np.exp(l64 - m), 0.0)
+    tot = np.sum(w, axis=2)
+    want_o = (np.sum(w[..., None] * o64, axis=2) / np.where(tot > 0, tot, 1.0)[..., None])[:, :, :G, :d]
+    want_l = np.where(tot > 0, m[:, :, 0] + np.log(np.where(tot > 0, tot, 1.0)), -np.inf)[:, :, :G]
+    if mode == "reference":
+        parts = [(jnp.asarray(o[:, :, s, :G, :d]), jnp.asarray(lse[:, :, s, :G])) for s in range(NS)]
+        got_o, got_l = _da.merge_attention(parts)
+    else:
+        got_o, got_l = jax.jit(lambda o, l: _da.merge_splits(o, l, G=G, d=d, out_dtype=jnp.float32,
+                                                             interpret=(mode == "interpret")))(o, lse)
+    errs = dict(err_out=rel_err(got_o, want_o), err_lse=lse_err(got_l, want_l))
+    return _result(f"merge_splits B{B} kv{n_kv} NS{NS} G{G} d{d}", mode, errs, TOL["float32"])
+
+
 def check_sparse(B=2, n_kv=2, G=4, S=256, d=128, K=24, page_size=1, dtype="float32",
                  mode="reference", seed=0, with_lengths=False, **kw):
     rng = np.random.default_rng(seed)
@@ -276,6 +305,33 @@ def check_sparse(B=2, n_kv=2, G=4, S=256, d=128, K=24, page_size=1, dtype="float
     errs = dict(err_out=rel_err(o, ro), err_lse=lse_err(l, rl))
     return _result(f"sparse B{B} kv{n_kv} G{G} S{S} d{d} K{K} page{page_size} {dtype}",
                    mode, errs, TOL[dtype])
+
+
+def check_rows_attention(B=2, n_kv=2, G=4, K=300, d=128, layers=1, dtype="float32", mode="reference", seed=0, **kw):
+    """Attention over row buffers (`sparse_attention.rows_attention_*`): each (request, head)'s first num_valid
+    rows (one full, one empty, the rest random) of a [B, n_kv, layers K, d] buffer at layer layers // 2's rows
+    (a loop over stacked layers), against float64 NumPy."""
+    rng = np.random.default_rng(seed)
+    H = n_kv * G
+    q, q64 = _rand(rng, (B, H, d), dtype)
+    k, k64 = _rand(rng, (B, n_kv, layers * K, d), dtype)
+    v, v64 = _rand(rng, (B, n_kv, layers * K, d), dtype)
+    nv = rng.integers(1, K + 1, (B, n_kv)).astype(np.int32)
+    nv[0, 0] = K
+    if B > 1:
+        nv[-1, -1] = 0
+    at = (layers // 2) * K
+    ok = np.arange(K)[None, None] < nv[..., None]
+    ro, rl = np_attend(q64, k64[:, :, at:at + K], v64[:, :, at:at + K], ok, d ** -0.5)
+    off = jnp.int32(at) if layers > 1 else None
+    if mode == "reference":
+        o, l = _sa.rows_attention_reference(q, k, v, jnp.asarray(nv), K, row_offset=off)
+    else:
+        o, l = _sa.rows_attention_kernel(q, k, v, jnp.asarray(nv), K, row_offset=off, interpret=(mode == "interpret"),
+                                         poison=True, **kw)
+    errs = dict(err_out=rel_err(o, ro), err_lse=lse_err(l, rl))
+    return _result(f"rows_attention B{B} kv{n_kv} G{G} K{K} d{d} {dtype}"
+                   + (f" layer {layers // 2} of {layers}" if layers > 1 else ""), mode, errs, TOL[dtype])
 
 
 def check_recompute(B=2, T=40, H=128, n_kv=2, d=64, dtype="float32", bias=True, rope=True,
@@ -399,12 +455,13 @@ def check_quest(B=2, n_kv=2, G=3, S=200, d=64, page_size=16, dtype="float32",
                          np.isfinite(ref), 1e-5)
 
 
-def check_quest_blocks(B=2, E=13, n_kv=2, G=3, P=2, d=64, dtype="float32", int8=True, layers=1, mode="reference",
-                       seed=0, **kw):
+def check_quest_blocks(B=2, E=13, n_kv=2, G=3, P=2, d=64, dtype="float32", int8=True, layers=1, active=False,
+                       mode="reference", seed=0, **kw):
     """Quest's page bounds of pool blocks against their owners' queries (`quest_block_bounds_*`: int8 pages with
     a scale per page, or pages in the query's dtype; free blocks, owner -1, scored against request 0) against a
     float64 loop over blocks, heads and pages. layers > 1: the pages of that many layers stacked [layers E, ...],
-    layer layers // 2's read at block_offset (a loop over stacked layers reading its layer's pages in place)."""
+    layer layers // 2's read at block_offset (a loop over stacked layers reading its layer's pages in place).
+    active: about half the (request, head)s inactive (reusing heads): -inf there, exactly."""
     from kvoffload.policies.clo import quest_int8
 
     rng = np.random.default_rng(seed)
@@ -425,14 +482,24 @@ def check_quest_blocks(B=2, E=13, n_kv=2, G=3, P=2, d=64, dtype="float32", int8=
             for p in range(P):
                 ref[e, h, p] = sc64[e, h, p] * np.max(np.maximum(qs * mn64[e, h, p], qs * mx64[e, h, p]).sum(-1))
     off = dict(block_offset=jnp.int32(at)) if layers > 1 else {}
+    dead = np.zeros((E, n_kv, P), bool)
+    if active:
+        act = rng.random((B, n_kv)) < 0.5
+        act[0, 0], act[-1, -1] = True, False
+        off["active"] = jnp.asarray(act)
+        dead = np.broadcast_to(~act[np.maximum(owner, 0)][:, :, None], dead.shape)
+    ref = np.where(dead, 1.0, ref)
     if mode == "reference":
         out = _tk.quest_block_bounds_reference(q, jnp.asarray(owner), *stacked, **off)
     else:
         out = _tk.quest_block_bounds_kernel(q, jnp.asarray(owner), *stacked, interpret=(mode == "interpret"), **off,
                                             **kw)
-    err = float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
+    out = np.asarray(out, np.float64)
+    err = float(np.max(np.abs(np.where(dead, 1.0, out) - ref)) / np.max(np.abs(ref)))
+    err = err if np.all(np.isneginf(out[dead])) else float("inf")
     return _result(f"quest_blocks B{B} E{E} kv{n_kv} G{G} P{P} d{d} {dtype} int8={int8}"
-                   + (f" layer {layers // 2} of {layers}" if layers > 1 else ""), mode, dict(err_rel=err), 1e-5)
+                   + (f" layer {layers // 2} of {layers}" if layers > 1 else "") + (" active" if active else ""),
+                   mode, dict(err_rel=err), 1e-5)
 
 
 def np_hata_encode(x64, w64):
@@ -867,6 +934,8 @@ def kernel_cases(full=False):
     for g, d, dt, ps in sp:
         cases.append((check_sparse, dict(G=g, d=d, dtype=dt, page_size=ps,
                                          with_lengths=(ps > 1))))
+    cases += [(check_rows_attention, dict()), (check_rows_attention, dict(G=7, d=80, K=100, layers=3, dtype="bfloat16")),
+              (check_rows_attention, dict(B=1, n_kv=3, G=1, K=40, d=64, num_splits=3, block_n=16))]
     rc = ([(d, dt, b, r) for d in (64, 128) for dt in DTYPES for b in (True, False)
            for r in (True, False)] if full else
           [(64, "float32", True, True), (128, "bfloat16", False, False)])
@@ -909,7 +978,9 @@ def kernel_cases(full=False):
     cases += [(check_quest, kw) for kw in qu]
     cases += [(check_quest_blocks, dict()), (check_quest_blocks, dict(B=1, int8=False, d=80, G=4, P=4, rows=16)),
               (check_quest_blocks, dict(B=3, E=7, n_kv=1, G=1, P=1, d=16, dtype="bfloat16", rows=8)),
-              (check_quest_blocks, dict(E=5, layers=3)), (check_quest_blocks, dict(E=6, layers=4, int8=False))]
+              (check_quest_blocks, dict(E=5, layers=3)), (check_quest_blocks, dict(E=6, layers=4, int8=False)),
+              (check_quest_blocks, dict(B=3, E=9, n_kv=3, active=True)),
+              (check_quest_blocks, dict(E=5, layers=3, active=True, int8=False))]
     cases += [(check_hata, kw) for kw in ha]
     cases += [(check_tokenselect, kw) for kw in ts]
     for d, gs, dt, g in ([(128, 64, "float32", 4), (64, 64, "bfloat16", 3)] if not full else
@@ -935,6 +1006,7 @@ def kernel_cases(full=False):
               (check_select_rows, dict(R=3, N=200, ratio=0.3, chunk=32, count_piece=16, compact_piece=8, fused_max=0)),
               (check_select_rows, dict(R=3, N=200, ratio=0.3, fused_warps=8)),  # one launch: the row in registers
               (check_select_rows, dict(R=2, N=1500, ratio=0.2, kind="ties", fused_max=2048))]
+    cases += [(check_merge_splits, dict()), (check_merge_splits, dict(B=1, n_kv=2, NS=4, G=4, d=64))]
     cases += [(check_stacked_linear, dict()), (check_stacked_linear, dict(M=5, K=1100, N=48, dtype="bfloat16")),
               (check_stacked_linear, dict(L=2, M=70, K=64, N=200, block_n=32, block_k=16))]
     return cases
@@ -1035,6 +1107,7 @@ def gpu_cases():
     add(check_quest_blocks, dict(B=1, E=2048, n_kv=8, G=4, P=2, d=128, dtype="bfloat16"))  # 128K, pages of 32
     add(check_quest_blocks, dict(B=64, E=8192, n_kv=8, G=4, P=2, d=128, dtype="bfloat16"))  # b64 at 8K
     add(check_quest_blocks, dict(B=1, E=2048, n_kv=8, G=4, P=2, d=128, dtype="bfloat16", layers=31))  # the loop's
+    add(check_quest_blocks, dict(B=1, E=2048, n_kv=4, G=7, P=2, d=128, dtype="bfloat16", layers=27, active=True))
     add(check_quest_blocks, dict(B=2, E=100, n_kv=4, G=7, P=4, d=80, dtype="bfloat16", int8=False))
     add(check_hata, dict(B=2, n_kv=8, G=4, S=8192, r=128, lengths=[8192, 5000]))
     add(check_hata, dict(B=2, n_kv=8, G=4, S=8192, r=128, lengths=[8192, 5000],
@@ -1063,6 +1136,11 @@ def gpu_cases():
     add(check_prefill, dict(B=1, n_kv=8, G=4, d=128, dtype="bfloat16", T=6000, Tc=1024, q_start=4500))
     for d, T, Tc, start in ((128, 6000, 1024, 4500), (64, 300, 70, 150), (80, 129, 33, 96), (128, 200, 64, 0)):
         add(check_prefill, dict(B=2, n_kv=2, G=4, d=d, dtype="bfloat16", T=T, Tc=Tc, q_start=start, impl="cudnn"))
+    for n_kv, g, K, layers in ((4, 7, 13107, 27), (8, 4, 13107, 31), (8, 4, 1638, 1)):  # 128K and 16K at 10%
+        add(check_rows_attention, dict(B=1, n_kv=n_kv, G=g, K=K, layers=layers, dtype="bfloat16"))
+    add(check_rows_attention, dict(B=4, n_kv=2, G=8, K=500, d=64, dtype="float32"))
+    for ns, g, d in ((66, 7, 128), (128, 4, 128), (33, 8, 80), (1, 1, 64)):  # Qwen2.5-7B's and Llama-3-8B's at 128K
+        add(check_merge_splits, dict(B=1, n_kv=4, NS=ns, G=g, d=d))
     add(check_select_rows, dict(R=8, N=131072))
     add(check_select_rows, dict(R=8, N=131072, kind="ties"))
     add(check_select_rows, dict(R=8, N=4096))  # a clo head's 128K tokens in pages of 32
@@ -1084,7 +1162,7 @@ def gpu_cases():
 
 KERNEL_FNS = (check_decode, check_paged, check_sparse, check_recompute, check_scores_exact,
               check_int4_decode, check_quest, check_quest_blocks, check_hata, check_tokenselect, check_gather, check_prefill,
-              check_select_rows, check_refill, check_stacked_linear)
+              check_select_rows, check_refill, check_stacked_linear, check_merge_splits, check_rows_attention)
 
 
 def run_case(fn, kw, mode):

@@ -166,3 +166,97 @@ def sparse_attention_kernel(
     out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret,
                             poison=poison)
     return out.reshape(B, H, d), lse.reshape(B, H)
+
+
+# ----------------------------------------------------------------------------
+# row buffers: the first num_valid rows of each (request, head), contiguous
+# ----------------------------------------------------------------------------
+
+
+def rows_attention_reference(q, k, v, num_valid, rows: int, *, row_offset=None, scale=None):
+    """Attention over the first num_valid [B, n_kv] rows of each (request, KV head)'s row buffer: k, v [B, n_kv,
+    R, d], the buffer at rows [row_offset, row_offset + rows) (row_offset [] int32, traced; None: 0, R = rows).
+    ``sparse_attention_reference`` at slot ids row_offset + 0..rows-1."""
+    B, n_kv = k.shape[:2]
+    slots = jnp.arange(rows, dtype=jnp.int32) + (0 if row_offset is None else jnp.asarray(row_offset, jnp.int32))
+    return sparse_attention_reference(q, k, v, jnp.broadcast_to(slots, (B, n_kv, rows)), num_valid=num_valid,
+                                      scale=scale)
+
+
+def _rows_kernel(nv_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_n, blocks_per_split, d, dp):
+    # nv_ref [1]: this (b, h)'s valid rows; off_ref [1]: its layer's first row; q_ref [Gp, dp]; k_ref, v_ref
+    # [R, d]; o_ref [Gp, dp]; lse_ref [Gp]. Rows are consecutive: their addresses need no index load (the
+    # gather form's dependent load a block), and a split stops at the last valid row
+    split = pl.program_id(2)
+    n = nv_ref[0]
+    off = off_ref[0]
+    q = q_ref[...]
+    Gp = q.shape[0]
+    cols = jnp.arange(dp, dtype=jnp.int32)
+    col_ok = cols < d
+    base = split * (blocks_per_split * block_n)
+    lane = jnp.arange(block_n, dtype=jnp.int32)
+
+    def body(i, carry):
+        acc, m, l = carry
+        idx = base + i * block_n + lane
+        row_ok = idx < n
+        msk = row_ok[:, None] & col_ok[None, :]
+        at = (off + idx)[:, None], cols[None, :]
+        kb = load(k_ref.at[at], mask=msk, other=0.0)
+        vb = load(v_ref.at[at], mask=msk, other=0.0)
+        s = dot(q, kb, trans_b=True) * scale
+        m_new, l_new, p, alpha = online_softmax_step(m, l, s, row_ok)
+        acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
+        return acc, m_new, l_new
+
+    n_here = jnp.clip((n - base + block_n - 1) // block_n, 0, blocks_per_split)
+    acc, m, l = jax.lax.fori_loop(0, n_here, body, (jnp.zeros((Gp, dp), jnp.float32), *online_softmax_init(Gp)))
+    out, lse = softmax_stats_to_out(acc, l, m)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def rows_attention_kernel(q, k, v, num_valid, rows: int, *, row_offset=None, scale=None, interpret=False,
+                          poison=False, block_n=None, num_splits=None, num_warps=4, num_stages=2):
+    """Pallas (Triton) ``rows_attention_reference``: flash decoding over each row buffer's valid rows, read in
+    place (k, v may hold several layers' buffers along their rows: row_offset), split over the rows bound."""
+    B, H, d = q.shape
+    _, n_kv, R, _ = k.shape
+    G = H // n_kv
+    scale = default_scale(d, scale)
+    dp = max(16, next_pow2(d))
+    Gp = max(16, next_pow2(G))
+    if block_n is None:
+        block_n = 64 if dp <= 128 else 32
+    block_n = min(block_n, max(16, next_pow2(rows)))
+    n_blocks = cdiv(rows, block_n)
+    if num_splits is None:
+        num_splits = choose_splits(B, n_kv, n_blocks)
+    blocks_per_split = cdiv(n_blocks, num_splits)
+    num_splits = cdiv(n_blocks, blocks_per_split)
+    nv = jnp.minimum(jnp.asarray(num_valid, jnp.int32), rows).reshape(B, n_kv, 1)
+    off = jnp.reshape(jnp.asarray(0 if row_offset is None else row_offset, jnp.int32), (1,))
+    qg = q.reshape(B, n_kv, G, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
+    kernel = functools.partial(_rows_kernel, scale=scale, block_n=block_n, blocks_per_split=blocks_per_split, d=d,
+                               dp=dp)
+    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
+    o, lse = pallas_call(
+        kernel, poison=poison,
+        grid=(B, n_kv, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
+            pl.BlockSpec((1,), lambda b, h, s: (0,)),
+            pl.BlockSpec((None, None, Gp, dp), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kvo_rows_attention",
+    )(nv, off, qg, k, v)
+    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret, poison=poison)
+    return out.reshape(B, H, d), lse.reshape(B, H)

@@ -328,13 +328,14 @@ def quest_page_scores_kernel(q, kmin, kmax, num_pages=None, *, group_reduce="sum
     return out[:, :, :P]
 
 
-def quest_block_bounds_reference(q, owner, kmin, kmax, scale=None, block_offset=0):
+def quest_block_bounds_reference(q, owner, kmin, kmax, scale=None, block_offset=0, active=None):
     """[E, n_kv, P] f32: per page of each pool block, max over its KV head's query heads of Quest's upper bound
     sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min, against the block's owner's query. q [B, H, d];
     owner [E] int32 (-1, a free block: request 0's); kmin, kmax [E, n_kv, P, d] (or int8 pages with their
     scale [E, n_kv, P], applied to each page's dot products: a scale per page factors out of the channel sum);
-    longer arrays are read from row block_offset on (E rows). Operands in q's dtype (int8 pages are exact in
-    bf16), products and sums in f32."""
+    longer arrays are read from row block_offset on (E rows); active [B, n_kv] (or None: all): where False, the
+    (request, head)'s bounds are -inf (the kernel does not read its pages: a head that reuses its selection).
+    Operands in q's dtype (int8 pages are exact in bf16), products and sums in f32."""
     E, n_kv = owner.shape[0], kmin.shape[1]
     if kmin.shape[0] != E or not isinstance(block_offset, int) or block_offset:
         kmin, kmax, scale = (None if a is None else jax.lax.dynamic_slice_in_dim(a, block_offset, E)
@@ -347,45 +348,51 @@ def quest_block_bounds_reference(q, owner, kmin, kmax, scale=None, block_offset=
         jnp.einsum("ehgd,ehpd->ehgp", jnp.minimum(qg, 0), kmin.astype(q.dtype), **kw)
     if scale is not None:
         s = s * scale[:, :, None, :]
-    return jnp.max(s, axis=2)
+    s = jnp.max(s, axis=2)
+    if active is not None:
+        s = jnp.where(jnp.asarray(active, bool)[jnp.maximum(owner, 0)][:, :, None], s, -jnp.inf)
+    return s
 
 
-def _quest_blocks_kernel(owner_ref, base_ref, q_ref, lo_ref, hi_ref, *rest, E, P, G, d, dp, R, scaled):
-    # whole refs, addressed row by row: owner [E]; base [1]; q [B, H, d]; lo, hi [>= base + E, n_kv, P, d];
-    # scale [>= base + E, n_kv, P]; out [E, n_kv, P]. A program: R consecutive (block, page) rows of one KV head;
-    # block e's pages are row base + e of lo / hi / scale
+def _quest_blocks_kernel(owner_ref, base_ref, active_ref, q_ref, lo_ref, hi_ref, *rest, E, P, G, d, dp, R, scaled):
+    # whole refs, addressed row by row: owner [E]; base [1]; active [B, n_kv] int32; q [B, H, d]; lo, hi
+    # [>= base + E, n_kv, P, d]; scale [>= base + E, n_kv, P]; out [E, n_kv, P]. A program: R consecutive
+    # (block, page) rows of one KV head; block e's pages are row base + e of lo / hi / scale. The rows of an
+    # inactive (request, head) are -inf and their pages are not read (masked loads)
     from jax.experimental.pallas import triton as plgpu
 
     sc_ref, o_ref = rest if scaled else (None, rest[0])
     h = pl.program_id(1)
     row = pl.program_id(0) * R + jnp.arange(R, dtype=jnp.int32)
     blk, page = row // P, row % P
-    ok = blk < E
+    head = jnp.zeros((R, 1), jnp.int32) + h
+    own = jnp.maximum(load(owner_ref.at[blk], mask=blk < E, other=0), 0)
+    live = (blk < E) & (load(active_ref.at[own, head[:, 0]], mask=blk < E, other=0) != 0)
+    ok = live
     at = blk + load(base_ref.at[jnp.zeros((R,), jnp.int32)])
     dc = jnp.arange(dp, dtype=jnp.int32)
     tile_ok = ok[:, None] & (dc < d)[None, :]
-    head = jnp.zeros((R, 1), jnp.int32) + h
     hi = load(hi_ref.at[at[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
     lo = load(lo_ref.at[at[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
-    own = jnp.maximum(load(owner_ref.at[blk], mask=ok, other=0), 0)
     best = jnp.full((R,), -jnp.inf, jnp.float32)
     for g in range(G):  # the group's query heads one by one: [R, d] products, no tensor-core padding of G
         qr = load(q_ref.at[own[:, None], head * G + g, dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
         best = jnp.maximum(best, jnp.sum(jnp.maximum(qr, 0) * hi + jnp.minimum(qr, 0) * lo, axis=1))
     if scaled:
         best = best * load(sc_ref.at[at, head[:, 0], page], mask=ok, other=1)
-    plgpu.store(o_ref.at[blk, head[:, 0], page], best, mask=ok)
+    plgpu.store(o_ref.at[blk, head[:, 0], page], jnp.where(live, best, -jnp.inf), mask=blk < E)
 
 
-def quest_block_bounds_kernel(q, owner, kmin, kmax, scale=None, *, block_offset=0, rows=32, num_warps=4,
-                              interpret=False):
+def quest_block_bounds_kernel(q, owner, kmin, kmax, scale=None, *, block_offset=0, active=None, rows=32,
+                              num_warps=4, interpret=False):
     """Pallas (Triton) ``quest_block_bounds_reference``, reading the pages in place: one program per `rows`
     (block, page) rows of one KV head, each row against its block's owner's query rows (loaded by index: no
     per-block copy of the query), products and sums in f32 (the reference's up to summation order). XLA's
     form is a batched matmul of E x n_kv products of [G, d] x [d, P]: tiny tiles, ~27 us a call on an H200 for
     4 MB of int8 pages at 128K (twenty-sixth session). E = len(owner): block e's pages are row
     block_offset + e of kmin / kmax / scale (int32, may be traced), so a loop over layers reads its layer's
-    pages inside an [n E, ...] stack without slicing them out."""
+    pages inside an [n E, ...] stack without slicing them out. active [B, n_kv]: see the reference (in a `clo`
+    step most heads reuse their selection: their programs read nothing)."""
     n_kv, P, d = kmin.shape[1:]
     E = owner.shape[0]
     H = q.shape[1]
@@ -395,7 +402,8 @@ def quest_block_bounds_kernel(q, owner, kmin, kmax, scale=None, *, block_offset=
     scaled = scale is not None
     full = lambda a: pl.BlockSpec(a.shape, lambda i, h, n=a.ndim: (0,) * n)  # noqa: E731
     base = jnp.reshape(jnp.asarray(block_offset, jnp.int32), (1,))
-    args = [jnp.asarray(owner, jnp.int32), base, q, kmin, kmax] + ([scale.astype(jnp.float32)] if scaled else [])
+    act = jnp.ones((q.shape[0], n_kv), jnp.int32) if active is None else jnp.asarray(active).astype(jnp.int32)
+    args = [jnp.asarray(owner, jnp.int32), base, act, q, kmin, kmax] + ([scale.astype(jnp.float32)] if scaled else [])
     kernel = functools.partial(_quest_blocks_kernel, E=E, P=P, G=H // n_kv, d=d, dp=next_pow2(d), R=R,
                                scaled=scaled)
     return pl.pallas_call(

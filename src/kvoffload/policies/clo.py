@@ -251,17 +251,18 @@ def exact_scores(q, keys, tables, space: TokenSpace | None = None, skip=None):
     return space.per_request(jnp.concatenate(out))
 
 
-def quest_bounds(q, kmin, kmax, scale=None, owner=None):
+def quest_bounds(q, kmin, kmax, scale=None, owner=None, active=None):
     """[E, n_kv, P] f32: per page, max over each KV head's query heads of Quest's upper bound
     sum_c max(q_c min_c, q_c max_c) = q+ . max + q- . min (`ops.quest_block_bounds`: the kernel on the GPU).
     owner None: q [E, H, d], each block's query; else q [B, H, d] and owner [E] each block's request.
     kmin, kmax [E, n_kv, P, d]; int8 pages (``quest_int8``) with their scale [E, n_kv, P], applied to the
     page's dot products (a scale per page factors out of the sum over channels: no dequantized copy).
     Operands in q's dtype (the model's), products and sums in f32: int8 pages are exact in bf16, and bf16
-    operands took half the f32 form's time on an H100 in XLA's matmul form (fifteenth session)."""
+    operands took half the f32 form's time on an H100 in XLA's matmul form (fifteenth session). active [B, n_kv]
+    or None: an inactive (request, head) gets -inf and its pages are not read."""
     if owner is None:
         owner = jnp.arange(kmin.shape[0], dtype=jnp.int32)
-    return ops.quest_block_bounds(q, owner, kmin, kmax, scale)
+    return ops.quest_block_bounds(q, owner, kmin, kmax, scale, active=active)
 
 
 def quest_int8(kmin, kmax):
@@ -284,15 +285,15 @@ def quest_int8(kmin, kmax):
     return jnp.clip(qmin, -127, 127).astype(jnp.int8), jnp.clip(qmax, -127, 127).astype(jnp.int8), scale
 
 
-def quest_token_scores(q, meta, tables, blk, space: TokenSpace | None = None):
+def quest_token_scores(q, meta, tables, blk, space: TokenSpace | None = None, active=None):
     """[B, n_kv, T] f32 over the token space (default the pool's): each token its page's bound
     (``quest_bounds``, each block against its owner's query); -inf where the request owns no token.
-    meta: per extent (kmin, kmax) [E, n_kv, P, d] or their int8 form (``quest_int8``)."""
+    meta: per extent (kmin, kmax) [E, n_kv, P, d] or their int8 form (``quest_int8``); active: `quest_bounds`'."""
     space = token_space(tables, blk) if space is None else space
     out, start = [], 0
     for m in meta:  # (kmin, kmax) or (qmin, qmax, scale)
         E, P = m[0].shape[0], m[0].shape[2]
-        bounds = quest_bounds(q, *m, owner=space.owner[start:start + E])  # each block against its owner's query
+        bounds = quest_bounds(q, *m, owner=space.owner[start:start + E], active=active)  # against its owner's query
         out.append(jnp.repeat(bounds, blk // P, axis=-1))  # [E, n_kv, blk]
         start += E
     return space.per_request(jnp.concatenate(out))
@@ -500,12 +501,15 @@ class CloAttend:
         valid = (sel.pool_tokens == pool_tokens)[:, None]
         reuse, rule_hits = cache_decision((sim >= slots.tau[None]) & ~slots.persistent[None], valid, sel)
         reuse = reuse | (slots.persistent[None] & valid)  # a persistent head re-selects only when the pool grows
+        # a reusing head's fresh selection is discarded (`reuse_or_select`): it selects nothing, and Quest's bounds
+        # kernel does not read its pages (the select kernels skip rows of count 0)
+        n_select = jnp.where(reuse, 0, n_select)
 
         def select():  # over each request's own blocks (`TokenSpace`): scores and top-k of T = R * blk tokens
             space = token_space(tables, blk, src.request_blocks)
             with jax.named_scope("scores"):
                 if self.retrieval == "quest":
-                    scores = quest_token_scores(q, slots.meta, tables, blk, space)
+                    scores = quest_token_scores(q, slots.meta, tables, blk, space, active=~reuse)
                 elif self.retrieval == "hata":
                     scores = hata_token_scores(q, slots.meta, slots.hata_w, tables, space)
                 else:
@@ -570,8 +574,7 @@ class CloAttend:
         if not self.speculative:
             fetched = jnp.where(reuse, 0, num_valid)
         with jax.named_scope("attention"):
-            slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
-            part = rows_attention(q, k_sel, v_sel, slot_ids, num_valid, attention_impl)
+            part = rows_attention(q, k_sel, v_sel, num_valid, attention_impl)
             acc = ops.merge_attention_into(acc, part)
 
         keep_q = jnp.repeat(reuse, H // n_kv, axis=1)[..., None]

@@ -556,16 +556,16 @@ class LayerRows:
 jax.tree_util.register_dataclass(LayerRows, data_fields=["stacked", "offset"], meta_fields=["rows"])
 
 
-def rows_attention(q, k_rows, v_rows, slot_ids, num_valid, impl):
-    """Sparse attention over a selection's row buffers at slot_ids [B, n_kv, K] (the first num_valid valid):
-    arrays, or `LayerRows` read in place at slot ids + the layer's offset."""
+def rows_attention(q, k_rows, v_rows, num_valid, impl):
+    """Attention over a selection's row buffers [B, n_kv, K, d] (the first num_valid valid): arrays, or
+    `LayerRows` read in place at the layer's offset (`ops.rows_attention`)."""
     if isinstance(k_rows, LayerRows):
-        if not isinstance(v_rows, LayerRows) or v_rows.dtype != k_rows.dtype:
-            raise ValueError("K and V row buffers must both be LayerRows of one dtype")
-        return ops.sparse_attention(q, k_rows.stacked, v_rows.stacked, slot_ids + k_rows.offset, num_valid=num_valid,
-                                    impl=impl)
-    return ops.sparse_attention(q, k_rows, jnp.asarray(v_rows).astype(k_rows.dtype), slot_ids, num_valid=num_valid,
-                                impl=impl)
+        if not isinstance(v_rows, LayerRows) or v_rows.dtype != k_rows.dtype or v_rows.rows != k_rows.rows:
+            raise ValueError("K and V row buffers must both be LayerRows of one dtype and row count")
+        return ops.rows_attention(q, k_rows.stacked, v_rows.stacked, num_valid, k_rows.rows, row_offset=k_rows.offset,
+                                  impl=impl)
+    return ops.rows_attention(q, k_rows, jnp.asarray(v_rows).astype(k_rows.dtype), num_valid, k_rows.shape[2],
+                              impl=impl)
 
 
 @dataclasses.dataclass(frozen=True)
