@@ -166,10 +166,16 @@ def lower_only_checks():
         cases += [
             (f"decode {tag}", lambda q, k, L: _da.decode_attention_kernel(q, k, k, L), (q, k, L)),
             (f"sparse {tag}", lambda q, k, i: _sa.sparse_attention_kernel(q, k, k, i), (q, k, idx)),
+            (f"rows_attention {tag}", lambda q, k, n: _sa.rows_attention_kernel(q, k, k, n, S // 3,
+                                                                                row_offset=jnp.int32(S // 3)),
+             (q, k, jnp.full((B, n_kv), S // 4, jnp.int32))),
             (f"scores_exact {tag}", lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L),
              (q, k, L)),
             (f"quest {tag}", lambda q, a, b, n: _tk.quest_page_scores_kernel(
                 q, a, b, n, group_reduce="max"), (q, kmin, kmax, L // 16)),
+            (f"quest_blocks active {tag}", lambda q, a, b: _tk.quest_block_bounds_kernel(
+                q, jnp.arange(a.shape[0], dtype=jnp.int32) % B, a, b, active=jnp.ones((B, n_kv), bool)),
+             (q, kmin[0][None].repeat(3, 0), kmax[0][None].repeat(3, 0))),
         ]
         for blk in (16, 64, 24):  # 24: a block size that is not a power of two (padded)
             E, M = S // blk + 3, S // blk + 1

@@ -55,13 +55,17 @@ def stacked_linear_tiles(M: int, K: int, N: int, block_n: int = 64, block_k: int
     return bm, bn, bk, splits, per_split
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M, K, N, bm, bn, bk, per_split):
-    # layer_ref [1]; x_ref [M, K]; w_ref [L, K, N] (the whole stacked array: addressed, not loaded); o_ref [S, M, N]
+def _kernel(layer_ref, x_ref, w_ref, o_ref, **kw):
+    linear_tile(layer_ref, x_ref, w_ref, o_ref, pl.program_id(0), pl.program_id(1), pl.program_id(2), **kw)
+
+
+def linear_tile(layer_ref, x_ref, w_ref, o_ref, i, j, split, *, M, K, N, bm, bn, bk, per_split):
+    """One program's work: row tile i, column tile j, K split `split` (the tiles of `stacked_linear_tiles`).
+    layer_ref [1]; x_ref [M, K]; w_ref [L, K, N] (the whole stacked array: addressed, not loaded); o_ref [S, M, N]."""
     from jax.experimental.pallas import triton as plgpu
 
-    rows = pl.program_id(0) * bm + jnp.arange(bm, dtype=jnp.int32)
-    cols = pl.program_id(1) * bn + jnp.arange(bn, dtype=jnp.int32)
-    split = pl.program_id(2)
+    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
     layer = load(layer_ref.at[jnp.zeros((1,), jnp.int32)])  # [1]
     row_ok, col_ok = rows < M, cols < N
     first = split * per_split * bk

@@ -368,10 +368,9 @@ def _quest_blocks_kernel(owner_ref, base_ref, active_ref, q_ref, lo_ref, hi_ref,
     head = jnp.zeros((R, 1), jnp.int32) + h
     own = jnp.maximum(load(owner_ref.at[blk], mask=blk < E, other=0), 0)
     live = (blk < E) & (load(active_ref.at[own, head[:, 0]], mask=blk < E, other=0) != 0)
-    ok = live
     at = blk + load(base_ref.at[jnp.zeros((R,), jnp.int32)])
     dc = jnp.arange(dp, dtype=jnp.int32)
-    tile_ok = ok[:, None] & (dc < d)[None, :]
+    tile_ok = live[:, None] & (dc < d)[None, :]
     hi = load(hi_ref.at[at[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
     lo = load(lo_ref.at[at[:, None], head, page[:, None], dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
     best = jnp.full((R,), -jnp.inf, jnp.float32)
@@ -379,7 +378,7 @@ def _quest_blocks_kernel(owner_ref, base_ref, active_ref, q_ref, lo_ref, hi_ref,
         qr = load(q_ref.at[own[:, None], head * G + g, dc[None, :]], mask=tile_ok, other=0).astype(jnp.float32)
         best = jnp.maximum(best, jnp.sum(jnp.maximum(qr, 0) * hi + jnp.minimum(qr, 0) * lo, axis=1))
     if scaled:
-        best = best * load(sc_ref.at[at, head[:, 0], page], mask=ok, other=1)
+        best = best * load(sc_ref.at[at, head[:, 0], page], mask=live, other=1)
     plgpu.store(o_ref.at[blk, head[:, 0], page], jnp.where(live, best, -jnp.inf), mask=blk < E)
 
 
