@@ -215,8 +215,8 @@ def markdown(rows, meta) -> str:
              + " | ".join(f"fused, {o.replace('_', ' ')} us" for o in ORDERS) + " | hidden (best) | exact |",
              "|--:|--:|--:|--:|--:|" + "--:|" * len(ORDERS) + "--:|---|"]
     for r in rows:
-        lines.append(f"| {r['heads']} | {r['refill_MB']:.2f} | {r['matmul_us']} | {r['refill_us']} | {r['serial_us']} | "
-                     + " | ".join(str(r[f"fused_{o}_us"]) for o in ORDERS) + f" | {r['hidden']} | {exact(r)} |")
+        lines.append(f"| {r['heads']} | {r['refill_MB']:.2f} | {r['matmul_us']} | {r['refill_us']} | "
+                     f"{r['serial_us']} | " + " | ".join(str(r[f"fused_{o}_us"]) for o in ORDERS) + f" | {r['hidden']} | {exact(r)} |")
     return "\n".join(lines) + "\n"
 
 

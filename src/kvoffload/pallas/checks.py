@@ -934,7 +934,8 @@ def kernel_cases(full=False):
     for g, d, dt, ps in sp:
         cases.append((check_sparse, dict(G=g, d=d, dtype=dt, page_size=ps,
                                          with_lengths=(ps > 1))))
-    cases += [(check_rows_attention, dict()), (check_rows_attention, dict(G=7, d=80, K=100, layers=3, dtype="bfloat16")),
+    cases += [(check_rows_attention, dict()),
+              (check_rows_attention, dict(G=7, d=80, K=100, layers=3, dtype="bfloat16")),
               (check_rows_attention, dict(B=1, n_kv=3, G=1, K=40, d=64, num_splits=3, block_n=16))]
     rc = ([(d, dt, b, r) for d in (64, 128) for dt in DTYPES for b in (True, False)
            for r in (True, False)] if full else

@@ -73,6 +73,52 @@ def sparse_attention_reference(
     return out.reshape(B, H, d).astype(q.dtype), lse.reshape(B, H)
 
 
+def _split_tiles(B, n_kv, N, dp, block_n=None, num_splits=None):
+    """(block_n, blocks_per_split, num_splits) of a flash-decoding grid (B, n_kv, splits) over N rows a head."""
+    if block_n is None:
+        block_n = 64 if dp <= 128 else 32
+    block_n = min(block_n, max(16, next_pow2(N)))
+    n_blocks = cdiv(N, block_n)
+    if num_splits is None:
+        num_splits = choose_splits(B, n_kv, n_blocks)
+    blocks_per_split = cdiv(n_blocks, num_splits)
+    return block_n, blocks_per_split, cdiv(n_blocks, blocks_per_split)
+
+
+def _flash_call(kernel, lead, q, k, v, *, num_splits, name, interpret, poison, num_warps, num_stages, **kw):
+    """Launch a flash-decoding kernel on grid (B, n_kv, num_splits) and merge its splits: lead is
+    [(array, BlockSpec)] before the query (the rows' positions or counts); the query goes in padded to [B, n_kv,
+    Gp, dp] in k's dtype, k and v whole per (request, head). Returns (out [B, H, d], lse [B, H])."""
+    B, H, d = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    G = H // n_kv
+    dp, Gp = max(16, next_pow2(d)), max(16, next_pow2(G))
+    qg = jnp.pad(q.reshape(B, n_kv, G, d), ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
+    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
+    kv_spec = pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0))
+    o, lse = pallas_call(
+        functools.partial(kernel, d=d, dp=dp, **kw), poison=poison,
+        grid=(B, n_kv, num_splits),
+        in_specs=[spec for _, spec in lead] + [pl.BlockSpec((None, None, Gp, dp), lambda b, h, s: (b, h, 0, 0)),
+                                               kv_spec, kv_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*[a for a, _ in lead], qg, k, v)
+    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret, poison=poison)
+    return out.reshape(B, H, d), lse.reshape(B, H)
+
+
+def _attend_block(q, kb, vb, row_ok, carry, scale):
+    """One block of rows into the online softmax: carry (acc [Gp, dp], m, l) -> the same after kb, vb [bn, dp]."""
+    acc, m, l = carry
+    s = dot(q, kb, trans_b=True) * scale
+    m_new, l_new, p, alpha = online_softmax_step(m, l, s, row_ok)
+    return acc * alpha[:, None] + dot(p.astype(vb.dtype), vb), m_new, l_new
+
+
 # ----------------------------------------------------------------------------
 # kernel: gathers rows straight from k/v (device or pinned_host memory)
 # ----------------------------------------------------------------------------
@@ -92,17 +138,13 @@ def _sparse_kernel(
     base = split * (blocks_per_split * block_n)
 
     def body(i, carry):
-        acc, m, l = carry
         start = base + i * block_n
         rows = load(pos_ref.at[pl.ds(start, block_n)])
         row_ok = load(ok_ref.at[pl.ds(start, block_n)]) != 0
         msk = row_ok[:, None] & col_ok[None, :]
         kb = load(k_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
         vb = load(v_ref.at[rows[:, None], cols[None, :]], mask=msk, other=0.0)
-        s = dot(q, kb, trans_b=True) * scale
-        m_new, l_new, p, alpha = online_softmax_step(m, l, s, row_ok)
-        acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
-        return acc, m_new, l_new
+        return _attend_block(q, kb, vb, row_ok, carry, scale)
 
     acc, m, l = jax.lax.fori_loop(0, blocks_per_split, body,
                                   (jnp.zeros((Gp, dp), jnp.float32), *online_softmax_init(Gp)))
@@ -122,50 +164,17 @@ def sparse_attention_kernel(
     """
     B, H, d = q.shape
     _, n_kv, S, _ = k.shape
-    G = H // n_kv
     scale = default_scale(d, scale)
-    dp = max(16, next_pow2(d))
-    Gp = max(16, next_pow2(G))
     pos, ok = expand_indices(indices, num_valid, page_size, S, lengths)
     N = pos.shape[-1]
-    if block_n is None:
-        block_n = 64 if dp <= 128 else 32
-    block_n = min(block_n, max(16, next_pow2(N)))
-    n_blocks = cdiv(N, block_n)
-    if num_splits is None:
-        num_splits = choose_splits(B, n_kv, n_blocks)
-    blocks_per_split = cdiv(n_blocks, num_splits)
-    num_splits = cdiv(n_blocks, blocks_per_split)
+    block_n, blocks_per_split, num_splits = _split_tiles(B, n_kv, N, max(16, next_pow2(d)), block_n, num_splits)
     Np = num_splits * blocks_per_split * block_n
     pos = jnp.pad(pos, ((0, 0), (0, 0), (0, Np - N)))
     ok = jnp.pad(ok.astype(jnp.int32), ((0, 0), (0, 0), (0, Np - N)))
-
-    qg = q.reshape(B, n_kv, G, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
-    kernel = functools.partial(
-        _sparse_kernel, scale=scale, block_n=block_n,
-        blocks_per_split=blocks_per_split, d=d, dp=dp,
-    )
-    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
-    o, lse = pallas_call(
-        kernel, poison=poison,
-        grid=(B, n_kv, num_splits),
-        in_specs=[
-            pl.BlockSpec((None, None, Np), lambda b, h, s: (b, h, 0)),
-            pl.BlockSpec((None, None, Np), lambda b, h, s: (b, h, 0)),
-            pl.BlockSpec((None, None, Gp, dp), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kvo_sparse_attention",
-    )(pos, ok, qg, k, v)
-    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret,
-                            poison=poison)
-    return out.reshape(B, H, d), lse.reshape(B, H)
+    row_spec = pl.BlockSpec((None, None, Np), lambda b, h, s: (b, h, 0))
+    return _flash_call(_sparse_kernel, [(pos, row_spec), (ok, row_spec)], q, k, v, num_splits=num_splits,
+                       name="kvo_sparse_attention", interpret=interpret, poison=poison, num_warps=num_warps,
+                       num_stages=num_stages, scale=scale, block_n=block_n, blocks_per_split=blocks_per_split)
 
 
 # ----------------------------------------------------------------------------
@@ -198,17 +207,13 @@ def _rows_kernel(nv_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale,
     lane = jnp.arange(block_n, dtype=jnp.int32)
 
     def body(i, carry):
-        acc, m, l = carry
         idx = base + i * block_n + lane
         row_ok = idx < n
         msk = row_ok[:, None] & col_ok[None, :]
         at = (off + idx)[:, None], cols[None, :]
         kb = load(k_ref.at[at], mask=msk, other=0.0)
         vb = load(v_ref.at[at], mask=msk, other=0.0)
-        s = dot(q, kb, trans_b=True) * scale
-        m_new, l_new, p, alpha = online_softmax_step(m, l, s, row_ok)
-        acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
-        return acc, m_new, l_new
+        return _attend_block(q, kb, vb, row_ok, carry, scale)
 
     n_here = jnp.clip((n - base + block_n - 1) // block_n, 0, blocks_per_split)
     acc, m, l = jax.lax.fori_loop(0, n_here, body, (jnp.zeros((Gp, dp), jnp.float32), *online_softmax_init(Gp)))
@@ -222,41 +227,12 @@ def rows_attention_kernel(q, k, v, num_valid, rows: int, *, row_offset=None, sca
     """Pallas (Triton) ``rows_attention_reference``: flash decoding over each row buffer's valid rows, read in
     place (k, v may hold several layers' buffers along their rows: row_offset), split over the rows bound."""
     B, H, d = q.shape
-    _, n_kv, R, _ = k.shape
-    G = H // n_kv
-    scale = default_scale(d, scale)
-    dp = max(16, next_pow2(d))
-    Gp = max(16, next_pow2(G))
-    if block_n is None:
-        block_n = 64 if dp <= 128 else 32
-    block_n = min(block_n, max(16, next_pow2(rows)))
-    n_blocks = cdiv(rows, block_n)
-    if num_splits is None:
-        num_splits = choose_splits(B, n_kv, n_blocks)
-    blocks_per_split = cdiv(n_blocks, num_splits)
-    num_splits = cdiv(n_blocks, blocks_per_split)
+    n_kv = k.shape[1]
+    block_n, blocks_per_split, num_splits = _split_tiles(B, n_kv, rows, max(16, next_pow2(d)), block_n, num_splits)
     nv = jnp.minimum(jnp.asarray(num_valid, jnp.int32), rows).reshape(B, n_kv, 1)
     off = jnp.reshape(jnp.asarray(0 if row_offset is None else row_offset, jnp.int32), (1,))
-    qg = q.reshape(B, n_kv, G, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
-    kernel = functools.partial(_rows_kernel, scale=scale, block_n=block_n, blocks_per_split=blocks_per_split, d=d,
-                               dp=dp)
-    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
-    o, lse = pallas_call(
-        kernel, poison=poison,
-        grid=(B, n_kv, num_splits),
-        in_specs=[
-            pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
-            pl.BlockSpec((1,), lambda b, h, s: (0,)),
-            pl.BlockSpec((None, None, Gp, dp), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, R, d), lambda b, h, s: (b, h, 0, 0)),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kvo_rows_attention",
-    )(nv, off, qg, k, v)
-    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret, poison=poison)
-    return out.reshape(B, H, d), lse.reshape(B, H)
+    lead = [(nv, pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0))),
+            (off, pl.BlockSpec((1,), lambda b, h, s: (0,)))]
+    return _flash_call(_rows_kernel, lead, q, k, v, num_splits=num_splits, name="kvo_rows_attention",
+                       interpret=interpret, poison=poison, num_warps=num_warps, num_stages=num_stages,
+                       scale=default_scale(d, scale), block_n=block_n, blocks_per_split=blocks_per_split)
