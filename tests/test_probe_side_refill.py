@@ -6,10 +6,9 @@ import json
 import pytest
 from script_loader import script_module
 
-# the probe end to end on CPU (interpret mode, ~20 s); it is a GPU measurement: run with -m slow or on the GPU
-pytestmark = pytest.mark.slow
 
-
+# the probe end to end on CPU (interpret mode, ~30 s); it is a GPU measurement: run with -m slow or on the GPU
+@pytest.mark.slow
 def test_smoke_every_variant_exact_and_timed(tmp_path):
     with script_module("probe_side_refill") as mod:
         assert mod.main(["--smoke", "--out", str(tmp_path)]) == 0
