@@ -393,12 +393,14 @@ def check_selection(res):
 def check_kernels(res):
     assert all(v < 1e-6 for v in res["max_abs"].values()), res
     assert res["shardings"] == {"gather_kv": HEADS, "gather_x": ALONG_H, "sparse_attention": HEADS,
-                                "scores": HEADS, "select": HEADS, "quest_bounds": HEADS}, res
+                                "scores": HEADS, "select": HEADS, "quest_bounds": HEADS,
+                                "quest_bounds_active": HEADS, "rows_attention": HEADS}, res
 
 
 def test_selection_kernels_run_per_device(default_runs):
     """The kernels in clo's and tokenselect's layer programs (row gathers from pinned-host K/V and activation
-    extents, sparse attention, exact scores with per-head lengths, the top-k) under a 4-way mesh, each device on its heads
+    extents, sparse and row-buffer attention, exact scores with per-head lengths, the top-k, Quest's bounds with
+    and without inactive heads) under a 4-way mesh, each device on its heads
     (interpret mode), equal their references and come back split by head (X rows along H). (A 2-way mesh, each
     device on two KV heads: the slow test below.)"""
     _, (res, _) = default_runs

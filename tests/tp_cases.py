@@ -206,6 +206,21 @@ def kernel_case(case):
         want = ops.quest_block_bounds(q, owner, *pages, impl="reference")
         out["quest_bounds"] = finite(got, want) / float(np.abs(want).max())  # relative: f32 sums in another order
         shardings["quest_bounds"] = str(got.sharding.spec)
+        # the same with the reusing heads inactive (-inf, their pages unread)
+        act = jnp.asarray(r.random((B, n_kv)) < 0.5).at[0, 0].set(True)
+        got = jax.jit(lambda q_, lo_, hi_, sc_, a_: ops.quest_block_bounds(q_, owner, lo_, hi_, sc_, active=a_,
+                                                                           **kernel))(*split(q, *pages, act))
+        want = ops.quest_block_bounds(q, owner, *pages, active=act, impl="reference")
+        same_inf = bool((np.isneginf(np.asarray(got)) == np.isneginf(np.asarray(want))).all())
+        out["quest_bounds_active"] = finite(got, want) / float(np.abs(np.where(np.isfinite(want), want, 0)).max()) \
+            if same_inf else float("inf")
+        shardings["quest_bounds_active"] = str(got.sharding.spec)
+        # a selection's row buffers (clo): each head's first num_valid rows of the middle layer of three stacked
+        rk, rv = arr((B, n_kv, 3 * K, d)), arr((B, n_kv, 3 * K, d))
+        o, lse = jax.jit(lambda *a: ops.rows_attention(*a, K, row_offset=jnp.int32(K), **kernel))(*split(q, rk, rv, nv))
+        wo, wl = ops.rows_attention(q, rk, rv, nv, K, row_offset=jnp.int32(K), impl="reference")
+        out["rows_attention"] = max(finite(o, wo), finite(lse, wl))
+        shardings["rows_attention"] = str(o.sharding.spec)
     return dict(case=case, max_abs=out, shardings=shardings)
 
 
