@@ -95,22 +95,32 @@ def _side_kernel(layer_ref, x_ref, w_ref, tok_ref, host_ref, _buf_in, o_ref, buf
             _rows_tile(tok_ref, host_ref, buf_ref, i_rf // tiles, i_rf % tiles, **rf)
 
 
-def side_call(x, w, layer, tokens, host, buf, *, matmul=True, refill=True, order="interleave", block_k=64,
-              interpret=False):
-    """One launch: x @ w[layer] (fp32 partials [S, 1, N], `stacked_linear`'s tiles) and/or the refill of buf
-    [n_kv, R, width] from host [n_kv, T, width] at tokens [n_kv, R], programs in `order` (ORDERS). Returns
-    (partials or None, buf)."""
+def launch_plan(x, w, buf, block_k=64) -> dict:
+    """The one launch's tiles: the matmul's (`stacked_linear`'s few-row tiles: nj column tiles x S K splits
+    programs) and the refill's (n_kv heads x `tiles` tiles of block_k rows: a kept head's programs exit at once)."""
     M, K = x.shape
     N = w.shape[2]
     n_kv, R, width = buf.shape
     bm, bn, bk, S, per_split = sl.stacked_linear_tiles(M, K, N, **{k: sl.FEW_ROWS_TILES[k] for k in
                                                                     ("block_n", "block_k", "target_programs")})
-    nj = cdiv(N, bn)
-    mm = dict(nj=nj, S=S, tile=dict(M=M, K=K, N=N, bm=bm, bn=bn, bk=bk, per_split=per_split)) if matmul else None
-    tiles = cdiv(R, block_k)
-    rf = dict(n_rows=R, width=width, wp=next_pow2(width), bk=block_k) if refill else None
-    n_mm = nj * S if matmul else 0
-    n_rf = n_kv * tiles if refill else 0
+    nj, tiles = cdiv(N, bn), cdiv(R, block_k)
+    return dict(nj=nj, S=S, tile=dict(M=M, K=K, N=N, bm=bm, bn=bn, bk=bk, per_split=per_split), tiles=tiles,
+                rows=dict(n_rows=R, width=width, wp=next_pow2(width), bk=block_k),
+                matmul_programs=nj * S, refill_programs=n_kv * tiles)
+
+
+def side_call(x, w, layer, tokens, host, buf, *, matmul=True, refill=True, order="interleave", block_k=64,
+              interpret=False):
+    """One launch: x @ w[layer] (fp32 partials [S, 1, N], `stacked_linear`'s tiles) and/or the refill of buf
+    [n_kv, R, width] from host [n_kv, T, width] at tokens [n_kv, R], programs in `order` (ORDERS). Returns
+    (partials or None, buf)."""
+    M, N = x.shape[0], w.shape[2]
+    plan = launch_plan(x, w, buf, block_k)
+    S, tiles = plan["S"], plan["tiles"]
+    mm = dict(nj=plan["nj"], S=S, tile=plan["tile"]) if matmul else None
+    rf = plan["rows"] if refill else None
+    n_mm = plan["matmul_programs"] if matmul else 0
+    n_rf = plan["refill_programs"] if refill else 0
     grid = n_mm + n_rf
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, n=a.ndim: (0,) * n)  # noqa: E731
     lay = jnp.reshape(layer, (1,)).astype(jnp.int32)
@@ -175,8 +185,10 @@ def probe(args) -> list[dict]:
                                                       **sl.FEW_ROWS_TILES), np.float64)
         ref_rows = np.where((tok_np >= 0)[..., None],
                             host_np[np.arange(n_kv)[:, None], np.maximum(tok_np, 0)], 0)
+        plan = launch_plan(x, w, buf0)
         res = {"heads": heads, "rows_per_head": rows, "row_bytes": args.row_bytes,
-               "refill_MB": heads * rows * args.row_bytes / 1e6}
+               "refill_MB": heads * rows * args.row_bytes / 1e6, "matmul_programs": plan["matmul_programs"],
+               "refill_programs": plan["refill_programs"]}
         variants = {"matmul": (True, False, False, "interleave"), "refill": (False, True, False, "interleave"),
                     "serial": (True, True, True, "interleave")}
         variants.update({"fused_" + o: (True, True, False, o) for o in ORDERS})

@@ -18,6 +18,7 @@ def test_smoke_every_variant_exact_and_timed(tmp_path):
         for v in mod.VARIANTS:
             assert r[v + "_exact"] is True and r[v + "_us"] > 0
         assert r["fused_us"] == r["fused_" + r["fused_best"] + "_us"]
+        assert r["matmul_programs"] > 0 and r["refill_programs"] == 2 * -(-r["rows_per_head"] // 64)  # 2 heads
         assert r["refill_MB"] == pytest.approx(r["heads"] * r["rows_per_head"] * r["row_bytes"] / 1e6)
     assert "| 2 |" in (tmp_path / "probe_side_refill.md").read_text()
 
