@@ -194,7 +194,7 @@ def probe(args) -> list[dict]:
         variants.update({"fused_" + o: (True, True, False, o) for o in ORDERS})
         for name, (m, r, split, order) in variants.items():
             f = run(m, r, split, order)
-            acc, buf = f(buf0)
+            _, buf = f(buf0)
             exact = True
             if r:
                 exact &= bool(np.array_equal(np.asarray(buf), ref_rows))

@@ -73,10 +73,11 @@ def sparse_attention_reference(
     return out.reshape(B, H, d).astype(q.dtype), lse.reshape(B, H)
 
 
-def _split_tiles(B, n_kv, N, dp, block_n=None, num_splits=None):
-    """(block_n, blocks_per_split, num_splits) of a flash-decoding grid (B, n_kv, splits) over N rows a head."""
+def _split_tiles(B, n_kv, N, d, block_n=None, num_splits=None):
+    """(block_n, blocks_per_split, num_splits) of a flash-decoding grid (B, n_kv, splits) over N rows of d
+    channels a head."""
     if block_n is None:
-        block_n = 64 if dp <= 128 else 32
+        block_n = 64 if max(16, next_pow2(d)) <= 128 else 32
     block_n = min(block_n, max(16, next_pow2(N)))
     n_blocks = cdiv(N, block_n)
     if num_splits is None:
@@ -167,7 +168,7 @@ def sparse_attention_kernel(
     scale = default_scale(d, scale)
     pos, ok = expand_indices(indices, num_valid, page_size, S, lengths)
     N = pos.shape[-1]
-    block_n, blocks_per_split, num_splits = _split_tiles(B, n_kv, N, max(16, next_pow2(d)), block_n, num_splits)
+    block_n, blocks_per_split, num_splits = _split_tiles(B, n_kv, N, d, block_n, num_splits)
     Np = num_splits * blocks_per_split * block_n
     pos = jnp.pad(pos, ((0, 0), (0, 0), (0, Np - N)))
     ok = jnp.pad(ok.astype(jnp.int32), ((0, 0), (0, 0), (0, Np - N)))
@@ -228,7 +229,7 @@ def rows_attention_kernel(q, k, v, num_valid, rows: int, *, row_offset=None, sca
     place (k, v may hold several layers' buffers along their rows: row_offset), split over the rows bound."""
     B, H, d = q.shape
     n_kv = k.shape[1]
-    block_n, blocks_per_split, num_splits = _split_tiles(B, n_kv, rows, max(16, next_pow2(d)), block_n, num_splits)
+    block_n, blocks_per_split, num_splits = _split_tiles(B, n_kv, rows, d, block_n, num_splits)
     nv = jnp.minimum(jnp.asarray(num_valid, jnp.int32), rows).reshape(B, n_kv, 1)
     off = jnp.reshape(jnp.asarray(0 if row_offset is None else row_offset, jnp.int32), (1,))
     lead = [(nv, pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0))),
