@@ -131,6 +131,15 @@ def test_probe_decode_linear_times_every_projection_form(tmp_path):
     assert json.loads((tmp_path / "d.json").read_text())["shape"] == "tiny-opt"
 
 
+def test_decode_linear_weight_copies_exceed_the_l2_and_stay_compilable():
+    """The GPU run of the test above compiled 24K launches for the tiny shape (minutes): copies are capped."""
+    with script_module("probe_decode_linear") as pd:
+        assert pd.weight_copies(4096 * 1024 * 2, False) == 48  # Llama-3-8B's k: 8.4 MB, 400 MB over it
+        assert pd.weight_copies(4096 * 14336 * 2, False) == 4
+        assert pd.weight_copies(64 * 128 * 2, False) == 128
+        assert pd.weight_copies(64 * 128 * 2, True) == 2
+
+
 # ~15-25 s each: a tiny clo model prefilled and decoded, then its layers compiled twice over; slow, as the runtime's
 # own loop (loop_layers: test_offload.py) is in the default run
 @pytest.mark.parametrize("linear,buffers", [pytest.param("einsum", "in-place", marks=pytest.mark.slow),
