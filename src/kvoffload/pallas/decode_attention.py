@@ -236,6 +236,32 @@ def merge_splits(o, lse, *, G, d, out_dtype, interpret=False, poison=False):
     return out, lse[..., 0]
 
 
+def flash_decode(kernel, args, in_specs, *, q, n_kv, num_splits, Gp, dp, name, interpret=False, poison=False,
+                 num_warps=4, num_stages=2, merge="pallas"):
+    """Launch a flash-decoding kernel on grid (B, n_kv, num_splits), each program writing its split's partial
+    out [Gp, dp] and lse [Gp] (`split_partials`), and merge the splits (`merge_splits`; merge="xla": XLA ops, for
+    comparison). The one launcher of the decode, paged, int4, sparse and rows kernels: in_specs / args are
+    the kernel's inputs. Returns (out [B, H, d] in q's dtype, lse [B, H] float32)."""
+    B, H, d = q.shape
+    G = H // n_kv
+    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
+    o, lse = pallas_call(
+        kernel, poison=poison,
+        grid=(B, n_kv, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+    if merge == "xla":
+        out, lse = _merge_stacked(o[:, :, :, :G, :d], lse[:, :, :, :G], axis=2, out_dtype=q.dtype)
+    else:
+        out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret, poison=poison)
+    return out.reshape(B, H, d), lse.reshape(B, H)
+
+
 def decode_attention_kernel(
     q, k, v, lengths, *, scale=None, interpret=False, poison=False, block_s=None, num_splits=None,
     num_warps=None, num_stages=2, programs_per_sm=2, merge="pallas",
@@ -262,28 +288,11 @@ def decode_attention_kernel(
         _decode_kernel, scale=scale, block_s=block_s,
         blocks_per_split=blocks_per_split, d=d, dp=dp, S=S, G=G, Gp=Gp,
     )
-    out_dtype = jnp.float32
-    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp, out_dtype)
-    o, lse = pallas_call(
-        kernel, poison=poison,
-        grid=(B, n_kv, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kvo_decode_attention",
-    )(lengths, qg, k, v)
-    if merge == "xla":
-        o = o[:, :, :, :G, :d]
-        lse = lse[:, :, :, :G]
-        out, lse = _merge_stacked(o, lse, axis=2, out_dtype=q.dtype)
-    else:
-        out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret,
-                                poison=poison)
-    return out.reshape(B, H, d), lse.reshape(B, H)
+    return flash_decode(
+        kernel, (lengths, qg, k, v),
+        [pl.BlockSpec((1,), lambda b, h, s: (b,)),
+         pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
+         pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
+         pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0))],
+        q=q, n_kv=n_kv, num_splits=num_splits, Gp=Gp, dp=dp, name="kvo_decode_attention", interpret=interpret,
+        poison=poison, num_warps=num_warps, num_stages=num_stages, merge=merge)

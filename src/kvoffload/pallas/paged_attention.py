@@ -37,15 +37,12 @@ from kvoffload.pallas.common import (
     next_pow2,
     online_softmax_init,
     online_softmax_step,
-    pallas_call,
     softmax_stats_to_out,
-    triton_params,
 )
 from kvoffload.pallas.decode_attention import (
     decode_attention_reference,
+    flash_decode,
     load_padded,
-    merge_splits,
-    split_partials,
 )
 
 
@@ -205,23 +202,12 @@ def paged_decode_attention_kernel(
         _paged_kernel, scale=scale, blocks_per_split=blocks_per_split, blk=blk, blkp=blkp, d=d,
         dp=dp, G=G, Gp=Gp, M=M, E=E,
     )
-    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
-    o, lse = pallas_call(
-        kernel, poison=poison,
-        grid=(B, n_kv, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, M), lambda b, h, s: (b, 0)),
-            pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((E, None, blk, d), lambda b, h, s: (0, h, 0, 0)),
-            pl.BlockSpec((E, None, blk, d), lambda b, h, s: (0, h, 0, 0)),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kvo_paged_decode_attention",
-    )(num_blocks.astype(jnp.int32), block_table.astype(jnp.int32), qg, k_blocks, v_blocks)
-    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret,
-                            poison=poison)
-    return out.reshape(B, H, d), lse.reshape(B, H)
+    return flash_decode(
+        kernel, (num_blocks.astype(jnp.int32), block_table.astype(jnp.int32), qg, k_blocks, v_blocks),
+        [pl.BlockSpec((1,), lambda b, h, s: (b,)),
+         pl.BlockSpec((None, M), lambda b, h, s: (b, 0)),
+         pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
+         pl.BlockSpec((E, None, blk, d), lambda b, h, s: (0, h, 0, 0)),
+         pl.BlockSpec((E, None, blk, d), lambda b, h, s: (0, h, 0, 0))],
+        q=q, n_kv=n_kv, num_splits=num_splits, Gp=Gp, dp=dp, name="kvo_paged_decode_attention",
+        interpret=interpret, poison=poison, num_warps=num_warps, num_stages=num_stages)

@@ -42,10 +42,8 @@ from kvoffload.pallas.common import (
     next_pow2,
     online_softmax_init,
     online_softmax_step,
-    pallas_call,
-    triton_params,
 )
-from kvoffload.pallas.decode_attention import _attend_masked, merge_splits
+from kvoffload.pallas.decode_attention import _attend_masked, flash_decode
 
 
 SCALES = ("token", "channel")  # what one step / min covers: a group of a row (token) or a column (channel)
@@ -276,30 +274,14 @@ def decode_attention_int4_kernel(q, kq: QuantizedInt, vq: QuantizedInt, lengths,
         d=d, gs=gs, S=S, n_groups=n_groups,
         q_terms=1 if q.dtype == jnp.bfloat16 else 3,
         p_terms=2 if q.dtype == jnp.bfloat16 else 3)
-    full = lambda last: pl.BlockSpec((None, None, S, last), lambda b, h, s: (b, h, 0, 0))
-    o, lse = pallas_call(
-        kernel, poison=poison,
-        grid=(B, n_kv, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, s: (b,)),
-            pl.BlockSpec((None, None, Gp, d), lambda b, h, s: (b, h, 0, 0)),
-            full(d // 2), full(n_groups), full(n_groups),
-            full(d // 2), full(n_groups), full(n_groups),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, Gp, d), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((B, n_kv, num_splits, Gp), jnp.float32),
-        ],
-        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kvo_decode_attention_int4",
-    )(lengths.astype(jnp.int32), qg, kq.codes, kq.step.astype(jnp.float32),
-      kq.mn.astype(jnp.float32), vq.codes, vq.step.astype(jnp.float32),
-      vq.mn.astype(jnp.float32))
-    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret,
-                            poison=poison)
-    return out.reshape(B, H, d), lse.reshape(B, H)
+    full = lambda last: pl.BlockSpec((None, None, S, last), lambda b, h, s: (b, h, 0, 0))  # noqa: E731
+    return flash_decode(
+        kernel,
+        (lengths.astype(jnp.int32), qg, kq.codes, kq.step.astype(jnp.float32), kq.mn.astype(jnp.float32),
+         vq.codes, vq.step.astype(jnp.float32), vq.mn.astype(jnp.float32)),
+        [pl.BlockSpec((1,), lambda b, h, s: (b,)),
+         pl.BlockSpec((None, None, Gp, d), lambda b, h, s: (b, h, 0, 0)),
+         full(d // 2), full(n_groups), full(n_groups),
+         full(d // 2), full(n_groups), full(n_groups)],
+        q=q, n_kv=n_kv, num_splits=num_splits, Gp=Gp, dp=d, name="kvo_decode_attention_int4",
+        interpret=interpret, poison=poison, num_warps=num_warps, num_stages=num_stages)

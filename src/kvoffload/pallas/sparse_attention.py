@@ -28,11 +28,9 @@ from kvoffload.pallas.common import (
     next_pow2,
     online_softmax_init,
     online_softmax_step,
-    pallas_call,
     softmax_stats_to_out,
-    triton_params,
 )
-from kvoffload.pallas.decode_attention import _attend_masked, merge_splits, split_partials
+from kvoffload.pallas.decode_attention import _attend_masked, flash_decode
 
 
 def expand_indices(indices, num_valid, page_size, S, lengths=None):
@@ -95,21 +93,13 @@ def _flash_call(kernel, lead, q, k, v, *, num_splits, name, interpret, poison, n
     G = H // n_kv
     dp, Gp = max(16, next_pow2(d)), max(16, next_pow2(G))
     qg = jnp.pad(q.reshape(B, n_kv, G, d), ((0, 0), (0, 0), (0, Gp - G), (0, dp - d))).astype(k.dtype)
-    out_specs, out_shape = split_partials(B, n_kv, num_splits, Gp, dp)
     kv_spec = pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0))
-    o, lse = pallas_call(
-        functools.partial(kernel, d=d, dp=dp, **kw), poison=poison,
-        grid=(B, n_kv, num_splits),
-        in_specs=[spec for _, spec in lead] + [pl.BlockSpec((None, None, Gp, dp), lambda b, h, s: (b, h, 0, 0)),
-                                               kv_spec, kv_spec],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=name,
-    )(*[a for a, _ in lead], qg, k, v)
-    out, lse = merge_splits(o, lse, G=G, d=d, out_dtype=q.dtype, interpret=interpret, poison=poison)
-    return out.reshape(B, H, d), lse.reshape(B, H)
+    return flash_decode(
+        functools.partial(kernel, d=d, dp=dp, **kw), (*[a for a, _ in lead], qg, k, v),
+        [spec for _, spec in lead] + [pl.BlockSpec((None, None, Gp, dp), lambda b, h, s: (b, h, 0, 0)),
+                                      kv_spec, kv_spec],
+        q=q, n_kv=n_kv, num_splits=num_splits, Gp=Gp, dp=dp, name=name, interpret=interpret, poison=poison,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 def _attend_block(q, kb, vb, row_ok, carry, scale):
