@@ -250,6 +250,16 @@ def num_sms() -> int:
     return n if n > 0 else 132
 
 
+def split_blocks(B, n_kv, n_blocks, num_splits=None, programs_per_sm=2):
+    """(blocks_per_split, num_splits) of a flash-decoding grid (B, n_kv, splits) over n_blocks blocks a head:
+    num_splits (default `choose_splits`) equalised so that every split holds blocks_per_split blocks but the
+    last, and none is empty."""
+    if num_splits is None:
+        num_splits = choose_splits(B, n_kv, n_blocks, programs_per_sm)
+    per = cdiv(n_blocks, num_splits)
+    return per, cdiv(n_blocks, per)
+
+
 def choose_splits(B, n_kv, n_blocks, programs_per_sm=2, max_splits=128):
     """Number of sequence splits so that B*n_kv*splits ~ programs_per_sm * SMs (one
     wave, no tail); any integer (chunks stay block-aligned)."""

@@ -22,7 +22,6 @@ from kvoffload.pallas.common import (
     NEG_INF,
     cdiv,
     cdiv_traced,
-    choose_splits,
     decode_tiles,
     default_scale,
     dot,
@@ -32,6 +31,7 @@ from kvoffload.pallas.common import (
     online_softmax_step,
     pallas_call,
     softmax_stats_to_out,
+    split_blocks,
     triton_params,
 )
 
@@ -273,11 +273,7 @@ def decode_attention_kernel(
     scale = default_scale(d, scale)
     # H200 sweep (BENCHMARKS.md): block 128 / 4 warps / 2 programs per SM was best
     dp, Gp, block_s = decode_tiles(d, G, S, block_s)
-    if num_splits is None:
-        num_splits = choose_splits(B, n_kv, cdiv(S, block_s), programs_per_sm)
-    n_blocks = cdiv(S, block_s)
-    blocks_per_split = cdiv(n_blocks, num_splits)
-    num_splits = cdiv(n_blocks, blocks_per_split)
+    blocks_per_split, num_splits = split_blocks(B, n_kv, cdiv(S, block_s), num_splits, programs_per_sm)
     if num_warps is None:
         num_warps = 4
 

@@ -28,8 +28,6 @@ from jax.experimental import pallas as pl
 from kvoffload.errors import KVOffloadError
 from kvoffload.pallas.common import (
     NEG_INF,
-    cdiv,
-    choose_splits,
     decode_tiles,
     default_scale,
     dot,
@@ -38,6 +36,7 @@ from kvoffload.pallas.common import (
     online_softmax_init,
     online_softmax_step,
     softmax_stats_to_out,
+    split_blocks,
 )
 from kvoffload.pallas.decode_attention import (
     decode_attention_reference,
@@ -192,10 +191,7 @@ def paged_decode_attention_kernel(
     scale = default_scale(d, scale)
     dp, Gp, _ = decode_tiles(d, G, blk)
     blkp = max(16, next_pow2(blk))  # tl.dot wants every tile side >= 16
-    if num_splits is None:
-        num_splits = choose_splits(B, n_kv, M, programs_per_sm)
-    blocks_per_split = cdiv(M, num_splits)
-    num_splits = cdiv(M, blocks_per_split)
+    blocks_per_split, num_splits = split_blocks(B, n_kv, M, num_splits, programs_per_sm)
 
     qg = q.reshape(B, n_kv, G, d)  # free; padded inside the kernel
     kernel = functools.partial(

@@ -35,13 +35,13 @@ from jax.experimental import pallas as pl
 from kvoffload.pallas.common import (
     NEG_INF,
     cdiv,
-    choose_splits,
     default_scale,
     dot_split,
     load,
     next_pow2,
     online_softmax_init,
     online_softmax_step,
+    split_blocks,
 )
 from kvoffload.pallas.decode_attention import _attend_masked, flash_decode
 
@@ -262,11 +262,7 @@ def decode_attention_int4_kernel(q, kq: QuantizedInt, vq: QuantizedInt, lengths,
     Gp = max(16, next_pow2(G))
     n_groups = d // gs
     block_s = min(block_s, max(16, next_pow2(S)))
-    n_blocks = cdiv(S, block_s)
-    if num_splits is None:
-        num_splits = choose_splits(B, n_kv, n_blocks)
-    blocks_per_split = cdiv(n_blocks, num_splits)
-    num_splits = cdiv(n_blocks, blocks_per_split)
+    blocks_per_split, num_splits = split_blocks(B, n_kv, cdiv(S, block_s), num_splits)
     qg = jnp.pad(q.reshape(B, n_kv, G, d).astype(jnp.float32),
                  ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     kernel = functools.partial(

@@ -21,7 +21,6 @@ from jax.experimental import pallas as pl
 
 from kvoffload.pallas.common import (
     cdiv,
-    choose_splits,
     default_scale,
     dot,
     load,
@@ -29,6 +28,7 @@ from kvoffload.pallas.common import (
     online_softmax_init,
     online_softmax_step,
     softmax_stats_to_out,
+    split_blocks,
 )
 from kvoffload.pallas.decode_attention import _attend_masked, flash_decode
 
@@ -77,11 +77,7 @@ def _split_tiles(B, n_kv, N, d, block_n=None, num_splits=None):
     if block_n is None:
         block_n = 64 if max(16, next_pow2(d)) <= 128 else 32
     block_n = min(block_n, max(16, next_pow2(N)))
-    n_blocks = cdiv(N, block_n)
-    if num_splits is None:
-        num_splits = choose_splits(B, n_kv, n_blocks)
-    blocks_per_split = cdiv(n_blocks, num_splits)
-    return block_n, blocks_per_split, cdiv(n_blocks, blocks_per_split)
+    return (block_n, *split_blocks(B, n_kv, cdiv(N, block_n), num_splits))
 
 
 def _flash_call(kernel, lead, q, k, v, *, num_splits, name, interpret, poison, num_warps, num_stages, **kw):

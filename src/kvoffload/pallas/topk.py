@@ -37,7 +37,6 @@ from kvoffload.pallas.common import (
     NEG_INF,
     cdiv,
     cdiv_traced,
-    choose_splits,
     decode_tiles,
     default_scale,
     dot,
@@ -47,6 +46,7 @@ from kvoffload.pallas.common import (
     online_softmax_init,
     online_softmax_step,
     pallas_call,
+    split_blocks,
     triton_params,
 )
 from kvoffload.pallas.decode_attention import load_padded, store_padded
@@ -656,10 +656,7 @@ def tokenselect_scores_kernel(q, k, lengths=None, *, scale=None, shared=False,
     scale = default_scale(d, scale)
     dp, Gp, block_s = decode_tiles(d, G, S, block_s)
     n_blocks = cdiv(S, block_s)
-    if num_splits is None:
-        num_splits = choose_splits(B, n_kv, n_blocks, programs_per_sm)
-    blocks_per_split = cdiv(n_blocks, num_splits)
-    NS = cdiv(n_blocks, blocks_per_split)
+    blocks_per_split, NS = split_blocks(B, n_kv, n_blocks, num_splits, programs_per_sm)
     chunk = blocks_per_split * block_s
     if lengths is None:
         lengths = jnp.full((B,), S, jnp.int32)
