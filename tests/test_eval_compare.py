@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kvoffload.eval import cli
-from kvoffload.eval.compare import CompareError, compare_records, format_comparison, short_labels
+from kvoffload.eval.compare import (CompareError, acceptance, compare_records, format_acceptance, format_comparison,
+                                    short_labels)
 
 
 def _rec(policy, task, length, index, score, sha=None, bench="ruler"):
@@ -36,7 +37,7 @@ def test_deltas_pair_samples_and_average_over_tasks():
     assert (a["lo"], a["delta"], a["hi"]) == pytest.approx((3.0, 3.0, 3.0))
     assert avg["lo"] == pytest.approx(1.0) and avg["hi"] == pytest.approx(1.0)
     table = format_comparison(rows)
-    assert "| clo | ruler | 4096 | **average** (2 tasks) | 30 (2 unpaired left out) |" in table
+    assert "| clo | ruler | - | - | 4096 | **average** (2 tasks) | 30 (2 unpaired left out) |" in table
     assert "| a |" not in table and "| a |" in format_comparison(rows, per_task=True)
 
 
@@ -75,7 +76,8 @@ def test_cli_reads_result_files_and_writes_the_table(tmp_path, capsys):
                    + '\n{"benchmark": "ruler", "policy": "clo:topk=8", "error": "a failed run"}\n')
     assert cli.cli_main(["compare", str(full), str(clo), "--out", str(tmp_path / "cmp"), "--draws", "200"]) == 0
     out = capsys.readouterr().out
-    assert "| clo:topk=8 | ruler | 4096 | **average** (1 task) | 8 | 3.50 | 5.50 | +2.00 | [+2.00, +2.00] |" in out
+    assert ("| clo:topk=8 | ruler | - | - | 4096 | **average** (1 task) | 8 | 3.50 | 5.50 | +2.00 | [+2.00, +2.00] |"
+            in out)
     rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert rows[0]["delta"] == pytest.approx(2.0) and (tmp_path / "cmp" / "compare.md").exists()
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 1000
@@ -90,3 +92,27 @@ def test_plot_labels_keep_what_tells_the_policies_apart():
     labels = short_labels(["clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=native",
                            "clo:retrieval=quest,topk_ratio=0.1,int4_k_quant=int8"])
     assert set(labels.values()) == {"clo:int4_k_quant=native", "clo:int4_k_quant=int8"}
+
+
+def test_seeds_and_templates_pair_apart_and_the_protocol_verdict():
+    """Samples pair only within their template and seed (the same index of another seed is another prompt);
+    rows are per template and name the seeds pooled; the verdict fails a length whose average is more than
+    1 point down and a task more than 10 down, and names them."""
+    recs = []
+    for template in ("chat", "plain"):
+        for seed in (1, 2):
+            for i in range(4):
+                for task, base in (("a", 60.0), ("b", 40.0)):
+                    sha = f"{template}-{seed}-{task}-{i}"
+                    recs.append(dict(_rec("full", task, 2048, i, base, sha=sha), seed=seed, template=template))
+                    drop = {"chat": 0.5, "plain": 12.0 if task == "a" else 0.0}[template]
+                    recs.append(dict(_rec("p", task, 2048, i, base - drop, sha=sha), seed=seed, template=template))
+    rows = compare_records(recs, draws=200)
+    avg = {r["template"]: r for r in rows if r["task"] == "average"}
+    assert set(avg) == {"chat", "plain"} and all(r["seeds"] == [1, 2] and r["samples"] == 16 for r in avg.values())
+    assert avg["chat"]["delta"] == pytest.approx(-0.5) and avg["plain"]["delta"] == pytest.approx(-6.0)
+    verdict = {v["template"]: v for v in acceptance(rows)}
+    assert verdict["chat"]["accepted"] and not verdict["plain"]["accepted"]
+    assert verdict["plain"]["failures"] == ["average -6.00 at 2048", "a -12.00 at 2048"]
+    table = format_acceptance(acceptance(rows))
+    assert "| p | ruler | chat | 1,2 | -0.50 | yes |" in table and "| p | ruler | plain | 1,2 | -6.00 | no: " in table

@@ -9,6 +9,7 @@ import pytest
 from kvoffload.eval import cli_main, parse_lengths, parse_policies, run_longbench, run_perplexity, run_ruler
 from kvoffload.eval import perplexity as pp
 from kvoffload.eval.report import format_table, load_records, summarize
+from kvoffload.eval.runner import parse_seeds
 from kvoffload.models import tiny_random_model
 from kvoffload.policies import base as policy_base
 
@@ -100,7 +101,8 @@ def test_ruler_two_policies_end_to_end(model, two_policies, tmp_path):
         assert (tmp_path / f).stat().st_size > 0, f
     assert (tmp_path / "ruler_plot.png").read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((tmp_path / "ruler_summary.json").read_text())
-    assert summary["meta"]["chat_template"] is False and summary["meta"]["seed"] == 42
+    assert summary["meta"]["template"] == "plain" and summary["meta"]["seeds"] == [42]
+    assert all(r["seed"] == 42 and r["template"] == "plain" for r in recs)
     # the renamed full policy minus full on paired samples: 0 with an interval of no width, per task too
     cmp = json.loads((tmp_path / "compare.json").read_text())
     assert {(r["task"], r["length"]) for r in cmp} == {(t, L) for t in ("average", "niah_single_1", "niah_multikey_2")
@@ -250,3 +252,31 @@ def test_summary_table_by_hand():
     rows = summarize(recs, "ruler")
     table = format_table(rows, "ruler")
     assert "| t | 4096 | 2 | 75.0 | 25.0 | -50.00 |" in table
+
+
+def test_ruler_several_seeds_and_the_template(model, tmp_path):
+    """--seeds 1,2: num_samples per seed, each record naming its seed, the seeds' prompts different; resume
+    keys on the seed (a run with one more seed runs only that seed); a chat template the model lacks is refused
+    before anything runs; bad seeds are refused."""
+    calls = []
+
+    def counting(model, prompts, max_new_tokens, **kw):
+        calls.append(len(prompts))
+        return fast_generate(model, prompts, max_new_tokens, **kw)
+
+    kw = dict(tasks=["niah_single_1"], lengths=[1024], policies="full", num_samples=2, out_dir=tmp_path,
+              progress=None, plot=False, generate_fn=counting)
+    res = run_ruler(model, seed=[1, 2], template="plain", **kw)
+    assert sorted((r["seed"], r["index"]) for r in res.records) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert len({r["prompt_sha"] for r in res.records}) == 4
+    assert all(r["template"] == "plain" for r in res.records)
+    calls.clear()
+    res = run_ruler(model, seed="1,2,3", template="plain", resume=True, **kw)
+    assert sum(calls) == 2 and sorted({r["seed"] for r in res.records}) == [1, 2, 3]
+    with pytest.raises(ValueError, match="no chat template"):
+        run_ruler(model, seed=[4], template="chat", overwrite=True, **kw)
+    for bad in ("1,x", "-1", "2,2", ""):
+        with pytest.raises(ValueError, match="seed"):
+            parse_seeds(bad)
+    with pytest.raises(ValueError, match="template must be one of"):
+        run_ruler(model, template="raw", overwrite=True, **kw)

@@ -33,8 +33,12 @@ def _common(p: argparse.ArgumentParser, default_lengths: str | None, lengths_hel
 
 
 def _gen(p: argparse.ArgumentParser):
-    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
-                   help="wrap prompts in the model's chat template: auto (when it has one), on, off")
+    p.add_argument("--template", choices=("auto", "chat", "plain"), default=None,
+                   help="prompt format: chat (the model's chat template around the task), plain (the task's own "
+                        "template with its answer prefix, as for base models), auto (default: chat where the "
+                        "model has a chat template). Accuracy is accepted in both (docs/EVALUATION.md)")
+    p.add_argument("--chat-template", choices=("auto", "on", "off"), default=None,
+                   help=argparse.SUPPRESS)  # the older spelling of --template: on = chat, off = plain
     p.add_argument("--batch-size", type=int, default=1, help="prompts per engine call (default 1)")
 
 
@@ -52,7 +56,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     _gen(r)
     r.add_argument("--tasks", default="all", help="comma-separated RULER tasks, or 'all' (default)")
     r.add_argument("--num-samples", type=int, default=20, help="samples per task and length (default 20)")
-    r.add_argument("--seed", type=int, default=42, help="RULER generator seed (default 42, RULER's own)")
+    r.add_argument("--seeds", "--seed", dest="seeds", default="42", metavar="S1,S2,...",
+                   help="RULER generator seeds, --num-samples per task, length and seed (default 42, RULER's own: "
+                        "the development set; accept a configuration on seeds never used while tuning it, e.g. "
+                        "--seeds 1,2,3: docs/EVALUATION.md)")
     r.add_argument("--save-inputs", action="store_true", help="also write the prompts to ruler_samples.jsonl")
 
     lb = sub.add_parser("longbench", help="LongBench from the official jsonl files in a local directory")
@@ -154,6 +161,19 @@ def run_from_args(args: argparse.Namespace) -> int:
     except USER_ERRORS as e:
         print(f"kvoffload eval {bench}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    template = "auto"
+    if bench in ("ruler", "longbench"):
+        if args.template is not None and args.chat_template is not None:
+            print(f"kvoffload eval {bench}: error: --template and --chat-template (its older spelling) set the same "
+                  "thing: give --template alone", file=sys.stderr)
+            return 2
+        template = args.template or {"on": "chat", "off": "plain"}.get(args.chat_template, "auto")
+    if bench == "ruler":
+        try:
+            seeds = runner.parse_seeds(args.seeds)
+        except ValueError as e:
+            print(f"kvoffload eval {bench}: error: --seeds: {e}", file=sys.stderr)
+            return 2
     out = args.out or f"eval-out/{bench}"
     model = load_eval_model(args.model, args.dtype)
     try:
@@ -166,13 +186,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         if bench == "ruler":
             tasks = None if args.tasks in ("all", "", None) else [t.strip() for t in args.tasks.split(",") if t.strip()]
             res = runner.run_ruler(model, tasks=tasks, lengths=lengths or [4096], num_samples=args.num_samples,
-                                   seed=args.seed, chat_template=args.chat_template, batch_size=args.batch_size,
+                                   seed=seeds, template=template, batch_size=args.batch_size,
                                    save_inputs=args.save_inputs, **common)
         elif bench == "longbench":
             datasets = [d.strip() for d in args.datasets.split(",")] if args.datasets else None
             res = runner.run_longbench(model, data_dir=args.data_dir, datasets=datasets, lengths=lengths,
                                        limit=args.limit, longbench_e=args.longbench_e,
-                                       chat_template=args.chat_template, batch_size=args.batch_size, **common)
+                                       template=template, batch_size=args.batch_size, **common)
         else:
             texts = [t.strip() for t in args.texts.split(",") if t.strip()]
             res = runner.run_perplexity(model, lengths=lengths or [2048], texts=texts, text_file=args.text_file,

@@ -3,10 +3,11 @@ interval: what a run of 20 samples a task can and cannot tell apart.
 
 Records are the per-sample lines of ``*_results.jsonl`` files (RULER, LongBench, perplexity), from one run or
 several (each policy may come from its own run). A policy's sample is paired with the baseline's sample of the
-same benchmark, task, length and index whose prompt hash is the same. Per (benchmark, length) the score is the
-mean over tasks of each task's mean (the benchmarks' own average), and the interval resamples the paired
-samples within each task (with replacement, the tasks kept), so it is the spread of that average's difference
-over samples like these.
+same benchmark, task, length, prompt template, seed and index whose prompt hash is the same. Per (benchmark,
+template, length) the score is the mean over tasks of each task's mean (the benchmarks' own average; a task's
+samples of every seed pooled), and the interval resamples the paired samples within each task (with
+replacement, the tasks kept), so it is the spread of that average's difference over samples like these.
+`acceptance` applies the evaluation protocol (docs/EVALUATION.md) to the rows.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 
 from kvoffload.errors import KVOffloadError
 
-__all__ = ["CompareError", "compare_records", "format_comparison", "plot_comparison", "write_comparison"]
+__all__ = ["CompareError", "compare_records", "acceptance", "format_acceptance", "format_comparison",
+           "plot_comparison", "write_comparison"]
 
 
 class CompareError(KVOffloadError, ValueError):
@@ -29,7 +31,8 @@ class CompareError(KVOffloadError, ValueError):
 
 
 def _key(r: dict) -> tuple:
-    return r.get("benchmark"), r.get("task"), r.get("length"), r.get("index"), r.get("prompt_sha")
+    return (r.get("benchmark"), r.get("task"), r.get("length"), r.get("template"), r.get("seed"), r.get("index"),
+            r.get("prompt_sha"))
 
 
 def compare_records(records: Sequence[dict], baseline: str = "full", draws: int = 5000, seed: int = 0,
@@ -52,14 +55,17 @@ def compare_records(records: Sequence[dict], baseline: str = "full", draws: int 
         if policy == baseline:
             continue
         groups: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        seeds: dict[tuple, set] = defaultdict(set)
         unpaired = defaultdict(int)
         for k, s in scores.items():
-            bench, task, length = k[:3]
+            bench, task, length, template, seed = k[:5]
             if k in base:
-                groups[(bench, length)][task].append((base[k], s))
+                groups[(bench, template, length)][task].append((base[k], s))
+                seeds[(bench, template, length)].add(seed)
             else:
-                unpaired[(bench, length)] += 1
-        for (bench, length), tasks in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
+                unpaired[(bench, template, length)] += 1
+        for g, tasks in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2] or 0)):
+            bench, template, length = g
             names = sorted(tasks)
             pairs = [np.asarray(tasks[t], np.float64) for t in names]  # per task [n, 2]: baseline, policy
             deltas = [p[:, 1] - p[:, 0] for p in pairs]
@@ -67,15 +73,17 @@ def compare_records(records: Sequence[dict], baseline: str = "full", draws: int 
             for j, d in enumerate(deltas):  # resample each task's paired samples
                 boot[:, j] = d[rng.integers(0, len(d), (draws, len(d)))].mean(axis=1)
             lo_q, hi_q = (1 - level) / 2 * 100, (1 + level) / 2 * 100
+            seed_list = sorted(x for x in seeds[g] if x is not None)
 
             def row(task, cols, n_tasks):
                 b = np.mean([pairs[j][:, 0].mean() for j in cols])
                 p = np.mean([pairs[j][:, 1].mean() for j in cols])
                 lo, hi = np.percentile(boot[:, cols].mean(axis=1), [lo_q, hi_q])
-                return dict(policy=policy, baseline=baseline, benchmark=bench, length=length, task=task,
-                            tasks=n_tasks, samples=int(sum(len(pairs[j]) for j in cols)), baseline_score=float(b),
+                return dict(policy=policy, baseline=baseline, benchmark=bench, template=template, seeds=seed_list,
+                            length=length, task=task, tasks=n_tasks,
+                            samples=int(sum(len(pairs[j]) for j in cols)), baseline_score=float(b),
                             score=float(p), delta=float(p - b), lo=float(lo), hi=float(hi), level=level,
-                            unpaired=int(unpaired[(bench, length)]) if task == "average" else 0)
+                            unpaired=int(unpaired[g]) if task == "average" else 0)
 
             rows.append(row("average", list(range(len(names))), len(names)))
             rows += [row(t, [j], 1) for j, t in enumerate(names)]
@@ -89,20 +97,54 @@ def compare_records(records: Sequence[dict], baseline: str = "full", draws: int 
     return rows
 
 
+def acceptance(rows: Sequence[dict], tolerance: float = 1.0, task_tolerance: float = 10.0) -> list[dict]:
+    """The evaluation protocol's verdict (docs/EVALUATION.md) per (policy, benchmark, template): accepted when the
+    average's delta is >= -tolerance at every length and no task's delta is below -task_tolerance. Each verdict
+    lists what failed; the intervals are the rows' own."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["policy"], r["benchmark"], r.get("template"))
+        v = out.setdefault(key, dict(policy=r["policy"], benchmark=r["benchmark"], template=r.get("template"),
+                                     seeds=r.get("seeds", []), accepted=True, failures=[], worst_average=None))
+        if r["task"] == "average":
+            v["worst_average"] = r["delta"] if v["worst_average"] is None else min(v["worst_average"], r["delta"])
+            if r["delta"] < -tolerance:
+                v["failures"].append(f"average {r['delta']:+.2f} at {r['length']}")
+        elif r["delta"] < -task_tolerance:
+            v["failures"].append(f"{r['task']} {r['delta']:+.2f} at {r['length']}")
+    for v in out.values():
+        v["accepted"] = not v["failures"]
+    return list(out.values())
+
+
+def format_acceptance(verdicts: Sequence[dict], tolerance: float = 1.0, task_tolerance: float = 10.0) -> str:
+    lines = [f"| policy | benchmark | template | seeds | worst average delta | accepted (average >= -{tolerance:g} "
+             f"at every length, no task below -{task_tolerance:g}) |", "|---|---|---|---|--:|---|"]
+    for v in verdicts:
+        seeds = ",".join(map(str, v["seeds"])) or "-"
+        verdict = "yes" if v["accepted"] else "no: " + "; ".join(v["failures"][:6]) + \
+            (f" (+{len(v['failures']) - 6} more)" if len(v["failures"]) > 6 else "")
+        worst = "-" if v["worst_average"] is None else f"{v['worst_average']:+.2f}"
+        lines.append(f"| {v['policy']} | {v['benchmark']} | {v['template'] or '-'} | {seeds} | {worst} | {verdict} |")
+    return "\n".join(lines)
+
+
 def format_comparison(rows: Sequence[dict], per_task: bool = False) -> str:
-    """A markdown table: per policy, benchmark and length the average's delta and interval (and with per_task
-    each task's)."""
+    """A markdown table: per policy, benchmark, template and length the average's delta and interval (and with
+    per_task each task's)."""
     level = rows[0]["level"] if rows else 0.95
-    head = (f"| policy | benchmark | length | task | samples | {rows[0]['baseline'] if rows else 'baseline'} | "
-            f"policy | delta | {level:.0%} interval |")
-    lines = [head, "|---|---|--:|---|--:|--:|--:|--:|---|"]
+    head = (f"| policy | benchmark | template | seeds | length | task | samples | "
+            f"{rows[0]['baseline'] if rows else 'baseline'} | policy | delta | {level:.0%} interval |")
+    lines = [head, "|---|---|---|---|--:|---|--:|--:|--:|--:|---|"]
     for r in rows:
         if r["task"] != "average" and not per_task:
             continue
         tasks = f"{r['tasks']} task{'s' if r['tasks'] != 1 else ''}"
         name = f"**{r['task']}** ({tasks})" if r["task"] == "average" else r["task"]
         note = f" ({r['unpaired']} unpaired left out)" if r.get("unpaired") else ""
-        lines.append(f"| {r['policy']} | {r['benchmark']} | {r['length']} | {name} | {r['samples']}{note} | "
+        seeds = ",".join(map(str, r.get("seeds") or [])) or "-"
+        lines.append(f"| {r['policy']} | {r['benchmark']} | {r.get('template') or '-'} | {seeds} | {r['length']} | "
+                     f"{name} | {r['samples']}{note} | "
                      f"{r['baseline_score']:.2f} | {r['score']:.2f} | {r['delta']:+.2f} | "
                      f"[{r['lo']:+.2f}, {r['hi']:+.2f}] |")
     return "\n".join(lines)
@@ -131,7 +173,8 @@ def plot_comparison(rows: Sequence[dict], path: str | os.PathLike, band: float |
 
     avg = [r for r in rows if r["task"] == "average"]
     short = short_labels(list(dict.fromkeys(r["policy"] for r in avg)))
-    labels = [textwrap.fill(f"{short[r['policy']]}".replace(",", ", ") + f" | {r['benchmark']} {r['length']}", 60,
+    labels = [textwrap.fill(f"{short[r['policy']]}".replace(",", ", ") + f" | {r['benchmark']} "
+                            f"{r.get('template') or ''} {r['length']}", 60,
                             break_on_hyphens=False) for r in avg]
     fig, ax = plt.subplots(figsize=(11, 0.9 + 0.2 * sum(1 + lb.count("\n") for lb in labels) + 0.2 * len(avg)))
     y = np.arange(len(avg))[::-1]
@@ -157,7 +200,7 @@ def write_comparison(out_dir: str | os.PathLike, rows: Sequence[dict], per_task:
     os.makedirs(out_dir, exist_ok=True)
     md, js = os.path.join(out_dir, "compare.md"), os.path.join(out_dir, "compare.json")
     with open(md, "w", encoding="utf-8") as f:
-        f.write(format_comparison(rows, per_task) + "\n")
+        f.write(format_comparison(rows, per_task) + "\n\n" + format_acceptance(acceptance(rows)) + "\n")
     with open(js, "w", encoding="utf-8") as f:
         json.dump(list(rows), f, indent=1)
     files = {"markdown": md, "json": js}

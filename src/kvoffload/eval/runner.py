@@ -236,7 +236,7 @@ class _ResultsFile:
 
     @staticmethod
     def key(r: dict) -> tuple:
-        return (r.get("task"), r.get("length"), r.get("policy"), r.get("index"), r.get("prompt_sha"))
+        return (r.get("task"), r.get("length"), r.get("policy"), r.get("seed"), r.get("index"), r.get("prompt_sha"))
 
     def write(self, r: dict):
         self._f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -259,7 +259,7 @@ def _resume_or_run(rf: _ResultsFile, prog: _Progress, records: list[dict], error
     running: list[float] = []
     todo = []
     for it in items:
-        r = rf.done.get((task, length, spec.label, it["index"], it["sha"]))
+        r = rf.done.get((task, length, spec.label, it.get("seed"), it["index"], it["sha"]))
         if r is None:
             todo.append(it)
             continue
@@ -314,11 +314,48 @@ def _engine_logprobs():
     return teacher_forced_logprobs
 
 
-def _resolve_chat(tok, chat_template: str | bool | None):
+TEMPLATES = ("auto", "chat", "plain")
+
+
+def _resolve_chat(tok, template: str | bool | None):
+    """The prompt format: ``chat`` wraps each prompt in the model's chat template (an error where it has none),
+    ``plain`` is the task's own template with its answer prefix (as for base models), ``auto`` chat where the
+    tokenizer has a template. The older spellings on / off / True / False / None are accepted."""
     from .ruler import ChatWrapper
 
-    mode = {"auto": None, "on": True, "off": False, None: None, True: True, False: False}[chat_template]
-    return ChatWrapper.from_tokenizer(tok, mode)
+    modes = {"auto": None, "chat": True, "plain": False, "on": True, "off": False, None: None, True: True,
+             False: False}
+    if isinstance(template, str) and template not in modes or not isinstance(template, (str, bool, type(None))):
+        raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    return ChatWrapper.from_tokenizer(tok, modes[template])
+
+
+def template_name(chat) -> str:
+    """The prompt format a run used, as its records and summaries name it: chat or plain."""
+    return "chat" if chat.enabled else "plain"
+
+
+def parse_seeds(seeds: int | str | Sequence[int | str]) -> list[int]:
+    """``"1,2,3"``, ``[1, 2, 3]`` or ``42`` -> a list of distinct whole-number seeds (in order)."""
+    items = seeds.split(",") if isinstance(seeds, str) else [seeds] if isinstance(seeds, (int, np.integer)) \
+        else list(seeds)
+    out: list[int] = []
+    for it in items:
+        t = it.strip() if isinstance(it, str) else it
+        if isinstance(t, str) and not t:
+            continue
+        try:
+            v = int(t) if not isinstance(t, (bool, float)) else None
+        except ValueError:
+            v = None
+        if v is None or v < 0:
+            raise ValueError(f"bad seed {it!r}: seeds are whole numbers >= 0 (e.g. --seeds 1,2,3)")
+        if v in out:
+            raise ValueError(f"seed {v} is listed twice")
+        out.append(v)
+    if not out:
+        raise ValueError("no seed given")
+    return out
 
 
 def _as_specs(policies) -> list[PolicySpec]:
@@ -453,16 +490,25 @@ def _meta(model, benchmark: str, specs: list[PolicySpec], extra: dict) -> dict:
 
 
 def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[int] = (4096,),
-              policies: Sequence[PolicySpec] | str = "full", num_samples: int = 20, seed: int = 42,
-              out_dir: str | os.PathLike = "eval-out", chat_template: str | bool | None = "auto",
-              batch_size: int = 1, resume: bool = False, overwrite: bool = False, save_inputs: bool = False,
-              progress: TextIO | None = sys.stderr, baseline: str = "full", plot: bool = True,
-              generate_fn: Callable | None = None) -> EvalResult:
-    """RULER tasks x lengths x policies on the same samples; writes results, summary and plot.
-    resume: keep the results already in out_dir and run only the missing samples; overwrite: replace
-    them (without either, earlier results are refused rather than lost)."""
+              policies: Sequence[PolicySpec] | str = "full", num_samples: int = 20,
+              seed: int | str | Sequence[int] = 42, out_dir: str | os.PathLike = "eval-out",
+              template: str | bool | None = "auto", batch_size: int = 1, resume: bool = False,
+              overwrite: bool = False, save_inputs: bool = False, progress: TextIO | None = sys.stderr,
+              baseline: str = "full", plot: bool = True, generate_fn: Callable | None = None,
+              chat_template: str | bool | None = None) -> EvalResult:
+    """RULER tasks x lengths x seeds x policies on the same samples; writes results, summary and plot.
+    seed: one generator seed or several (``[1, 2, 3]``, ``"1,2,3"``): num_samples per task, length and seed,
+    every record carrying its seed (42, RULER's own, is the development set: accept on others, see
+    docs/EVALUATION.md). template: ``chat``, ``plain`` or ``auto`` (`_resolve_chat`; ``chat_template`` is its
+    older name). resume: keep the results already in out_dir and run only the missing samples; overwrite:
+    replace them (without either, earlier results are refused rather than lost)."""
     from . import ruler
 
+    if chat_template is not None:
+        if template != "auto":
+            raise ValueError("template and chat_template (its older name) set the same thing: give one")
+        template = chat_template
+    seeds = parse_seeds(seed)
     _check_count(num_samples, "num_samples (--num-samples)")
     _check_count(batch_size, "batch_size (--batch-size)")
     t_start = time.time()
@@ -477,13 +523,14 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
         raise ValueError(f"context length(s) {too_long} exceed the model's {limit} positions "
                          f"(max_position_embeddings); RULER lengths count prompt + answer tokens")
     tok = model.tokenizer
-    chat = _resolve_chat(tok, chat_template)
+    chat = _resolve_chat(tok, template)
+    fmt = template_name(chat)
     generate_fn = generate_fn or _engine_generate()
     out = Path(out_dir)
     rf = _ResultsFile(out / "ruler_results.jsonl", resume, overwrite)
-    prog = _Progress("ruler", len(tasks) * len(lengths) * len(specs) * num_samples, progress)
-    prog.note(f"tasks={','.join(tasks)} lengths={lengths} policies={[s.label for s in specs]} "
-              f"samples={num_samples} chat_template={'on' if chat.enabled else 'off'}")
+    prog = _Progress("ruler", len(tasks) * len(lengths) * len(seeds) * len(specs) * num_samples, progress)
+    prog.note(f"tasks={','.join(tasks)} lengths={lengths} seeds={seeds} policies={[s.label for s in specs]} "
+              f"samples={num_samples} per seed, template={fmt}")
     records: list[dict] = []
     errors: list[str] = []
     samples_file = open(out / "ruler_samples.jsonl", "w", encoding="utf-8") if save_inputs else None
@@ -492,24 +539,25 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
     infeasible = []
     for L in lengths:
         for task in tasks:
-            t0 = time.time()
-            try:
-                samples = ruler.generate_samples(tok, task, L, num_samples, seed=seed, chat=chat)
-            except ValueError as e:
-                infeasible.append(str(e))
-                continue
-            prog.note(f"{task} L={L}: {len(samples)} samples generated in {time.time() - t0:.1f}s "
-                      f"(prompt tokens {min(len(s.prompt_ids) for s in samples)}-"
-                      f"{max(len(s.prompt_ids) for s in samples)})")
-            if samples_file:
-                for s in samples:
-                    samples_file.write(json.dumps(s.to_json(with_input=True), ensure_ascii=False) + "\n")
             items = []
-            for s in samples:
-                if not save_inputs:
-                    s.input = ""  # keep memory flat at long lengths; the ids are what runs
-                items.append({"sample": s, "index": s.index, "prompt_ids": s.prompt_ids,
-                              "max_new_tokens": s.max_new_tokens, "sha": _sha(s.prompt_ids)})
+            for sd in seeds:
+                t0 = time.time()
+                try:
+                    samples = ruler.generate_samples(tok, task, L, num_samples, seed=sd, chat=chat)
+                except ValueError as e:
+                    infeasible.append(str(e))
+                    break
+                prog.note(f"{task} L={L} seed {sd}: {len(samples)} samples generated in {time.time() - t0:.1f}s "
+                          f"(prompt tokens {min(len(s.prompt_ids) for s in samples)}-"
+                          f"{max(len(s.prompt_ids) for s in samples)})")
+                for s in samples:
+                    if samples_file:
+                        samples_file.write(json.dumps({**s.to_json(with_input=True), "seed": sd, "template": fmt},
+                                                      ensure_ascii=False) + "\n")
+                    if not save_inputs:
+                        s.input = ""  # keep memory flat at long lengths; the ids are what runs
+                    items.append({"sample": s, "index": s.index, "seed": sd, "prompt_ids": s.prompt_ids,
+                                  "max_new_tokens": s.max_new_tokens, "sha": _sha(s.prompt_ids)})
             all_items[(task, L)] = items
     if infeasible:
         if samples_file:
@@ -528,7 +576,8 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
                             pred = tok.decode(new_ids, skip_special_tokens=True)
                             emit(it, {"score": ruler.score_sample(s.metric, pred, s.outputs), "metric": s.metric,
                                       "pred": pred, "outputs": s.outputs, "prompt_tokens": len(s.prompt_ids),
-                                      "new_tokens": len(new_ids), "seconds": round(dt, 3), "seed": seed, **extra})
+                                      "new_tokens": len(new_ids), "seconds": round(dt, 3), "seed": it["seed"],
+                                      "template": fmt, **extra})
 
                         _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
 
@@ -540,7 +589,8 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
         if samples_file:
             samples_file.close()
     meta = _meta(model, "ruler", specs, {"tasks": tasks, "lengths": lengths, "num_samples": num_samples,
-                                          "seed": seed, "chat_template": chat.enabled, "errors": errors})
+                                          "seeds": seeds, "template": fmt, "chat_template": chat.enabled,
+                                          "errors": errors})
     return _finish("ruler", records, out, errors, t_start, meta, prog, baseline, plot)
 
 
@@ -550,7 +600,7 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
 def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str] | None = None,
                   lengths: Sequence[int] | None = None, policies: Sequence[PolicySpec] | str = "full",
                   limit: int | None = None, longbench_e: bool = False, out_dir: str | os.PathLike = "eval-out",
-                  chat_template: str | bool | None = "auto", batch_size: int = 1, resume: bool = False,
+                  template: str | bool | None = "auto", batch_size: int = 1, resume: bool = False,
                   overwrite: bool = False,
                   progress: TextIO | None = sys.stderr, baseline: str = "full", plot: bool = True,
                   generate_fn: Callable | None = None) -> EvalResult:
@@ -565,7 +615,7 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
     specs = _as_specs(policies)
     data = lb.load_longbench(data_dir, datasets, longbench_e=longbench_e, limit=limit)
     tok = model.tokenizer
-    chat = _resolve_chat(tok, chat_template)
+    chat = _resolve_chat(tok, template)
     limit_pos = _max_positions(model)
     overhead = len(tok.encode(chat.wrap(""), add_special_tokens=False)) + 2 if chat.enabled else 2
     if lengths is None:
@@ -584,7 +634,7 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
     total = sum(len(v) for v in data.values()) * len(lengths) * len(specs)
     prog = _Progress("longbench", total, progress)
     prog.note(f"datasets={','.join(data)} budgets={lengths} policies={[s.label for s in specs]} "
-              f"chat_template={'on' if chat.enabled else 'off'}{' LongBench-E' if longbench_e else ''}")
+              f"template={template_name(chat)}{' LongBench-E' if longbench_e else ''}")
     records, errors = [], []
     try:
         for L in lengths:
@@ -602,7 +652,8 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                             emit(it, {"_id": s.id, "score": lb.score_sample(ds, pred, s.answers, s.all_classes),
                                       "pred": pred, "answers": s.answers, "all_classes": s.all_classes,
                                       "sample_length": s.length, "prompt_tokens": len(it["prompt_ids"]),
-                                      "new_tokens": len(new_ids), "seconds": round(dt, 3), **extra})
+                                      "new_tokens": len(new_ids), "seconds": round(dt, 3),
+                                      "template": template_name(chat), **extra})
 
                         _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
 
@@ -612,7 +663,8 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
         rf.close()
         prog.close()
     meta = _meta(model, "longbench", specs, {"datasets": list(data), "lengths": lengths, "limit": limit,
-                                              "longbench_e": longbench_e, "chat_template": chat.enabled,
+                                              "longbench_e": longbench_e, "template": template_name(chat),
+                                              "chat_template": chat.enabled,
                                               "data_dir": str(data_dir), "errors": errors})
     return _finish("longbench", records, out, errors, t_start, meta, prog, baseline, plot)
 
