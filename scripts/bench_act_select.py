@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Top-k over activations vs over K/V (issue 13 item 2): `clo` with store=kv and store=act (and auto) on an
+"""Top-k over activations vs over K/V: `clo` with store=kv and store=act (and auto) on an
 MHA model's shape (default OPT-6.7B, random weights, bf16) at a long context, per batch size: decode step
 time and the bytes each step reads from the host pool (V / K rows, or the X rows of the union of the heads'
 selections), the per-layer choice auto makes and why, the memory plans. JSON to --out.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""HybridServe benchmark (issue 10): `hybrid` vs KV-only and ACT-only, a KV:ACT ratio sweep, `kvpr`
+"""HybridServe benchmark: `hybrid` vs KV-only and ACT-only, a KV:ACT ratio sweep, `kvpr`
 and FlexGen, one model shape per call (random weights in the real shapes, weights in host memory).
 
     PYTHONPATH=src python scripts/bench_hybrid.py --model opt-13b --flexgen --out $OUT

@@ -10,7 +10,7 @@ bytes it must move, flops, the roofline time max(bytes/BW, flops/rate), the frac
 roofline reached, and the XLA reference's time in the same run. Writes bench_kernels.json
 and bench_kernels.md to --out (default $OUT or .).
 
-Targets (issue 3): decode attention (Llama-3-8B layer: 32 q heads, 8 kv heads, d 128, bf16)
+Targets: decode attention (Llama-3-8B layer: 32 q heads, 8 kv heads, d 128, bf16)
 at 32K-128K, batch 1-8: >= 70% of HBM roofline and >= 1.5x faster than XLA; sparse
 attention over 10% of 128K read from pinned_host: >= 80% of host->GPU bandwidth;
 the row gather (gather) of 10% of 128K rows per KV head from a pinned_host extent likewise;
@@ -469,7 +469,7 @@ def bench_scores(ceil, quick):
 
 
 def bench_prefill(ceil, quick):
-    """A chunked prefill's attention (issue 13's 1M-token prefill): one 8192-query chunk of a Llama-3-8B layer
+    """A chunked prefill's attention (a 1M-token prefill): one 8192-query chunk of a Llama-3-8B layer
     (32 query / 8 KV heads, d 128, bf16) at the end of a 128K (and 1M) prompt, so it attends the whole prefix:
     the Pallas flash kernel (with a launch sweep) against `models.common.prefill_attention_chunk` (XLA, 1024-key
     blocks whose fp32 scores go through memory). FLOPs: q.K and p.V over the causal keys."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Long-context run on one GPU (issue 13 item 3): random weights in a model's shape (default
+"""Long-context run on one GPU: random weights in a model's shape (default
 Llama-3-8B), batch 1, a prompt of --tokens tokens prefilled in token chunks, then a few decode steps.
 Reports prefill time, decode step time, host and GPU memory (planned and measured) in JSON to --out;
 when the run does not fit, the planner's refusal (MemoryPlanError: what is needed, what is there, what

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where a selection miss spends its time on the GPU (issues 11 and 12): the pieces of `tokenselect`'s and
+"""Where a selection miss spends its time on the GPU: the pieces of `tokenselect`'s and
 `clo`'s miss path timed alone at the speed benchmark's shapes (Llama-3-8B: 8 KV heads of 4 query heads,
 d 128, bf16; a pool of the batch's contexts in 64-token blocks, position-major as the allocator places
 prompts, extents of 32K tokens; the per-request space's bound is ctx / 64 blocks), each one jitted
@@ -12,12 +12,12 @@ program repeated back to back (GPU time, no host sync inside):
 * ``top_k``       ``jax.lax.top_k`` of the per-request scores [B, n_kv, T] (XLA sorts whole rows for a large k)
 * ``choose``      ``choose_tokens``: forced sinks / recent, top-k (radix select, ascending), mapped to pool tokens
 * ``*_pool``      (batch > 1) the same over the batch's whole pool, N = B x T tokens per request row: the
-                  space scoring and top-k ran over before the per-request space (issues 11, 12)
+                  space scoring and top-k ran over before the per-request space
 * ``gather``      the selected K and V rows from the device extents (``gather_rows``)
 * ``attend``      ``ops.sparse_attention`` over the gathered rows
 * ``read_k``      a plain read of every K row (the floor of any scoring)
 
-With ``--clo-breakdown`` (issue 11, the CLO paper's Fig. 11): clo's attention of one layer in four parts
+With ``--clo-breakdown`` (the CLO paper's Fig. 11): clo's attention of one layer in four parts
 (retrieval, transfer, cache management, attention; `clo_breakdown`) for exact and HATA retrieval at three miss
 patterns (every head, one KV head per request, none), the parts' floors over bandwidths measured in the same
 run, and `full`'s attention of the same pool; plotted by plot_clo_breakdown.py (``--smoke``: tiny, CPU).
@@ -140,7 +140,7 @@ def parts(ctx: int, batch: int, budget: int, extent_tokens=32768, blk=64, n_kv=8
 
 
 # ---------------------------------------------------------------------------------------------
-# clo's per-layer breakdown (issue 11, the CLO paper's Fig. 11)
+# clo's per-layer breakdown (the CLO paper's Fig. 11)
 # ---------------------------------------------------------------------------------------------
 
 PARTS = ("retrieval", "transfer", "cache_management", "attention")

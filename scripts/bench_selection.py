@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Speed of the selection policies on one GPU (issues 11 and 12): `full`, `tokenselect` (kv=gpu, kv=split),
+"""Speed of the selection policies on one GPU: `full`, `tokenselect` (kv=gpu, kv=split),
 `offload`, `clo` (exact keys, HATA codes) in the Llama-3-8B shape (32 layers, 32/8 heads, d 128), bf16 random
 weights, contexts 32K and 128K, batch 1 and 8; one call, JSON after every run, a markdown table last.
 
@@ -83,8 +83,8 @@ VARIANTS = {
     "clo_exact": ("clo", {"retrieval": "exact", "topk_of_context": 0.1}, "clo"),
     "clo_hata": ("clo", {"retrieval": "hata", "topk_of_context": 0.1}, "clo"),
     "clo_quest": ("clo", {"retrieval": "quest", "topk_of_context": 0.1}, "clo"),
-    "clo_exact_int4": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "host_dtype": "int4"}, "clo"),  # issue 13
-    # issue 11's "naive top-k offload": the same selection, no cache, no speculative prefetch
+    "clo_exact_int4": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "host_dtype": "int4"}, "clo"),  # int4 rows
+    # the "naive top-k offload" baseline: the same selection, no cache, no speculative prefetch
     "clo_naive": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
     # the same for clo's Quest selection (as clo_quest / clo_quest_loop: a naive baseline of the selection compared)
     "clo_quest_naive": ("clo", {"retrieval": "quest", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
@@ -182,7 +182,7 @@ def bandwidth_probes(smoke: bool) -> dict:
     out["pcie_probe"] = f"device_put of one {n >> 20} MiB {kind} array to the device, median of 5: {t * 1e3:.2f} ms"
     del h
     if jax.default_backend() == "gpu":  # the zero-copy row gather out of a 2 GiB pool (its rate falls with the
-        # pool's size and swings between processes: BENCHMARKS, twentieth session)
+        # pool's size and swings between processes: BENCHMARKS 'Transfer probes')
         import numpy as np
 
         from kvoffload.pallas import gather as ga
@@ -553,7 +553,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         with jax.profiler.trace(path):
             _, _, state, nxt = decode_steps(pol, model, state, nxt, 1)
         r["trace_dir"] = path
-        try:  # the traced step's device time by the runtime's named scopes (issue 11's Fig. 11 parts)
+        try:  # the traced step's device time by the runtime's named scopes (the CLO paper's Fig. 11 parts)
             r["scope_breakdown"] = layer_breakdown(scope_breakdown(path), cfg.num_layers, state.groups[0].stack)
             r["scope_breakdown"]["traced_step_flushed"] = bool(state.records[-1].get("flushed"))
         except Exception as e:  # noqa: BLE001  (keep the step numbers)

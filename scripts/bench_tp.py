@@ -1,4 +1,4 @@
-"""Tensor-parallel decode benchmark (issue 14): `offload`, `kvpr` (and `hybrid` with --policies) decode
+"""Tensor-parallel decode benchmark: `offload`, `kvpr` (and `hybrid` with --policies) decode
 throughput on 1, 2 and 4 GPUs of one host (random weights in OPT-6.7B b64 P512 and OPT-13B shapes), and each GPU's host->GPU bandwidth
 alone and with every link active at once. One call; JSON to --out.
 

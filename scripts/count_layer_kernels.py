@@ -1,6 +1,6 @@
-"""How many kernels each layer program launches, and from which part of the code (issue 11).
+"""How many kernels each layer program launches, and from which part of the code.
 
-Where a decode step is host-bound (HATA, Qwen2.5-7B, 32K: BENCHMARKS, tenth session), the host's time follows the
+Where a decode step is host-bound (HATA, Qwen2.5-7B, 32K: see BENCHMARKS), the host's time follows the
 number of kernels a layer program launches, so that number is the one to drive down. This reads an XLA dump
 (`--xla_dump_to=DIR --xla_dump_hlo_as_text`) and counts, in each compiled module whose name matches, the
 instructions of its entry computation that launch work: fusions, custom calls (Pallas / Triton kernels, cuBLAS),

@@ -1,4 +1,4 @@
-"""Where a decode step's host time goes (issues 11, 14): per step, the host seconds spent issuing the pipeline's
+"""Where a decode step's host time goes: per step, the host seconds spent issuing the pipeline's
 transfers (`LayerPipeline.to_device`), dispatching the layer programs (`pipeline.layer_step`) and waiting for the
 device (`jax.block_until_ready`), for any layered policy, shape and tensor-parallel size. Where a step is
 host-bound (kvpr on 4 GPUs, clo at b1), these say which part to cut; the step time alone cannot.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Plot of clo's per-layer latency breakdown (issue 11, the CLO paper's Fig. 11) from
+"""Plot of clo's per-layer latency breakdown (the CLO paper's Fig. 11) from
 ``bench_select_parts.py --clo-breakdown``'s JSON: one panel per miss pattern, one stacked horizontal bar per
 configuration (retrieval, context, batch): retrieval / transfer / cache management / attention in
 microseconds per layer. Marks on each bar: `full`'s attention of the same pool (red, its own shape's) and the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Plot of a real decode step's per-layer latency by part (issue 11, the CLO paper's Fig. 11, from the runtime's
+"""Plot of a real decode step's per-layer latency by part (the CLO paper's Fig. 11, from the runtime's
 own step rather than parts timed alone): ``bench_selection.py --trace DIR`` traces one step per run and splits
 its device time by the runtime's named scopes (`kvoffload.profile`): retrieval, transfer, cache management,
 attention, projections and MLP, other (the loop's bookkeeping, copies). One stacked horizontal bar per run:

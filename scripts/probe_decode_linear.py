@@ -1,8 +1,8 @@
-"""How fast a decode step's projections read their weights (issue 11): every b-row linear of a model's layer
+"""How fast a decode step's projections read their weights: every b-row linear of a model's layer
 (q, k|v, o, gate, up, gate|up fused, down) written as XLA's einsum with an fp32 result (the model's `linear`),
 as XLA's einsum with a result in x's dtype, and as the Pallas stacked-linear kernel over a sweep of its tiles.
 The weight bytes over the card's read rate are the floor; a step of Llama-3-8B at b1 spends ~5.4 ms in these
-matmuls, ~2x that floor (BENCHMARKS, twenty-sixth session).
+matmuls, ~2x that floor (BENCHMARKS 'Kernel timings').
 
     PYTHONPATH=src python scripts/probe_decode_linear.py --out $OUT/linear.json
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=src python scripts/probe_decode_linear.py --no-pallas

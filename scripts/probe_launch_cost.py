@@ -1,4 +1,4 @@
-"""The host's cost of launching a jitted program (issues 11, 14), by what it depends on: the number of kernels in
+"""The host's cost of launching a jitted program, by what it depends on: the number of kernels in
 the program, whether its argument buffers change between calls (one compiled layer program runs every layer,
 each with its own weights), and the number of array arguments, on one device and sharded over several.
 

@@ -1,6 +1,6 @@
-"""The host's cost of one decode step's layer program calls, with the real program and buffers (issue 11), in
+"""The host's cost of one decode step's layer program calls, with the real program and buffers, in
 variants interleaved in one process, so that the lent host's CPU speed, which moves by 2x over stretches of steps
-(BENCHMARKS, seventeenth session), falls on every variant alike.
+(BENCHMARKS 'Host cost of a decode step'), falls on every variant alike.
 
     PYTHONPATH=src python scripts/probe_layer_call.py --shape llama-3-8b --prompt 131072 --policy clo \\
         --option retrieval=quest --option quest_dtype=int8 --option topk=13107 --option replay_hit_rate=0.86 \\

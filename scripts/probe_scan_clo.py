@@ -1,5 +1,5 @@
 """`clo`'s real decode layers as one program looping over stacked layers, against the pipeline's one call per
-layer (issue 11; docs/ARCHITECTURE.md "A step in one program"): the same layer code (`pipeline.layer_body` with
+layer (docs/ARCHITECTURE.md "Execution modes"): the same layer code (`pipeline.layer_body` with
 clo's attend), the same buffers, and the pool read as the plan has it -- ONE host extent per kind holding every
 looped layer's blocks, layer j's rows at token ids offset by j x E x blk (`SelectSources.row_offset`).
 

@@ -1,5 +1,5 @@
 """Whether a decode step run as ONE program looping over stacked layers (`lax.fori_loop`, a known trip count)
-frees the host from the per-layer call cost that bounds `clo` at b1 (issue 11): the step's layers as 32 jitted
+frees the host from the per-layer call cost that bounds `clo` at b1: the step's layers as 32 jitted
 calls (as the pipeline runs them: one cached program, each layer's own weights and cache) against one call whose
 loop indexes stacked weights and caches. Same layer code, same attention, same numbers.
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Can a row refill over PCIe hide inside a weight-streaming matmul launch? (issue 11: Qwen2.5-7B's 2x)
+"""Can a row refill over PCIe hide inside a weight-streaming matmul launch? (Qwen2.5-7B's 2x over naive top-k)
 
     PYTHONPATH=src python scripts/probe_side_refill.py [--smoke] [--shape qwen2.5-7b] [--heads 1,2,4] [--out DIR]
 
 Why: `clo`'s naive baseline runs every kernel `clo` runs, so only what `clo` does not do at all, the refill of
-the missed heads' rows over PCIe, can widen the gap (BENCHMARKS, twenty-ninth session: at Qwen2.5-7B 128K b1 the
+the missed heads' rows over PCIe, can widen the gap (BENCHMARKS 'clo at 128K b1': at Qwen2.5-7B 128K b1 the
 refill is 1.22 ms of a 7.58 ms step; hidden, `clo` would be 2.12x naive, on the critical path it needs a quarter of
 all shared work cut). A kernel reading pinned host memory runs on the compute stream: beside a matmul in another
 launch it costs the sum (DESIGN.md). CLO's speculative prefetch would refill layer l+1's guessed rows during layer l;

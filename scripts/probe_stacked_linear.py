@@ -1,4 +1,4 @@
-"""How a decode step looping over stacked layers can read one layer's weight in place (issue 11): a b-row
+"""How a decode step looping over stacked layers can read one layer's weight in place: a b-row
 linear `x @ W[i]` inside `lax.fori_loop` over a stacked W [L, H, O], written several ways, against the same
 linear over separate per-layer arrays (unrolled in one program: the layer programs' GPU work without their
 host cost). XLA copies a

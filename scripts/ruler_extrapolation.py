@@ -1,5 +1,5 @@
-"""RULER niah_single_1/2 past the model's trained positions with tokenselect extrapolate=True (issue 12
-part 4). The eval runner refuses lengths over max_position_embeddings (rightly, for every other policy),
+"""RULER niah_single_1/2 past the model's trained positions with tokenselect extrapolate=True.
+The eval runner refuses lengths over max_position_embeddings (rightly, for every other policy),
 so this script builds the samples with kvoffload.eval.ruler and generates through the engine itself.
 
   python scripts/ruler_extrapolation.py --lengths 16384,32768 --num-samples 20 --out ruler_extrapolation.json

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Launch sweeps of the selection kernels a `clo` decode layer runs (issue 11), at the 128K b1 Llama-3-8B shapes,
+"""Launch sweeps of the selection kernels a `clo` decode layer runs, at the 128K b1 Llama-3-8B shapes,
 timed as a layer program runs them: N_CALLS calls inside one jit, so the launches go back to back (a call timed
 alone from Python mostly times its dispatch).
 

@@ -1,4 +1,4 @@
-"""Top-k over activations (issue 13 item 2), the pieces: the gather of activation rows from headless
+"""Top-k over activations, the pieces: the gather of activation rows from headless
 extents [E, blk, H] (reference, the Pallas kernel in interpret mode, a host extent), and `act_rows`: the
 selected tokens' K/V recomputed from the X rows of the union of the heads' selections, against NumPy
 (LLaMA: RoPE at each token's own position). CPU, fp32."""

@@ -1,4 +1,4 @@
-"""scripts/bench_selection.py (the selection policies' GPU speed benchmark, issues 11 and 12) end to end on
+"""scripts/bench_selection.py (the selection policies' GPU speed benchmark) end to end on
 the CPU: --cpu-smoke (a tiny llama, 256-token context, one context the planner refuses), a subset of the
 policies that covers every path of the script (device pool, whole-extent fetches, kv=split rows, clo's
 counters); clo without layer 0 kept whole and without speculation, so one layer program compiles."""

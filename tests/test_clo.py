@@ -1,4 +1,4 @@
-"""Policy `clo` (issue 11, retrieval=exact): against `full` when everything is selected and nothing
+"""Policy `clo` (retrieval=exact): against `full` when everything is selected and nothing
 reused, the per-head thresholds and GQA aggregation against the paper's formulas worked by hand, the
 cache's reuse rule around tau (and its V-row buffer), persistent heads, a small top-k, options
 (CPU, tiny random models, fp32)."""
@@ -712,7 +712,7 @@ def test_quest_hata_options():
 
 
 # ------------------------------------------------------------------------------------------------
-# speculative prefetch (issue 11 item 4)
+# speculative prefetch
 # ------------------------------------------------------------------------------------------------
 
 
@@ -884,7 +884,7 @@ def test_gpu_speculative_prefetch_and_int4_rows():
 
 
 # ------------------------------------------------------------------------------------------------
-# store=act (issue 13 item 2): activations X in the host pool, the selected tokens' K/V recomputed
+# store=act: activations X in the host pool, the selected tokens' K/V recomputed
 # ------------------------------------------------------------------------------------------------
 
 

@@ -82,7 +82,7 @@ def test_large_writes_reads_the_entry_and_loop_bodies_not_fused_kernels():
     assert big and all("MiB" in b for b in big) and any("512,1024]" in b for b in big)
     assert large_writes(text, 64 << 20) == []
     # only the opcodes asked for: the loop's large write is a `sort` on the CPU, on the GPU XLA may make it a
-    # fusion or cub's radix-sort custom call (the GPU suite of the twenty-ninth session failed on "sort" here)
+    # fusion or cub's radix-sort custom call (a GPU suite run failed on "sort" here)
     op = next(b.split()[0] for b in big if "512,1024]" in b)
     only = large_writes(text, 1 << 10, {op})
     assert only and all(b.split()[0] == op for b in only)

@@ -1,7 +1,7 @@
 """The harness on the embedded SmolLM2-135M-Instruct (CPU is fine; minutes to tens of minutes).
 
 Run with ``python -m pytest -m slow tests/test_eval_slow.py``. Numbers measured on the dev box
-are recorded in BENCHMARKS.md, section "Accuracy".
+are recorded in BENCHMARKS.md, section "Accuracy: development set".
 """
 
 import pytest

@@ -159,7 +159,7 @@ def _scheduled_split(profile, host_dtype, shape="opt-6.7b", batch=64, prompt=512
 
 
 def test_scheduler_splits_int4_inside_the_context(tmp_path):
-    """OPT-6.7B b64 P512 (issue 13's workload) with H100-like rates: under int4 the scheduler recomputes
+    """OPT-6.7B b64 P512 (the int4 benchmark's workload) with H100-like rates: under int4 the scheduler recomputes
     part of the context, 0 < r < 1. X and K/V shrink alike in int4 while recomputation does not, so the
     best split balances X's transfer against recomputation at r ~ 0.6 (continuous optimum); extents hold
     native extents' blocks (4 per prompt here), so it can pick r = 1/2. With extents sized by their codes
@@ -358,7 +358,7 @@ def test_int4_options_are_validated(model):
 
 @pytest.mark.gpu
 def test_gpu_int4_offload_and_kvpr_step_time(tmp_path):
-    """OPT-6.7B shape (random weights, bf16), batch 64, prompt 512 (issue 13's workload), the cost model
+    """OPT-6.7B shape (random weights, bf16), batch 64, prompt 512 (the int4 benchmark's workload), the cost model
     from a quick profile of this GPU: offload bf16, offload int4 and kvpr int4 (the scheduler's split).
     Reports each one's ms/step, bytes, prediction and kvpr's chosen split (one JSON line, "int4-gpu: ").
 

@@ -1,4 +1,4 @@
-"""Token-chunked prefill (``prefill_chunk_tokens``, issue 13 item 3): a layer's prompt in chunks of
+"""Token-chunked prefill (``prefill_chunk_tokens``): a layer's prompt in chunks of
 tokens, attention over the keys so far in key blocks with an online softmax, so the workspace is a
 chunk's. CPU, fp32, tiny LLaMA (GQA, RoPE) and OPT (MHA, learned positions): the same K/V/X, logits and
 greedy tokens as the whole-prompt prefill; the planner's numbers for a 1M-token Llama-3-8B prompt."""

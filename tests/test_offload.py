@@ -298,7 +298,7 @@ def test_planner_knows_the_pinned_pool_cap(monkeypatch):
     cfg = model_shape("opt-13b")
     plan = plan_pool(cfg, jnp.bfloat16, [np.full(32, 512)] * 4, 576)
     mem = pool_memory(cfg, jnp.bfloat16, plan.layouts, 128, 512, host_pool=True, offload_weights=True)
-    assert 75e9 < mem.host_bytes < 95e9  # ~81 GB: K/V + weights (issue 4's OPT-13B column workload)
+    assert 75e9 < mem.host_bytes < 95e9  # ~81 GB: K/V + weights (the decode benchmark's OPT-13B column workload)
     monkeypatch.delenv(M.HOST_LIMIT_ENV, raising=False)
     cap = M.host_pool_cap_bytes("gpu")
     assert cap == 64e9

@@ -1,4 +1,4 @@
-"""kvoffload.profile: a traced decode step's device time by the runtime's named scopes (issue 11's Fig. 11 parts
+"""kvoffload.profile: a traced decode step's device time by the runtime's named scopes (the CLO paper's Fig. 11 parts
 from the real step). On the CPU the trace's events are XLA's thunks; the same reader serves a GPU's kernels."""
 
 import jax

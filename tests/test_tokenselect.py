@@ -1,4 +1,4 @@
-"""Policy `tokenselect` (issue 12, kv=gpu and kv=split): against `full` at the whole-context budget,
+"""Policy `tokenselect` (kv=gpu and kv=split): against `full` at the whole-context budget,
 the cross-extent soft vote against a float64 NumPy reference, the selection cache's reuse rule, a small
 budget, kv=split's placement (K on the device, V in host memory, nothing fetched), and no
 recompilation as the context grows (CPU, tiny random models, fp32)."""

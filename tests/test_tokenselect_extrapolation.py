@@ -1,4 +1,4 @@
-"""TokenSelect length extrapolation (issue 12 part 4): over-long prompts refused without the option,
+"""TokenSelect length extrapolation: over-long prompts refused without the option,
 run with it, every RoPE position inside the trained window, and the same tokens as without it inside
 the window with the budget at the whole context."""
 

@@ -1,4 +1,4 @@
-"""A new user's mistakes and accidents (issue 15): every one ends in one line on stderr naming the problem
+"""A new user's mistakes and accidents: every one ends in one line on stderr naming the problem
 (exit code 2, no traceback) or in a correct result; none in a silent wrong answer or lost files.
 The table of what was tried is docs/USER_ERRORS.md."""
 

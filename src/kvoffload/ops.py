@@ -84,7 +84,7 @@ __all__ = [
 IMPLS = ("auto", "kernel", "reference")
 # refill_block_rows' dequantizing kernel for int4 / int8 extents under impl="auto" on a GPU: on (it matched its
 # reference on an H200, check_kernels' "refill ... int4 / int8 host" cases, and took a 128K clo step with int8 K /
-# int4 V rows from 1.23-1.24x `full` to 1.15-1.16x: BENCHMARKS, twenty-first session). KVOFFLOAD_INT_REFILL_KERNEL=0
+# int4 V rows from 1.23-1.24x `full` to 1.15-1.16x: BENCHMARKS 'clo at 128K b1'). KVOFFLOAD_INT_REFILL_KERNEL=0
 # turns it off (the gathers + dequantize + where it replaced), to time one against the other.
 INT_REFILL_KERNEL = os.environ.get("KVOFFLOAD_INT_REFILL_KERNEL", "1") != "0"
 # a prefill chunk's attention also has cuDNN's flash attention ("auto" on a GPU, for 16-bit inputs)
@@ -132,7 +132,7 @@ def stacked_linear(x, w, layer, *, impl="auto", interpret=False, out_dtype=None)
 # A decode step's linears multiply batch x 1 rows by the whole weight: reading the weight is the work. XLA's
 # fp32-result matmul streams a b1 weight at 2.4 TB/s (Llama-3-8B gate / up, H200) and a narrow one (W_K, W_V:
 # N 1024) at 0.5; the stacked-linear kernel over the weight as a one-layer stack (FEW_ROWS_TILES) at 3.3-3.5
-# and 2.3 TB/s (`scripts/probe_decode_linear.py`, BENCHMARKS twenty-seventh session). One row is XLA's weak case
+# and 2.3 TB/s (`scripts/probe_decode_linear.py`, BENCHMARKS 'Kernel timings'). One row is XLA's weak case
 # (a matrix-vector product); from 8 rows its GEMM is as fast or faster (8 rows: K|V 5.2 against 8.3 us, q 10.9
 # against 12.3; 64 rows: q 14.1 against 18.2), so "auto" takes the kernel up to FEW_ROWS_MAX rows.
 FEW_ROWS_MAX = 1

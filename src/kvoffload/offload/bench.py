@@ -188,8 +188,8 @@ _GAUGE_PROGRAM = None
 def host_gauge(dispatches: int = 200, loop: int = 100_000) -> dict:
     """The host's speed now, by two fixed pieces of work: us per dispatch of a trivial jitted program on the
     default device (back to back, waited for once at the end: the host's cost, the device idle) and ns per turn
-    of a fixed Python loop. A lent GPU host's speed moves ~2x over stretches of steps (BENCHMARKS, seventeenth
-    session); read before and after timed steps, these say whether a slow run had a slow host (both slower: the
+    of a fixed Python loop. A lent GPU host's speed moves ~2x over stretches of steps (BENCHMARKS, host
+    cost); read before and after timed steps, these say whether a slow run had a slow host (both slower: the
     CPU; only the dispatch: the driver or the runtime)."""
     import jax
     import jax.numpy as jnp
@@ -301,8 +301,8 @@ def mulsum_linear(x, w, b=None):
 def use_mulsum_linear():
     """Runs the model families' linear layers as an fp32 multiply and sum from here on (the host probes'
     --linear mulsum, before anything compiles): inside a loop over stacked layers XLA reads a weight's slice
-    in place in that form, where for its dot it writes the slice out in fp32 first (BENCHMARKS, twenty-second
-    session). Bits differ from the default einsum's (another summation order). Returns a function that puts
+    in place in that form, where for its dot it writes the slice out in fp32 first (BENCHMARKS 'Host cost
+    of a decode step'). Bits differ from the default einsum's (another summation order). Returns a function that puts
     the default back (for programs compiled after it)."""
     from kvoffload.models import common, llama, opt
 

@@ -914,8 +914,8 @@ class PipelineOptions:
     # about this many MiB of K (or V) per extent, in the model's dtype (plan_pool). None: EXTENT_MB_PER_DEVICE
     # on each device of the mesh (64 on one, 256 on four): each device then moves copies of one GPU's size.
     # With 64 on four H100s kvpr's X moved as 16 copies of 4 MiB a layer and its host spent ~15 ms a step
-    # issuing them; 256 made it 4 copies: 65.5 / 85.5 ms a step against 96.3 (OPT-6.7B b64 P512, fifteenth
-    # session). Give a number to plan a mesh's pool like one device's (same blocks, same bits).
+    # issuing them; 256 made it 4 copies: 65.5 / 85.5 ms a step against 96.3 (OPT-6.7B b64 P512, 4x H100:
+    # BENCHMARKS, tensor parallel). Give a number to plan a mesh's pool like one device's (same blocks, same bits).
     extent_mb: float | None = None
     sync_depth: int = 3
     attention_impl: str = "auto"

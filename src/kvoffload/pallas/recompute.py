@@ -34,7 +34,7 @@ def recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, m
     d = w_v.shape[1] // n_kv
     # HIGHEST keeps fp32 matmuls off TF32. For a bf16 decode step's one token XLA:GPU then wrote x*W_K and x*W_V
     # out in fp32 (H100 dump, Llama-3-8B: 84 MB per layer for 17 MB of weights), yet the default precision was
-    # not faster (BENCHMARKS, eleventh session); that token now takes `ops.matmul_f32`'s kernel on a GPU.
+    # not faster (H100, 2026-11-27); that token now takes `ops.matmul_f32`'s kernel on a GPU.
     if matmul is None:
         def matmul(a, w):
             return jnp.einsum("bth,hn->btn", a, w, preferred_element_type=jnp.float32,

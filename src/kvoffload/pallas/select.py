@@ -44,7 +44,7 @@ SHORT_ROW_KEYS = 1 << 14  # rows up to this many keys are split into 1024-key ch
 def chunking(N: int, chunk: int | None = None) -> tuple[int, int]:
     """(C, P): keys per program (a power of two, >= chunk) and programs per row for rows of N keys. chunk None:
     2048 keys, 1024 for rows of up to SHORT_ROW_KEYS (H200, 8 rows of 4096 with every row selecting: 44.6 us
-    against 52.3 with 2048-key chunks; of 16384, one row selecting: 46.5 against 55.5; twenty-sixth session)."""
+    against 52.3 with 2048-key chunks; of 16384, one row selecting: 46.5 against 55.5; 2026-11-28)."""
     chunk = (1024 if N <= SHORT_ROW_KEYS else 2048) if chunk is None else chunk
     C = max(int(chunk), next_pow2(cdiv(N, MAX_CHUNKS)))
     return C, cdiv(N, C)
@@ -166,7 +166,7 @@ def _fused_kernel(want_ref, keys_ref, idx_ref, *, N, Np, K, Kp):
     # bit, most significant first (the largest T with at least want keys >= T: 32 counts over the row, no global
     # memory between them), then the compaction of `_compact_kernel` in one pass (two running sums). This
     # kernel's first form reloaded the row for each of 8 rounds of 16 counts (8 x 4096: 52-74 us, slower than the
-    # 9 launches); 2 or 4 bits a round (3 or 15 counts side by side) were slower than 1 (twenty-eighth session)
+    # 9 launches); 2 or 4 bits a round (3 or 15 counts side by side) were slower than 1 (H200, 2026-11-29)
     from jax.experimental.pallas import triton as plgpu
 
     want = want_ref[0]
@@ -191,7 +191,7 @@ def _fused_kernel(want_ref, keys_ref, idx_ref, *, N, Np, K, Kp):
 
 
 # rows up to this many keys: one launch, one program per row (`_fused_kernel`), `fused_num_warps` warps. H200,
-# twenty-eighth session, 10 calls in a jit, per call (one row of 8 selecting / every row): 8 x 4096 (a clo layer's
+# 2026-11-29, 10 calls in a jit, per call (one row of 8 selecting / every row): 8 x 4096 (a clo layer's
 # pages of 32 at 128K) 26.2 / 30.7-33.8 us against 43.3 / 58.2 for the 9 launches; 8 x 16384 42.8 / 38.0 against
 # 60.9 / 50.4; 512 x 256 (b64 x 8 heads at 8K) 32.8 / 20.3 against 49.6 / 57.2
 FUSED_MAX_KEYS = 1 << 14
@@ -209,7 +209,7 @@ def select_rows_kernel(keys, want, k, *, chunk=None, count_piece=512, compact_pi
     (uint32, `topk.orderable_keys`); want [R] int32, each <= k and <= the row's keys above the floor
     (`topk.top_count_ascending` clips it; 0 skips the row). Grid (R, P) per launch: `chunking`. The defaults
     (2048-key chunks, 512-key count pieces, 4 warps) were the fastest of a sweep on an H100 at 8 x 128K with
-    one row and with every row selecting (ninth session); shorter rows take 1024-key chunks (`chunking`). Rows of
+    one row and with every row selecting (2026-11-27); shorter rows take 1024-key chunks (`chunking`). Rows of
     at most fused_max keys take one launch of one program per row instead (`_fused_kernel`, fused_warps warps:
     default `fused_num_warps`; 9 launches of a few programs cost more than the work there)."""
     R, N = keys.shape

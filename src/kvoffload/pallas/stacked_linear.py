@@ -3,7 +3,7 @@
 A decode step run as one program loops over layers (docs/ARCHITECTURE.md "A step in one program"), so each
 layer's weight is a dynamic slice of a stacked array. XLA does not fuse that slice into its own b1 matmul
 (a reduction fusion): it writes the slice out first, in fp32 for the model's fp32-accumulating `linear`, which
-tripled the weights' traffic of a Llama-3-8B step (BENCHMARKS, twenty-second session). This kernel takes the
+tripled the weights' traffic of a Llama-3-8B step (BENCHMARKS 'Host cost of a decode step'). This kernel takes the
 stacked array and the layer index and reads W[layer] by pointer arithmetic, as the row kernels read a pool
 extent: only the layer's bytes move, once.
 

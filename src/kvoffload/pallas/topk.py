@@ -131,7 +131,7 @@ def _scores_kernel(len_ref, q_ref, k_ref, o_ref, *, scale, block_s, d, dp, G, gr
 # batch items per program of the exact scores kernel over pool blocks (`topk_scores_exact_kernel`): one, so that
 # a scored head's blocks spread over every SM while a skipped head's programs only store -inf. H100, one 32K
 # extent of 64-token blocks, one head of 8 scored, 10 calls in a jit: 28 us (1 item) vs 40 (the per-block
-# grid without the skip) and 46 (8 items); every head scored: 60-64 us for all three (ninth session).
+# grid without the skip) and 46 (8 items); every head scored: 60-64 us for all three (2026-11-27).
 SCORE_ITEMS = 1
 
 
@@ -388,7 +388,7 @@ def quest_block_bounds_kernel(q, owner, kmin, kmax, scale=None, *, block_offset=
     (block, page) rows of one KV head, each row against its block's owner's query rows (loaded by index: no
     per-block copy of the query), products and sums in f32 (the reference's up to summation order). XLA's
     form is a batched matmul of E x n_kv products of [G, d] x [d, P]: tiny tiles, ~27 us a call on an H200 for
-    4 MB of int8 pages at 128K (twenty-sixth session). E = len(owner): block e's pages are row
+    4 MB of int8 pages at 128K (2026-11-28). E = len(owner): block e's pages are row
     block_offset + e of kmin / kmax / scale (int32, may be traced), so a loop over layers reads its layer's
     pages inside an [n E, ...] stack without slicing them out. active [B, n_kv]: see the reference (in a `clo`
     step most heads reuse their selection: their programs read nothing)."""
@@ -779,16 +779,16 @@ def prefix_count(mask, chunk=128):
 TOPK_METHODS = ("auto", "sort", "radix", "kernel")
 # Off the GPU "auto" takes the XLA radix select from this many candidates per row, the sort below (on the CPU
 # the Pallas kernels would run interpreted). A clo decode step on an H100 at 128K: radix 22.45 vs sort 25.68 ms
-# per 32-layer step (eighth session).
+# per 32-layer step (2026-11-27).
 RADIX_MIN_CANDIDATES = 1 << 17
 # On the GPU "auto" takes the Pallas select ("kernel") from this many candidates: at 8 x 128K with one row
 # selecting (a clo layer at a hit rate of ~0.86) 87 us against the XLA radix's 206 and the sort's 318, in a
 # jit of 10 calls; the 128K clo step 18.7-19.8 ms against radix's 22.9. At 32K the sort's step was faster
-# (19.7 vs 22.8 ms), so the sort below 128K (ninth session, H100, BENCHMARKS.md) ...
+# (19.7 vs 22.8 ms), so the sort below 128K (H100, BENCHMARKS 'Kernel timings') ...
 KERNEL_MIN_CANDIDATES = 1 << 17
 # ... except for short rows (page-level votes: a clo head's 128K tokens in pages of 32 are 4096 candidates), where
 # the kernel's launches are short and the sort's are not: H200, 8 x 4096 44.6-53 us against the sort's 65-80,
-# 8 x 16384 46.5 against 107-118, 512 x 256 (b64) 22-36 against 34-38 (twenty-sixth session)
+# 8 x 16384 46.5 against 107-118, 512 x 256 (b64) 22-36 against 34-38 (2026-11-28)
 KERNEL_MAX_SHORT = 1 << 14
 
 

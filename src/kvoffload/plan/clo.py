@@ -1,4 +1,4 @@
-"""CLO's persistent-head planning (issue 11, item 3) and its profiling pre-run.
+"""CLO's persistent-head planning and its profiling pre-run.
 
 CLO keeps the whole KV on the host and, per decode step and KV head, reuses the head's GPU cache of
 the last fetched top-k while the new query stays close to the cached one (cosine >= tau_i). A head

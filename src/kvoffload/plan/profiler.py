@@ -47,7 +47,7 @@ MODEL_SHAPES = {
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                        bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False),
-    # issue 11's second GQA shape: 7 query heads per KV head, q/k/v biases
+    # the selection benchmarks' second GQA shape: 7 query heads per KV head, q/k/v biases
     "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,

@@ -1,4 +1,4 @@
-"""`clo`: CLO (issue 11), first version: exact-key top-k attention over a host KV pool with the head-wise
+"""`clo`: CLO, first version: exact-key top-k attention over a host KV pool with the head-wise
 approximate cache, importance-derived per-head thresholds and persistent heads.
 
 Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache in the layer's slots,
@@ -83,7 +83,7 @@ against its owner's query, and the scores are laid out per request over its own 
 (`tokenselect.TokenSpace`: [B, n_kv, T], T = the most tokens one request owns), where the top-k runs; the
 chosen slots map back to pool token ids. At batch 1 the request's space is the pool's (nothing gathered).
 
-int4 host storage (``host_dtype="int4"``, issue 13): the host extents (V; for quest / hata also K, unless
+int4 host storage (``host_dtype="int4"``): the host extents (V; for quest / hata also K, unless
 ``int4_k_quant="native"`` keeps K in the model's dtype) are ``QuantizedInt``; the gathers take the selected
 rows' codes and scales (``ops.gather_pool_rows``) and dequantize only those rows on the GPU (`native_extent`);
 K extents kept on the GPU (exact) stay in the model's dtype, and the retrieval metadata is computed from the
@@ -258,7 +258,7 @@ def quest_bounds(q, kmin, kmax, scale=None, owner=None, active=None):
     kmin, kmax [E, n_kv, P, d]; int8 pages (``quest_int8``) with their scale [E, n_kv, P], applied to the
     page's dot products (a scale per page factors out of the sum over channels: no dequantized copy).
     Operands in q's dtype (the model's), products and sums in f32: int8 pages are exact in bf16, and bf16
-    operands took half the f32 form's time on an H100 in XLA's matmul form (fifteenth session). active [B, n_kv]
+    operands took half the f32 form's time on an H100 in XLA's matmul form (2026-11-27). active [B, n_kv]
     or None: an inactive (request, head) gets -inf and its pages are not read."""
     if owner is None:
         owner = jnp.arange(kmin.shape[0], dtype=jnp.int32)
@@ -602,7 +602,7 @@ def refill_buffers(slots: CloSlots, indices, num_valid, rows: HostRows, blk):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attend"))
 def speculate_layer(cfg, attend: CloAttend, lp, h, positions, src, tables, slots: CloSlots):
-    """CLO's speculative prefetch for one layer l (issue 11 item 4), dispatched before layer l-1's program:
+    """CLO's speculative prefetch for one layer l, dispatched before layer l-1's program:
     the approximate query of layer l from layer l-1's input hidden state h (layer l's input norm, W_Q and
     RoPE at the new token's positions), the same reuse rule and selection as the true query's
     (`CloAttend.selection_rule`) for the heads it predicts to miss, and the guessed rows gathered into

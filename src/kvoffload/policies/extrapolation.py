@@ -1,4 +1,4 @@
-"""TokenSelect length extrapolation (issue 12, part 4): `tokenselect` with ``extrapolate=True`` takes
+"""TokenSelect length extrapolation: `tokenselect` with ``extrapolate=True`` takes
 prompts longer than the model's trained positions (``max_position_embeddings``) and keeps every
 position fed to RoPE below ``token_budget`` (<= the trained window).
 

@@ -1,4 +1,4 @@
-"""`tokenselect`: TokenSelect (issue 12). At every decode step and layer, each KV head attends only the
+"""`tokenselect`: TokenSelect. At every decode step and layer, each KV head attends only the
 pool tokens its query heads vote for, chosen by a soft vote and reused while the query stays similar.
 
 Placement ``kv=gpu`` (the paper's): the block pool is in device memory, as for `full`; the speed comes
@@ -9,7 +9,7 @@ the GPU and the gather reads only the selected V rows from the host arrays insid
 (`ops.gather_pool_rows` -> `ops.gather_block_rows`: on the GPU a Pallas kernel reads the rows in place over PCIe).
 Half of `kv=gpu`'s GPU KV bytes. The rows move inside the program, so the step records count no
 bytes_kv for them (they move nothing the pipeline issues). With ``host_dtype="int4"`` the V extents are
-stored quantized (issue 13; K stays native on the GPU): the gather takes the selected rows' codes and
+stored quantized (K stays native on the GPU): the gather takes the selected rows' codes and
 scales and dequantizes only those rows on the GPU.
 
 Per layer, inside the layer's one jitted program (`TokenSelectAttend`), for each request and KV head:
@@ -93,7 +93,7 @@ class SelectionCache:
     indices: jax.Array  # [B, n_kv, K] int32: selected tokens, the first num_valid valid (ascending)
     # [B, n_kv, len(COUNTS)] int32: the selection's small integers (`COUNTS`: its valid count per head, the
     # request's pool tokens when selected, steps run) and the run's statistics, one array because every leaf
-    # of the layer program costs the host ~4 us a call (BENCHMARKS, eighteenth session); per-request and
+    # of the layer program costs the host ~4 us a call (BENCHMARKS 'Host cost of a decode step'); per-request and
     # per-layer values are written alike into every head's column, so the array splits by head like the rest
     counts: jax.Array
     replay: "ReplayDraw | None" = None  # with replay_hit_rate: the replayed reuse decisions (else None)
@@ -532,7 +532,7 @@ class LayerRows:
     along the rows, the layer's at rows [offset, offset + K): what a step looping over stacked layers gives a
     layer for its selection's buffers, so the refill kernel writes them in place (`HostRows.refill`) and sparse
     attention reads them in place (at slot ids + offset). A dynamic slice of a stacked [n, ...] buffer would be
-    copied out and back by XLA every layer (2 x 25.6 MiB a layer at 128K: BENCHMARKS, twenty-third session).
+    copied out and back by XLA every layer (2 x 25.6 MiB a layer at 128K: H200, 2026-11-28).
     Anything reading it as an array (`__jax_array__`) gets the layer's rows."""
 
     stacked: jax.Array
@@ -781,7 +781,7 @@ class TokenSelectHooks(LayerHooks):
     # is only an allocation and, per extent, leaves of every layer call (pool arrays, block table, counts, first
     # positions, Quest pages): clo at 128K (Llama-3-8B) has 66 arguments in 4 extents, 42 in one, and on an H100
     # the host's cost of a layer call fell from 574-658 to 477-562 us (probe_layer_call --versus extent_mb=256,
-    # eighteenth session). Capped so one extent stays well inside 32-bit element offsets (1M tokens: 2 extents).
+    # BENCHMARKS, host cost). Capped so one extent stays well inside 32-bit element offsets (1M tokens: 2 extents).
     extent_mb_per_device = IN_PLACE_EXTENT_MB
 
     def __init__(self, attend: TokenSelectAttend, split: bool = False, store: str = "kv", replay_hit_rate=None):
