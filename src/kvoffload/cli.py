@@ -221,8 +221,26 @@ def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
     return [a for i, a in enumerate(argv) if not (i < end and a == "--debug")], debug
 
 
+def _one_line_warnings():
+    """Library warnings (AccuracyWarning: a configuration known to lose accuracy) as one line on stderr."""
+    import warnings
+
+    from kvoffload.errors import AccuracyWarning
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, AccuracyWarning):
+            print(f"kvoffload: warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    _one_line_warnings()
     command = argv[0] if argv and not argv[0].startswith("-") else None
     try:
         if command in _DELEGATED:

@@ -250,16 +250,17 @@ def _resume_or_run(rf: _ResultsFile, prog: _Progress, records: list[dict], error
                    task: str, length: int, spec: "PolicySpec", items: list[dict],
                    run: Callable[[list[dict], Callable[..., None]], None]):
     """The loop every benchmark shares for one (task, length, policy): items (dicts with ``index`` and
-    ``sha``, the prompt's hash) already in the results file are taken from it; the rest go to
+    ``sha``, the prompt's hash; with task None each item names its ``task``, so that one engine call can batch
+    samples of several tasks) already in the results file are taken from it; the rest go to
     ``run(todo, emit)``, which calls ``emit(item, record, steps=1)`` for each finished item. Each
     record gets the common fields, is written and kept. A failure of ``run`` is recorded (in the file
     and ``errors``) and does not stop the other policies."""
-    where = f"{task} L={length} {spec.label}"
+    where = f"{task or 'all tasks'} L={length} {spec.label}"
     prog.task(where)
     running: list[float] = []
     todo = []
     for it in items:
-        r = rf.done.get((task, length, spec.label, it.get("seed"), it["index"], it["sha"]))
+        r = rf.done.get((it.get("task", task), length, spec.label, it.get("seed"), it["index"], it["sha"]))
         if r is None:
             todo.append(it)
             continue
@@ -269,7 +270,8 @@ def _resume_or_run(rf: _ResultsFile, prog: _Progress, records: list[dict], error
     pending = {id(it) for it in todo}
 
     def emit(it: dict, r: dict, steps: int = 1):
-        r = {"benchmark": benchmark, "task": task, "length": length, "policy": spec.label, "policy_name": spec.name,
+        r = {"benchmark": benchmark, "task": it.get("task", task), "length": length, "policy": spec.label,
+             "policy_name": spec.name,
              "policy_options": spec.options_dict, "index": it["index"], **r, "prompt_sha": it["sha"]}
         rf.write(r)
         records.append(r)
@@ -282,10 +284,11 @@ def _resume_or_run(rf: _ResultsFile, prog: _Progress, records: list[dict], error
     try:
         run(todo, emit)
     except Exception as e:  # one failing policy must not sink the others
-        msg = f"{spec.label} failed on {task} L={length}: {type(e).__name__}: {e}"
+        msg = f"{spec.label} failed on {task or 'a batch of tasks'} L={length}: {type(e).__name__}: {e}"
         errors.append(msg)
         prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
-        rf.write({"benchmark": benchmark, "task": task, "length": length, "policy": spec.label, "error": msg})
+        rf.write({"benchmark": benchmark, "task": task or sorted({it["task"] for it in todo}), "length": length,
+                  "policy": spec.label, "error": msg})
         prog.step("failed", n=sum(it.get("steps", 1) for it in todo if id(it) in pending))
 
 
@@ -429,9 +432,12 @@ class _KeepsLastState(Policy):
 
 def _generate_group(model, items: list[dict], spec: PolicySpec, generate_fn, batch_size: int,
                     on_done: Callable[[dict, list[int], float, dict], None]):
-    """Greedy generation for items (dicts with prompt_ids, max_new_tokens), batched by max_new_tokens.
-    on_done(item, new_ids, seconds, extra): extra holds the batch's ``selection`` statistics (the same for
-    every item of the batch; :func:`selection_stats`) where the policy reports them."""
+    """Greedy generation for items (dicts with prompt_ids, max_new_tokens), batched by max_new_tokens (items of
+    equal budgets grouped, in their order). on_done(item, new_ids, seconds, extra): extra holds the batch's
+    ``selection`` statistics (the same for every item of the batch; :func:`selection_stats`) where the policy
+    reports them."""
+    budgets = list(dict.fromkeys(it["max_new_tokens"] for it in items))
+    items = sorted(items, key=lambda it: budgets.index(it["max_new_tokens"]))
     i = 0
     while i < len(items):
         batch = [items[i]]
@@ -567,22 +573,23 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
         raise ValueError("; ".join(infeasible))
     try:
         for L in lengths:
-            for task in tasks:
-                items = all_items[(task, L)]
-                for spec in specs:
-                    def run(todo, emit, spec=spec):
-                        def on_done(it, new_ids, dt, extra):
-                            s = it["sample"]
-                            pred = tok.decode(new_ids, skip_special_tokens=True)
-                            emit(it, {"score": ruler.score_sample(s.metric, pred, s.outputs), "metric": s.metric,
-                                      "pred": pred, "outputs": s.outputs, "prompt_tokens": len(s.prompt_ids),
-                                      "new_tokens": len(new_ids), "seconds": round(dt, 3), "seed": it["seed"],
-                                      "template": fmt, **extra})
+            # every task's samples of this length at once: an engine call batches samples of several tasks
+            # (those of equal answer budgets), as many as batch_size
+            items = [dict(it, task=task) for task in tasks for it in all_items[(task, L)]]
+            for spec in specs:
+                def run(todo, emit, spec=spec):
+                    def on_done(it, new_ids, dt, extra):
+                        s = it["sample"]
+                        pred = tok.decode(new_ids, skip_special_tokens=True)
+                        emit(it, {"score": ruler.score_sample(s.metric, pred, s.outputs), "metric": s.metric,
+                                  "pred": pred, "outputs": s.outputs, "prompt_tokens": len(s.prompt_ids),
+                                  "new_tokens": len(new_ids), "seconds": round(dt, 3), "seed": it["seed"],
+                                  "template": fmt, **extra})
 
-                        _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
+                    _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
 
-                    _resume_or_run(rf, prog, records, errors, benchmark="ruler", task=task, length=L, spec=spec,
-                                   items=items, run=run)
+                _resume_or_run(rf, prog, records, errors, benchmark="ruler", task=None, length=L, spec=spec,
+                               items=items, run=run)
     finally:
         rf.close()
         prog.close()

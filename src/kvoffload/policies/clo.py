@@ -103,7 +103,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvoffload import ops
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import KVOffloadError, warn_accuracy
 from kvoffload.importance.deploy import group_similarity
 from kvoffload.models.transformer import family
 from kvoffload.offload import sharding as S
@@ -148,6 +148,10 @@ SCORING = {"exact": "max over the group of q.k", "quest": "max over the group of
            "hata": "max over the group of bits - hamming(code(q), code(k))"}
 AGGREGATIONS = ("harmonic", "min")
 DEFAULT_RATIO = 0.1
+# Quest / HATA: the fewest tokens a ratio selects. Quest's paper budgets 1024-4096 tokens; 10% of a 2K context
+# (205 tokens, whole 16-token pages, sinks and recent tokens included) lost 9-13 RULER points on the development
+# set where 1024 lost 1.5 (BENCHMARKS.md, held-out accuracy). Past 10K tokens the ratio is larger and this is inert.
+APPROXIMATE_TOPK_MIN = 1024
 DEFAULT_HATA_BITS = 128  # random projections without hata_weights (trained weights bring their own width)
 PRETRAINED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "importance", "pretrained")
 SHIPPED_SCORES = os.path.join(PRETRAINED, "smollm2_135m_instruct_head_scores.json")
@@ -444,6 +448,7 @@ class CloAttend:
     speculative: bool = False  # the slots track the rows their buffers hold (CloSlots.held); see `speculate_layer`
     conditionals: bool = True  # skip a layer's selection and gathers under a lax.cond when all hit (`unless_all`)
     topk_method: str = "auto"  # `ops.select_topk`'s method
+    token_min: int = 0  # with token_ratio: the fewest tokens selected (`selection_size`)
 
     def split_slots(self, slots: CloSlots):
         """(slots without the fields a layer program only reads, those fields): the layer program takes the
@@ -493,7 +498,7 @@ class CloAttend:
         budget_k = K if self.token_budget is None else min(self.token_budget, K)
         ps = self.page_size
         n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, ps,
-                                  budget_k, context)
+                                  budget_k, context, self.token_min)
         n_select = jnp.where(slots.persistent[None], K, n_select[:, None])  # [B, n_kv]
 
         sim = aggregate_similarity(query_cosines(q, sel.query).reshape(B, n_kv, H // n_kv), slots.weights,
@@ -905,7 +910,8 @@ class CloPolicy(LayeredPolicy):
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
     host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
     int4_k_quant_default = "token"  # rows are gathered one by one (`LayeredPolicy.int4_k_quant_default`)
-    extra_options = ("retrieval", "quest_page_tokens", "quest_dtype", "hata_bits", "hata_weights", "topk", "topk_ratio", "num_sink", "num_recent", "importance", "eta", "p",
+    extra_options = ("retrieval", "quest_page_tokens", "quest_dtype", "hata_bits", "hata_weights", "topk", "topk_ratio",
+                     "topk_min", "num_sink", "num_recent", "importance", "eta", "p",
                      "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch",
                      "store", "replay_hit_rate", "conditionals", "topk_method")
 
@@ -917,7 +923,7 @@ class CloPolicy(LayeredPolicy):
     def make_hooks(self, retrieval="exact", quest_page_tokens=16, quest_dtype="keys", hata_bits=None, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="auto",
                    layer0_full=True, speculative_prefetch=False, store="kv", replay_hit_rate=None, conditionals=None,
-                   topk_method="auto"):
+                   topk_method="auto", topk_min=None):
         if retrieval not in RETRIEVALS:
             raise CloOptionError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
         blk = self.options.block_tokens
@@ -935,9 +941,15 @@ class CloPolicy(LayeredPolicy):
 
         if gqa_aggregation not in AGGREGATIONS:
             raise CloOptionError(f"gqa_aggregation must be one of {AGGREGATIONS}, got {gqa_aggregation!r}")
-        topk, topk_ratio, num_sink, num_recent = selection_budget(
+        if topk_min is None:  # the floor where retrieval is approximate (`APPROXIMATE_TOPK_MIN`); none for exact keys
+            topk_min = APPROXIMATE_TOPK_MIN if retrieval != "exact" and topk is None else 0
+        if retrieval == "hata" and hata_weights is None:
+            warn_accuracy("clo retrieval=hata without hata_weights scores by random projections, which lost "
+                          "15-20 RULER points against `full` on held-out data (BENCHMARKS.md, held-out accuracy); "
+                          "train codes for the model with `kvoffload train-hata` and pass hata_weights=DIR")
+        topk, topk_ratio, num_sink, num_recent, topk_min = selection_budget(
             topk, topk_ratio, num_sink, num_recent, default_ratio=DEFAULT_RATIO, names=("topk", "topk_ratio"),
-            error=CloOptionError)
+            error=CloOptionError, token_min=topk_min, min_name="topk_min")
         if not -1 <= float(eta) <= 1 or float(p) <= 0:
             raise CloOptionError(f"eta must be a cosine in [-1, 1] and p > 0, got eta={eta}, p={p}")
         if fixed_threshold is not None and not math.isfinite(float(fixed_threshold)):
@@ -955,7 +967,7 @@ class CloPolicy(LayeredPolicy):
                            num_sink=num_sink, num_recent=num_recent, gqa_aggregation=gqa_aggregation,
                            page_size=page, retrieval=retrieval, quest_dtype=quest_dtype,
                            speculative=bool(speculative_prefetch),
-                           conditionals=conditionals, topk_method=topk_method)
+                           conditionals=conditionals, topk_method=topk_method, token_min=topk_min)
         return CloHooks(attend=attend, importance=importance, eta=float(eta), p=float(p),
                         fixed_threshold=None if fixed_threshold is None else float(fixed_threshold),
                         persistent_heads=persistent_heads, layer0_full=bool(layer0_full),
@@ -965,7 +977,8 @@ class CloPolicy(LayeredPolicy):
         d = super().describe(state)
         h = self.pipeline.hooks
         a = h.attend
-        c = {"retrieval": a.retrieval, "topk": a.token_budget, "topk_ratio": a.token_ratio, "num_sink": a.num_sink,
+        c = {"retrieval": a.retrieval, "topk": a.token_budget, "topk_ratio": a.token_ratio, "topk_min": a.token_min,
+             "num_sink": a.num_sink,
              "num_recent": a.num_recent, "eta": h.eta, "p": h.p, "fixed_threshold": h.fixed_threshold,
              "gqa_aggregation": a.gqa_aggregation, "scoring": SCORING[a.retrieval], "conditionals": a.conditionals,
              "topk_method": a.topk_method,

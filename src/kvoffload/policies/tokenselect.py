@@ -646,14 +646,15 @@ def query_similarity(q, cached, n_kv):
     return jnp.min(query_cosines(q, cached).reshape(B, n_kv, H // n_kv), axis=-1)
 
 
-def selection_size(token_budget, token_ratio, num_sink, num_recent, page_size, K, context):
+def selection_size(token_budget, token_ratio, num_sink, num_recent, page_size, K, context, token_min=0):
     """[B] int32: the tokens to select per request: token_budget (then K, the slots' static size), or
-    token_ratio of the request's context (at least num_sink + num_recent), in whole pages, capped by K."""
+    token_ratio of the request's context (at least num_sink + num_recent and token_min), in whole pages,
+    capped by K."""
     if token_budget is not None:
         want = jnp.full(context.shape, K, jnp.int32)
     else:
         want = jnp.ceil(token_ratio * context.astype(jnp.float32)).astype(jnp.int32)
-        want = jnp.maximum(want, num_sink + num_recent)
+        want = jnp.maximum(want, max(num_sink + num_recent, token_min))
     return jnp.minimum(-(-want // page_size) * page_size, K)
 
 
@@ -702,6 +703,7 @@ class TokenSelectAttend:
     page_size: int
     conditionals: bool = True  # `conditionals_default`
     topk_method: str = "auto"  # `ops.select_topk`'s method
+    token_min: int = 0  # with token_ratio: the fewest tokens selected (`selection_size`)
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: SelectionCache, recompute_impl, attention_impl):
         pool = src.pool
@@ -712,7 +714,8 @@ class TokenSelectAttend:
         ps = self.page_size
         pool_tokens = sum(tables.count) * blk
         context = pool_tokens + src.tail_len + 1
-        n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, ps, K, context)
+        n_select = selection_size(self.token_budget, self.token_ratio, self.num_sink, self.num_recent, ps, K, context,
+                                  self.token_min)
 
         with jax.named_scope("cache"):  # named scopes: the parts in a profile (kvoffload.profile), as clo's
             reuse, rule_hits = cache_decision(query_similarity(q, slots.query, n_kv) >= self.cache_threshold,
@@ -928,7 +931,8 @@ class TokenSelectHooks(LayerHooks):
         if a.token_budget is not None:
             k = a.token_budget
         else:  # the ratio of the longest context this layout holds (its tail included)
-            k = max(math.ceil(a.token_ratio * (bound + 2 * layout.block_tokens)), a.num_sink + a.num_recent)
+            k = max(math.ceil(a.token_ratio * (bound + 2 * layout.block_tokens)), a.num_sink + a.num_recent,
+                    a.token_min)
         ps = a.page_size
         return max(ps, min(-(-k // ps) * ps, bound))
 
@@ -972,11 +976,17 @@ def check_store(store, error):
 
 
 def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None, default_ratio=None,
-                     names=("token_budget", "token_ratio"), error=TokenSelectOptionError):
-    """A selection policy's checked (budget, ratio, num_sink, num_recent): a token count or a ratio of the
-    context (not both; the default when neither is given), sinks and recent tokens >= 0, and a count that
-    holds them. names / error: how the policy calls the two options and what it raises (tokenselect, clo)."""
+                     names=("token_budget", "token_ratio"), error=TokenSelectOptionError, token_min=0,
+                     min_name="token_min"):
+    """A selection policy's checked (budget, ratio, num_sink, num_recent, token_min): a token count or a ratio of
+    the context (not both; the default when neither is given), sinks and recent tokens >= 0, a count that holds
+    them, and with a ratio the fewest tokens to select (token_min >= 0; a ratio of a short context is a handful
+    of tokens). names / min_name / error: how the policy calls the options and what it raises (tokenselect,
+    clo)."""
     b_name, r_name = names
+    if isinstance(token_min, bool) or not isinstance(token_min, (int, np.integer)) or token_min < 0:
+        raise error(f"{min_name} must be a whole number of tokens >= 0, got {token_min!r}")
+    token_min = int(token_min)
     if budget is not None and ratio is not None:
         raise error(f"give {b_name} (tokens) or {r_name} (of the context), not both")
     if budget is None and ratio is None:
@@ -989,19 +999,21 @@ def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None
         if budget < max(1, num_sink + num_recent):
             raise error(f"{b_name} ({budget}) must be at least num_sink + num_recent ({num_sink} + {num_recent}) "
                         f"and >= 1")
+        if token_min:
+            raise error(f"{min_name} is the floor of a {r_name} selection; with {b_name} (a fixed count) leave it out")
     else:
         ratio = float(ratio)
         if not 0 < ratio <= 1:
             raise error(f"{r_name} must be in (0, 1], got {ratio}")
-    return budget, ratio, num_sink, num_recent
+    return budget, ratio, num_sink, num_recent, token_min
 
 
 @register_policy("tokenselect")
 class TokenSelectPolicy(LayeredPolicy):
     host_pool = False
     int4_k_quant_default = "token"  # rows are gathered one by one (`LayeredPolicy.int4_k_quant_default`)
-    extra_options = ("token_budget", "token_ratio", "num_sink", "num_recent", "cache_threshold", "kv", "page_size",
-                     "extrapolate", "prefill_chunk", "store", "replay_hit_rate", "conditionals", "topk_method")
+    extra_options = ("token_budget", "token_ratio", "token_min", "num_sink", "num_recent", "cache_threshold", "kv",
+                     "page_size", "extrapolate", "prefill_chunk", "store", "replay_hit_rate", "conditionals", "topk_method")
     extrapolation = None  # an Extrapolation with extrapolate=True: prompts past the trained positions
 
     def __init__(self, **options):
@@ -1016,7 +1028,7 @@ class TokenSelectPolicy(LayeredPolicy):
 
     def make_hooks(self, token_budget=None, token_ratio=None, num_sink=4, num_recent=64, cache_threshold=0.9,
                    kv="gpu", page_size=1, extrapolate=False, prefill_chunk=512, store="kv", replay_hit_rate=None,
-                   conditionals=None, topk_method="auto"):
+                   conditionals=None, topk_method="auto", token_min=0):
         if extrapolate not in (True, False):
             raise TokenSelectOptionError(f"extrapolate must be true or false, got {extrapolate!r}")
         if kv not in PLACEMENTS:
@@ -1029,8 +1041,8 @@ class TokenSelectPolicy(LayeredPolicy):
         blk = self.options.block_tokens
         if page_size < 1 or blk % page_size:
             raise TokenSelectOptionError(f"page_size must divide block_tokens ({blk}), got {page_size}")
-        token_budget, token_ratio, num_sink, num_recent = selection_budget(
-            token_budget, token_ratio, num_sink, num_recent, default_budget=DEFAULT_BUDGET)
+        token_budget, token_ratio, num_sink, num_recent, token_min = selection_budget(
+            token_budget, token_ratio, num_sink, num_recent, default_budget=DEFAULT_BUDGET, token_min=token_min)
         replay_rates(replay_hit_rate)  # the values checked here, their number once the model is known
         if extrapolate:
             if self.options.mesh is not None or self.options.tensor_parallel != 1:
@@ -1044,7 +1056,7 @@ class TokenSelectPolicy(LayeredPolicy):
         check_topk_method(topk_method, TokenSelectOptionError)
         attend = TokenSelectAttend(token_budget=token_budget, token_ratio=token_ratio, num_sink=num_sink,
                                    num_recent=num_recent, cache_threshold=float(cache_threshold), page_size=page_size,
-                                   conditionals=conditionals, topk_method=topk_method)
+                                   conditionals=conditionals, topk_method=topk_method, token_min=token_min)
         return TokenSelectHooks(attend, split=kv == "split", store=store, replay_hit_rate=replay_hit_rate)
 
     @property
@@ -1076,7 +1088,8 @@ class TokenSelectPolicy(LayeredPolicy):
             return d
         d = super().describe(state)
         a = self.pipeline.hooks.attend
-        d["selection"] = {"token_budget": a.token_budget, "token_ratio": a.token_ratio, "num_sink": a.num_sink,
+        d["selection"] = {"token_budget": a.token_budget, "token_ratio": a.token_ratio, "token_min": a.token_min,
+                          "num_sink": a.num_sink,
                           "num_recent": a.num_recent, "cache_threshold": a.cache_threshold, "page_size": a.page_size,
                           "kv": "split" if self.pipeline.hooks.split else "gpu", "conditionals": a.conditionals,
                           "topk_method": a.topk_method}
