@@ -70,7 +70,7 @@ def test_library_errors_share_one_base_class():
 
 def test_policy_option_it_does_not_take(capsys, converted):
     rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--policy", "full", "--split-point", "3")
-    one_line_error(rc, err, "policy 'full' takes options", "block_tokens", "got --split-point")
+    one_line_error(rc, err, "policy 'full' takes options", "block_tokens", "got unknown option --split-point")
     rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--policy-option", "k=3")
     one_line_error(rc, err, "policy 'full'", "--policy-option k")
 

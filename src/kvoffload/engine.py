@@ -24,7 +24,7 @@ from kvoffload.errors import KVOffloadError
 from kvoffload.models.common import pytree_dataclass
 from kvoffload.models.sampling import check_sampling, sample
 from kvoffload.models.transformer import family, layer_prefill
-from kvoffload.policies import make_policy
+from kvoffload.policies import available_policies, make_policy
 from kvoffload.policies.base import Policy
 
 PROMPT_BUCKET = 64
@@ -117,7 +117,20 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
 
 
 def resolve_policy(policy: str | Policy, policy_options: dict | None) -> Policy:
+    """A policy by name built with policy_options, or a built policy as it is. Options beside a built policy
+    are refused (they would be ignored): unknown ones by name, known ones with where they go instead."""
     if isinstance(policy, Policy):
+        if policy_options:
+            from kvoffload.policies.base import check_options
+            from kvoffload.policies.options import PolicyOptionError
+
+            name = getattr(policy, "name", type(policy).__name__)
+            if name in available_policies():
+                check_options(name, policy_options)  # an unknown or bad option is named as for a policy by name
+            first = next(iter(policy_options))
+            raise PolicyOptionError(
+                f"policy_options ({', '.join(policy_options)}) given with a built policy {name!r} would be ignored; "
+                f"pass them to make_policy({name!r}, ...) or give the policy by name", first)
         return policy
     return make_policy(policy, **(policy_options or {}))
 

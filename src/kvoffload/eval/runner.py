@@ -112,14 +112,19 @@ def parse_policies(specs: str | Sequence[str], available: Sequence[str] | None =
             k, eq, v = kv.partition("=")
             if not eq or not k.strip():
                 raise ValueError(f"bad policy option {kv!r} in {g[0]!r} (use name:key=value,key=value)")
-            opts.append((k.strip(), _parse_value(v.strip())))
+            opts.append((k.strip(), v.strip()))
         name = name.strip()
         if name not in available:
             raise ValueError(f"unknown policy {name!r}; available: {', '.join(available)}")
-        if check_options:
-            from kvoffload.cli import check_policy_options
+        if check_options:  # typed by the policy's schema now: an unknown, repeated or bad option fails before the run
+            from kvoffload.policies.base import check_options as parse_typed
 
-            check_policy_options(name, dict(opts))  # a policy given options it does not take fails now
+            typed = parse_typed(name, opts)
+            opts = [(k, typed[k]) for k, _ in opts if k in typed]
+        else:
+            if len({k for k, _ in opts}) < len(opts):
+                raise ValueError(f"an option is given twice in {g[0]!r}")
+            opts = [(k, _parse_value(v)) for k, v in opts]
         spec = PolicySpec(name, tuple(opts))
         if any(s.label == spec.label for s in out):
             raise ValueError(f"policy {spec.label!r} is listed twice")
