@@ -356,3 +356,86 @@ def test_real_default_cache_corrupted_is_reconverted(tmp_path):
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
     assert "damaged" in again.stderr and path in again.stderr and "Traceback" not in again.stderr
+
+
+# ------------------------------------------------------------------ garbage outputs are refused before writing
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train-importance", "--steps", "2", "--lr", "nan"], "lr must be a finite number > 0, got nan"),
+    (["train-hata", "--steps", "1", "--top-frac", "2"], "top_frac must be a finite number in (0, 1], got 2.0"),
+    (["bench", "--workloads", "tiny", "--steps", "-1"], "--steps must be an integer >= 1, got -1"),
+    (["profile", "--batch", "0"], "--batch must be an integer >= 1, got 0"),
+])
+def test_settings_that_give_garbage_are_refused_before_work(capsys, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "out"
+    if argv[0].startswith("train"):
+        argv = [*argv, "--out", out]
+    elif argv[0] == "profile":
+        argv = [*argv, "--out", out / "p.json"]
+    else:
+        argv = [*argv, "--out", out]
+    rc, _, err = cli(capsys, *argv)
+    one_line_error(rc, err, needle)
+    assert not out.exists() or not any(out.rglob("*"))  # nothing written
+
+
+def test_non_finite_scores_are_neither_written_nor_read(tiny, tmp_path):
+    from kvoffload.errors import InvalidResultError
+    from kvoffload.importance.train import SCORES_JSON, TrainConfig, load_scores, save_scores
+    from kvoffload.policies.clo import load_importance
+
+    alpha = np.full((tiny.config.num_layers, tiny.config.num_kv_heads), np.nan, np.float32)
+    with pytest.raises(InvalidResultError, match="head scores .* non-finite"):
+        save_scores(str(tmp_path), alpha, tiny.config, TrainConfig(steps=1))
+    assert not (tmp_path / SCORES_JSON).exists()
+    path = tmp_path / "nan_scores.json"  # a file from elsewhere (or an older version) holding NaN
+    path.write_text(json.dumps({"alpha": alpha.tolist()}))
+    for read in (load_scores, load_importance):
+        with pytest.raises(KVOffloadError, match=f"{path}.*non-finite"):
+            read(str(path))
+
+
+def test_a_non_finite_training_loss_stops_before_a_checkpoint(tmp_path, monkeypatch):
+    from kvoffload.errors import InvalidResultError
+    from kvoffload.importance import train as ktrain
+
+    model = tiny_random_model("llama", 0, max_position_embeddings=1024)
+    real = ktrain.make_train_step
+
+    def poisoned(*a, **k):  # a step whose loss overflows, as a too large learning rate makes it
+        step = real(*a, **k)
+        return lambda *args: (lambda st, m: (st, {**m, "loss": m["loss"] * np.inf}))(*step(*args))
+
+    monkeypatch.setattr(ktrain, "make_train_step", poisoned)
+    tcfg = ktrain.TrainConfig(steps=2, min_length=400, max_length=448, pad_multiple=64, sink=4, recent=16,
+                              num_passkeys=1, words_per_key=1, out_dir=str(tmp_path))
+    from kvoffload.eval.ruler import essays_text
+    from kvoffload.importance.data import PasskeyData
+
+    data = PasskeyData(model.tokenizer, essays_text()[:50_000], num_passkeys=1, words_per_key=1)
+    with pytest.raises(InvalidResultError, match="loss and gradient at step 1"):
+        ktrain.train_importance(model, tcfg, data=data, quiet=True)
+    assert not (tmp_path / ktrain.SCORES_JSON).exists()
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_empty_longbench_file_is_refused(capsys, tmp_path):
+    data = tmp_path / "lb"
+    data.mkdir()
+    (data / "hotpotqa.jsonl").write_text("")
+    rc, _, err = cli(capsys, "eval", "longbench", "--model", "tiny", "--data-dir", data, "--lengths", "100",
+                     "--out", tmp_path / "out", "--quiet", "--no-plot")
+    one_line_error(rc, err, "hotpotqa.jsonl holds no samples")
+    assert not (tmp_path / "out" / "longbench_summary.json").exists()
+
+
+def test_huge_finite_weights_give_an_error_not_an_empty_answer(tiny):
+    import dataclasses
+
+    from kvoffload.engine import NonFiniteLogitsError, generate
+
+    huge = jax.tree.map(lambda x: jnp.full_like(x, 3e38) if x.dtype == jnp.float32 else x, tiny.params)
+    with pytest.raises(NonFiniteLogitsError, match="largest in magnitude is 3e\\+38"):
+        generate(dataclasses.replace(tiny, params=huge), [[1, 2, 3]], 4)

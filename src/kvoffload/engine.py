@@ -202,6 +202,16 @@ def nonfinite_weights(params) -> list[str]:
     return [f"{name} ({int(n)} of {a.size} values)" for (name, a), n in zip(leaves, counts) if n]
 
 
+def largest_weight(params) -> str:
+    """'VALUE (path)': the floating-point weight of largest magnitude in a parameter pytree."""
+    leaves = [(jax.tree_util.keystr(path).lstrip("."), a)
+              for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
+              if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact) and jnp.asarray(a).size]
+    peaks = jax.device_get([jnp.max(jnp.abs(a)).astype(jnp.float32) for _, a in leaves])
+    i = int(np.argmax(peaks))
+    return f"{float(peaks[i]):.3g} ({leaves[i][0]})"
+
+
 def nonfinite_error(model, prompt: Sequence[int], step: int, row: int) -> NonFiniteLogitsError:
     """The error for non-finite logits first seen at `step` (0 = the prefill) for batch row `row`,
     with a diagnosis: where the prompt's prefill goes non-finite and which weights are."""
@@ -214,7 +224,8 @@ def nonfinite_error(model, prompt: Sequence[int], step: int, row: int) -> NonFin
                 " (check the policy's settings and the dtype's range).")
         bad = nonfinite_weights(model.params)
         msg += (f" Non-finite weights: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}." if bad else
-                " Every weight is finite.")
+                f" Every weight is finite; the largest in magnitude is {largest_weight(model.params)} (weights "
+                "that large overflow the activations).")
     except Exception as e:  # the diagnosis must never hide the error itself
         msg += f" (The diagnosis failed: {type(e).__name__}: {e}.)"
     return NonFiniteLogitsError(msg)

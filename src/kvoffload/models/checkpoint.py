@@ -23,6 +23,7 @@ import numpy as np
 
 from kvoffload.config import ModelConfig, UnsupportedModelError
 from kvoffload.errors import KVOffloadError
+from kvoffload.paths import check_output_dir
 from kvoffload.models import llama, opt
 
 
@@ -433,31 +434,8 @@ def check_destination(directory: str, overwrite: bool = False):
         if entries and not overwrite:
             raise CheckpointError(f"{directory}: already holds a kvoffload checkpoint; pass --overwrite "
                                   "(overwrite=True) to replace it")
-    # Create what is missing and write a probe file, then undo: a path under a file, a read-only or
-    # virtual file system (/sys) fails here, before minutes of loading.
-    created, d = [], directory
-    while not os.path.exists(d):
-        created.append(d)
-        d = os.path.dirname(d)
-    if not os.path.isdir(d):
-        raise CheckpointError(f"cannot create {directory}: {d} is not a directory")
-    try:
-        for c in reversed(created):
-            os.mkdir(c)
-        probe = os.path.join(directory, f".kvoffload-write-test-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(f"cannot write to {directory}: {e.strerror or e}") from e
-    finally:
-        for c in created:
-            try:
-                os.rmdir(c)
-            except OSError:
-                pass
+    # a path under a file, a read-only or virtual file system (/sys) fails here, before minutes of loading
+    check_output_dir(directory, error=CheckpointError)
 
 
 def _clear_converted(directory: str):

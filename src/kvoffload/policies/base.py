@@ -83,7 +83,8 @@ def available_policies() -> list[str]:
 
 def make_policy(name: str, **options) -> Policy:
     """The registered policy `name` built with `options`, each checked against its schema (`policy_schema`)."""
-    return _REGISTRY[name](**check_options(name, options))
+    checked = check_options(name, options)  # loads the built-in policies first
+    return _REGISTRY[name](**checked)
 
 
 def _load_builtin():
