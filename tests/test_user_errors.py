@@ -439,3 +439,48 @@ def test_huge_finite_weights_give_an_error_not_an_empty_answer(tiny):
     huge = jax.tree.map(lambda x: jnp.full_like(x, 3e38) if x.dtype == jnp.float32 else x, tiny.params)
     with pytest.raises(NonFiniteLogitsError, match="largest in magnitude is 3e\\+38"):
         generate(dataclasses.replace(tiny, params=huge), [[1, 2, 3]], 4)
+
+
+# ------------------------------------------------------------------ convert: a manifest of what it wrote
+
+
+def test_convert_overwrite_replaces_only_its_own_files(capsys, converted, tmp_path):
+    dst = tmp_path / "dst"
+    assert cli(capsys, "convert", converted, dst, "--quiet")[0] == 0
+    (dst / "params" / "mine").mkdir()
+    (dst / "params" / "mine" / "keep.txt").write_text("keep me")
+    (dst / "NOTES.txt").write_text("my notes")
+    manifest = json.loads((dst / CONVERTED_MARKER).read_text())["files"]
+    assert manifest and not any("keep.txt" in f or "NOTES" in f for f in manifest)
+    assert cli(capsys, "convert", converted, dst, "--overwrite", "--quiet")[0] == 0
+    assert (dst / "params" / "mine" / "keep.txt").read_text() == "keep me"
+    (dst / "NOTES.txt").write_text("edited notes")  # a user's file is not checksummed: editing it is no damage
+    assert load_model(str(dst), quiet=True).config == load_model(str(converted), quiet=True).config
+    new = json.loads((dst / CONVERTED_MARKER).read_text())["files"]
+    assert all((dst / f).is_file() for f in new)
+    assert not [f for f in manifest if f not in new and (dst / f).exists()]  # the old conversion's files are gone
+    held = {str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()}
+    assert held == set(new) | {CONVERTED_MARKER, "params/mine/keep.txt", "NOTES.txt"}
+    assert not [p for p in tmp_path.iterdir() if "kvoffload-tmp" in p.name]  # the staging folder is gone
+
+
+def test_convert_on_a_full_disk_keeps_the_previous_checkpoint(capsys, tiny, converted, tmp_path, monkeypatch):
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    dst = tmp_path / "dst"
+    assert cli(capsys, "convert", converted, dst, "--quiet")[0] == 0
+    before = {p.relative_to(dst): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+
+    def full_disk(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", full_disk)
+    rc, _, err = cli(capsys, "convert", converted, dst, "--overwrite", "--quiet")
+    one_line_error(rc, err, "No space left on device", f"{dst} was left as it was")
+    monkeypatch.undo()
+    assert {p.relative_to(dst): p.read_bytes() for p in dst.rglob("*") if p.is_file()} == before
+    assert not [p for p in tmp_path.iterdir() if "kvoffload-tmp" in p.name]
+    got = load_model(str(dst), quiet=True)
+    np.testing.assert_array_equal(np.asarray(got.params.embed), np.asarray(tiny.params.embed))
