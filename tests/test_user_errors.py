@@ -484,3 +484,28 @@ def test_convert_on_a_full_disk_keeps_the_previous_checkpoint(capsys, tiny, conv
     assert not [p for p in tmp_path.iterdir() if "kvoffload-tmp" in p.name]
     got = load_model(str(dst), quiet=True)
     np.testing.assert_array_equal(np.asarray(got.params.embed), np.asarray(tiny.params.embed))
+
+
+# ------------------------------------------------------------------ output paths are checked before work
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "hi", "--trace", "/dev/null/x"],
+    ["generate", "hi", "--policy", "offload", "--policy-option", "trace=/dev/null/x"],
+    ["profile", "--out", "/dev/null/x"],
+    ["eval", "ppl", "--model", "tiny", "--out", "/dev/null/x", "--quiet"],
+    ["bench", "--workloads", "tiny", "--out", "/dev/null/x"],
+    ["train-importance", "--steps", "1", "--out", "/dev/null/x"],
+])
+def test_output_paths_are_checked_before_work(capsys, monkeypatch, argv):
+    from kvoffload.eval import cli as eval_cli
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the output path was checked")
+
+    monkeypatch.setattr(models, "load_model", no_work)
+    monkeypatch.setattr(eval_cli, "load_eval_model", no_work)
+    monkeypatch.setattr("kvoffload.plan.profiler.run_profile", no_work)
+    monkeypatch.setattr("kvoffload.offload.bench.run", no_work)
+    rc, _, err = cli(capsys, *argv)
+    one_line_error(rc, err, "/dev/null", "not a directory")

@@ -62,8 +62,11 @@ def cmd_generate(args) -> int:
     _check_int(args.max_new_tokens, "--max-new-tokens", 1)
     _check_int(args.batch, "--batch", 1)
     _check_int(args.seed, "--seed", 0, 2**63 - 1)  # the PRNG key takes a 64-bit integer
+    from kvoffload.policies import make_policy
+
     pairs, spelled = _policy_options(args)
     options = check_policy_options(args.policy, pairs, spelled)  # typed and checked before the model loads
+    policy = make_policy(args.policy, **options)  # its own checks (the trace path too) before the model loads
     model = load_model(args.model, args.dtype, quiet=args.quiet)
     tok = model.tokenizer
     if tok is None:
@@ -84,8 +87,7 @@ def cmd_generate(args) -> int:
         if not args.chat:
             print(args.prompt, end="", flush=True)
         streamer = TextStreamer(tok, lambda piece: print(piece, end="", flush=True), eos_token_ids(model))
-    out = generate(model, [ids] * args.batch, args.max_new_tokens, policy=args.policy,
-                   policy_options=options, temperature=args.temperature, top_k=args.top_k,
+    out = generate(model, [ids] * args.batch, args.max_new_tokens, policy=policy, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, on_token=streamer)
     dt = time.time() - t0
     if streamer is not None:

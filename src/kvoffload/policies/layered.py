@@ -8,6 +8,7 @@ import inspect
 
 from kvoffload import ops
 from kvoffload.offload.pipeline import SCHEDULES, LayerHooks, LayerPipeline, PipelineOptions
+from kvoffload.paths import check_output_file
 from kvoffload.plan.cost import HOST_DTYPES, INT4_K_QUANTS
 from kvoffload.policies.base import Policy
 from kvoffload.policies.options import Option, PolicyOptionError, parse_options
@@ -86,6 +87,8 @@ class LayeredPolicy(Policy):
         pipe_opts = {k: v for k, v in options.items() if k in known and v is not None}  # None: the default
         pipe_opts.setdefault("int4_k_quant", self.int4_k_quant_default)
         hook_opts = {k: v for k, v in options.items() if k not in known}
+        if pipe_opts.get("trace"):  # written after the run: a path that cannot be written fails now, not then
+            check_output_file(pipe_opts["trace"], "trace", error=self.option_error)
         self.options = PipelineOptions(**pipe_opts)
         if self.options.host_dtype not in self.host_dtypes:
             raise ValueError(
