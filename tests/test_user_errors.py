@@ -509,3 +509,50 @@ def test_output_paths_are_checked_before_work(capsys, monkeypatch, argv):
     monkeypatch.setattr("kvoffload.offload.bench.run", no_work)
     rc, _, err = cli(capsys, *argv)
     one_line_error(rc, err, "/dev/null", "not a directory")
+
+
+# ------------------------------------------------------------------ argv, config.json, dtype, decode-step tokens
+
+
+def test_undecodable_prompt_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    prompt = b"abc\xff\xfe def".decode("utf-8", "surrogateescape")  # what Python makes of such an argv
+    rc, _, err = cli(capsys, "generate", prompt)
+    one_line_error(rc, err, "the prompt is not valid UTF-8", "byte 0xff at character 3")
+
+
+@pytest.mark.parametrize("content,needles", [
+    ([1, 2, 3], ["must be a JSON object", "got a JSON list"]),
+    ({"model_type": "llama", "vocab_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "max_position_embeddings": 128, "intermediate_size": 32}, ["key 'hidden_size' is missing"]),
+    ({"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": "four", "max_position_embeddings": 128, "intermediate_size": 32},
+     ["key 'num_attention_heads' must be an integer >= 1, got 'four'"]),
+])
+def test_config_json_of_the_wrong_shape_names_the_key(capsys, tmp_path, content, needles):
+    (tmp_path / "config.json").write_text(json.dumps(content))
+    rc, _, err = cli(capsys, "generate", "hi", "--model", tmp_path, "--quiet")
+    one_line_error(rc, err, "config.json", *needles)
+
+
+def test_int8_dtype_is_refused_at_load(converted):
+    from kvoffload.models import ModelDtypeError
+
+    for load in (lambda: load_model(str(converted), dtype="int8"), lambda: tiny_random_model("llama", dtype="int8")):
+        with pytest.raises(ModelDtypeError, match="'int8' is not a parameter dtype.*float32, bfloat16, float16"):
+            load()
+
+
+def test_decode_step_refuses_float_and_out_of_vocabulary_tokens(tiny):
+    from kvoffload.engine import GenerationInputError, pad_prompts
+    from kvoffload.policies import make_policy
+
+    pol = make_policy("offload")
+    tokens, lengths = pad_prompts([[1, 2, 3]])
+    _, state = pol.prefill(tiny, tokens, np.asarray([3]), 128)
+    with pytest.raises(GenerationInputError, match="integer token ids"):
+        pol.decode_step(tiny, state, [1.7])
+    with pytest.raises(GenerationInputError, match="outside the vocabulary"):
+        pol.decode_step(tiny, state, [tiny.config.vocab_size + 5])
+    with pytest.raises(GenerationInputError, match="integer token ids"):
+        pol.decode_step(tiny, state, jnp.asarray([1.0]))  # a device array's dtype is checked too

@@ -67,6 +67,9 @@ def cmd_generate(args) -> int:
     pairs, spelled = _policy_options(args)
     options = check_policy_options(args.policy, pairs, spelled)  # typed and checked before the model loads
     policy = make_policy(args.policy, **options)  # its own checks (the trace path too) before the model loads
+    from kvoffload.models.tokenizer import check_text
+
+    check_text(args.prompt, "the prompt")  # undecodable bytes in argv: one line, before the model loads
     model = load_model(args.model, args.dtype, quiet=args.quiet)
     tok = model.tokenizer
     if tok is None:

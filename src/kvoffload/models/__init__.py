@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload.config import ModelConfig
+from kvoffload.errors import KVOffloadError
 from kvoffload.models.checkpoint import (
     CheckpointError,
     check_destination,
@@ -47,11 +48,22 @@ class Model:
     tokenizer: Tokenizer | None = None
 
 
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelDtypeError(KVOffloadError, ValueError):
+    """A parameter dtype the models do not run in (int8 would load and fail later, in every matmul)."""
+
+
 def _dtype(dtype) -> jnp.dtype:
     try:
-        return jnp.dtype(dtype)
-    except TypeError as e:
-        raise ValueError(f"unknown dtype {dtype!r} (float32, bfloat16, float16)") from e
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in PARAM_DTYPES:
+        raise ModelDtypeError(f"dtype {dtype!r} is not a parameter dtype kvoffload runs in; use one of "
+                              f"{', '.join(PARAM_DTYPES)}")
+    return dt
 
 
 def embedded_gguf_path() -> str:

@@ -330,7 +330,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
         d["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, a + "rope.scaling.factor"))}
     elif stype not in (None, "none"):
         raise UnsupportedModelError(f"{path}: GGUF rope scaling {stype!r} is not supported")
-    return ModelConfig.from_hf_dict(d)
+    return ModelConfig.from_hf_dict(d, f"{path} (GGUF metadata)")
 
 
 def load_gguf(path: str, dtype=jnp.float32, progress: Callable[[int, int], None] | None = None):

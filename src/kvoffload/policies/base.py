@@ -25,6 +25,27 @@ class Policy:
         """tokens [B] (the tokens just chosen) -> (next logits [B, V], new state)."""
         raise NotImplementedError
 
+    @staticmethod
+    def check_step_tokens(model, tokens):
+        """Refuses decode-step tokens that are not integers (1.7 would be cast and run) or, when they are host
+        values (a list, numpy), outside the vocabulary. A device array's values are not read: that would
+        sync the host every step, and the engine's own tokens are sampled in range."""
+        import numpy as np
+
+        from kvoffload.engine import GenerationInputError
+
+        on_device = type(tokens).__module__.startswith("jax")
+        arr = tokens if on_device else np.asarray(tokens)
+        if arr.dtype.kind not in "iu" or arr.ndim != 1:
+            raise GenerationInputError(f"decode_step takes a 1-D array of integer token ids [B], got dtype "
+                                       f"{arr.dtype} and shape {tuple(arr.shape)}")
+        if not on_device:
+            vocab = int(model.config.vocab_size)
+            bad = arr[(arr < 0) | (arr >= vocab)]
+            if bad.size:
+                raise GenerationInputError(f"decode_step tokens outside the vocabulary (size {vocab}): "
+                                           f"{bad[:5].tolist()}")
+
     def describe(self, state=None) -> dict:
         """What the policy did (e.g. split points, bytes moved); shown in traces and eval reports. state: the
         last state of a run (what `prefill` / `decode_step` returned), for what that run did."""

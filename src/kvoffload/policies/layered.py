@@ -107,6 +107,7 @@ class LayeredPolicy(Policy):
         return self.pipeline.prefill(model, tokens, lengths, capacity)
 
     def decode_step(self, model, state, tokens):
+        self.check_step_tokens(model, tokens)
         return self.pipeline.decode_step(model, state, tokens)
 
     def release(self, state, rows):

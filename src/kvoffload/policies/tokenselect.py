@@ -1085,6 +1085,7 @@ class TokenSelectPolicy(LayeredPolicy):
 
     def decode_step(self, model, state, tokens):
         if self.extrapolation is not None:
+            self.check_step_tokens(model, tokens)
             return extrapolation.decode_step(model.config, self.extrapolation, model.params, state,
                                              jnp.asarray(tokens, jnp.int32))
         return super().decode_step(model, state, tokens)
