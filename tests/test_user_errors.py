@@ -556,3 +556,67 @@ def test_decode_step_refuses_float_and_out_of_vocabulary_tokens(tiny):
         pol.decode_step(tiny, state, [tiny.config.vocab_size + 5])
     with pytest.raises(GenerationInputError, match="integer token ids"):
         pol.decode_step(tiny, state, jnp.asarray([1.0]))  # a device array's dtype is checked too
+
+
+# ------------------------------------------------------------------ generators that cannot spin
+
+
+def test_every_ruler_task_ends_at_a_length_it_cannot_fill(tmp_path):
+    """Each task at a too-short length returns (a ValueError) instead of spinning in RULER's retry loops; vt names
+    the length it needs, and that length works. In a subprocess: a spin must fail the test, not hang it."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_eval_ruler import WordTokenizer
+from kvoffload.eval import ruler
+tok = WordTokenizer()
+for task in ruler.RULER_TASKS:
+    try:
+        ruler.generate_samples(tok, task, 200, 1)
+        print(task, "fits")
+    except ValueError as e:
+        print(task, "refused:", e)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert set(lines) == set(ruler_tasks())
+    assert lines["vt"].startswith("refused:") and "use a context length of at least" in lines["vt"]
+
+
+def ruler_tasks():
+    from kvoffload.eval.ruler import RULER_TASKS
+
+    return RULER_TASKS
+
+
+def test_vt_too_short_is_refused_naming_the_minimum(capsys, tmp_path):
+    import re
+
+    rc, _, err = cli(capsys, "eval", "ruler", "--model", "tiny:llama:4096", "--tasks", "vt", "--lengths", "256",
+                     "--num-samples", "1", "--out", tmp_path, "--quiet", "--no-plot")
+    one_line_error(rc, err, "RULER vt: length 256 is too short", "use a context length above")
+    # past the bare template (tiny models' byte tokenizer: ~320 tokens) RULER's own vt loop used to spin
+    rc, _, err = cli(capsys, "eval", "ruler", "--model", "tiny:llama:4096", "--tasks", "vt", "--lengths", "1024",
+                     "--num-samples", "1", "--out", tmp_path, "--quiet", "--no-plot")
+    one_line_error(rc, err, "RULER vt: the in-context example does not fit", "cannot be built at any length")
+
+
+def test_vt_names_the_length_it_needs_and_that_length_works():
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_eval_ruler import WordTokenizer
+
+    from kvoffload.eval import ruler
+
+    tok = WordTokenizer()
+    with pytest.raises(ValueError, match="use a context length of at least") as e:
+        ruler.generate_samples(tok, "vt", 400, 1)
+    need = int(re.search(r"at least (\d+)", str(e.value)).group(1))
+    assert len(ruler.generate_samples(tok, "vt", need + 16, 2)) == 2  # with slack for the random draw
