@@ -99,7 +99,7 @@ def test_eval_num_samples_zero(capsys, tmp_path):
 
 def test_eval_policy_option_checked_before_the_run(capsys, tmp_path):
     rc, _, err = cli(capsys, "eval", "ppl", "--model", "tiny", "--policy", "full:k=3", "--out", tmp_path, "--quiet")
-    one_line_error(rc, err, "policy 'full' takes options", "got k")
+    one_line_error(rc, err, "policy 'full' takes options", "got unknown option k")
 
 
 def test_eval_ruler_without_the_generators_says_how_to_install(capsys, tmp_path, monkeypatch):
@@ -299,21 +299,17 @@ def test_eval_refuses_to_delete_results_and_resumes_after_a_cut_line(capsys, tmp
     one_line_error(rc, err, str(results), "--resume", "--overwrite")
     assert results.read_text() == first  # nothing deleted
     # a crash cut the last line in the middle: --resume redoes that row and starts it on a line of its own
-    lines = first.splitlines()
-    results.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
+    lines = first.splitlines()  # the run's provenance, then a record per row
+    assert "provenance" in json.loads(lines[0]) and len(lines) == 3
+    results.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][: len(lines[2]) // 2])
     rc, out, _ = cli(capsys, *args, "--resume")
     assert rc == 0
-    rows = []
-    for line in results.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
+    rows = [json.loads(line) for line in results.read_text().splitlines()[1:]]  # the cut line is gone
     assert len(rows) == 2 and {r["length"] for r in rows} == {20, 24}
     summary = json.loads((tmp_path / "ppl_summary.json").read_text())
     assert sum(r["n"] for r in summary["summary"]) == len(rows)  # the summary counts only rows the file holds
     assert cli(capsys, *args, "--overwrite")[0] == 0
-    assert len(results.read_text().splitlines()) == 2
+    assert len(results.read_text().splitlines()) == 3
 
 
 # ------------------------------------------------------------------ item 9: progress bars
@@ -620,3 +616,77 @@ def test_vt_names_the_length_it_needs_and_that_length_works():
         ruler.generate_samples(tok, "vt", 400, 1)
     need = int(re.search(r"at least (\d+)", str(e.value)).group(1))
     assert len(ruler.generate_samples(tok, "vt", need + 16, 2)) == 2  # with slack for the random draw
+
+
+# ------------------------------------------------------------------ results carry provenance; resume checks it
+
+
+def _stub_generate(model, prompts, max_new_tokens, **kw):
+    return [[65, 66] for _ in prompts]  # "AB": the engine is not what these tests are about
+
+
+def test_resume_refuses_results_of_another_model(tmp_path):
+    from kvoffload.eval.runner import run_ruler
+    from kvoffload.provenance import ProvenanceMismatchError
+
+    llama, opt = tiny_random_model("llama", max_position_embeddings=2048), tiny_random_model("opt", max_position_embeddings=2048)
+    common = dict(tasks=["niah_single_1"], lengths=[1024], policies="full,offload", out_dir=tmp_path, progress=None,
+                  plot=False, generate_fn=_stub_generate)
+    run_ruler(llama, num_samples=3, **common)
+    results = tmp_path / "ruler_results.jsonl"
+    header = json.loads(results.read_text().splitlines()[0])["provenance"]
+    assert header["same"]["model"]["model_type"] == "llama" and header["same"]["dtype"] == "float32"
+    assert header["same"]["package_version"] and header["info"]["policies"][1]["name"] == "offload"
+    before = results.read_bytes()
+    with pytest.raises(ProvenanceMismatchError, match=r"different run \(.*model\.model_type: \"llama\" -> \"opt\""):
+        run_ruler(opt, num_samples=4, resume=True, **common)
+    assert results.read_bytes() == before  # nothing added, nothing lost
+    res = run_ruler(llama, num_samples=4, resume=True, **common)  # the same model resumes
+    assert len(res.records) == 8 and sum(r["n"] for r in res.summary if r["task"] != "average") == 8
+    summary = json.loads((tmp_path / "ruler_summary.json").read_text())
+    assert summary["meta"]["provenance"]["same"] == header["same"]
+
+
+def test_resume_refuses_a_file_without_provenance(tmp_path):
+    from kvoffload.eval.runner import run_ruler
+    from kvoffload.provenance import ProvenanceMismatchError
+
+    (tmp_path / "ruler_results.jsonl").write_text(json.dumps({"task": "niah_single_1", "score": 1.0}) + "\n")
+    with pytest.raises(ProvenanceMismatchError, match="records no provenance"):
+        run_ruler(tiny_random_model("llama", max_position_embeddings=2048), tasks=["niah_single_1"], lengths=[1024],
+                  num_samples=1, out_dir=tmp_path, resume=True, progress=None, plot=False, generate_fn=_stub_generate)
+
+
+def test_resume_after_a_cut_inside_a_utf8_character(capsys, tmp_path):
+    args = ["eval", "ppl", "--model", "tiny", "--lengths", "20", "--window", "16", "--texts", "random",
+            "--out", tmp_path, "--quiet", "--no-plot"]
+    assert cli(capsys, *args)[0] == 0
+    results = tmp_path / "ppl_results.jsonl"
+    whole = results.read_bytes()
+    lines = whole.splitlines(keepends=True)
+    # a crash while writing a record holding raw UTF-8: the last line ends in the first byte of "é"
+    results.write_bytes(lines[0] + '{"task": "random", "pred": "caf'.encode() + "é".encode()[:1])
+    rc, _, err = cli(capsys, *args, "--resume")
+    assert rc == 0, err
+    kept = results.read_bytes().splitlines()
+    assert len(kept) == 2 and json.loads(kept[1])["length"] == 20  # the cut line dropped, the row run again
+
+
+def test_profile_and_training_files_carry_provenance(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvoffload.plan.profiler.run_profile", lambda *a, **k: {"fits": {}})  # the measuring aside
+    out = tmp_path / "prof" / "p.json"
+    assert cli(capsys, "profile", "--batch", "2", "--out", out)[0] == 0
+    prov = json.loads(out.read_text())["provenance"]
+    assert prov["same"]["batch"] == 2 and prov["same"]["model_shape"]["model_type"] == "opt"
+
+    from kvoffload.eval.ruler import essays_text
+    from kvoffload.importance import train as ktrain
+    from kvoffload.importance.data import PasskeyData
+
+    model = tiny_random_model("llama", 0, max_position_embeddings=1024)
+    tcfg = ktrain.TrainConfig(steps=1, min_length=400, max_length=448, pad_multiple=64, sink=4, recent=16,
+                              num_passkeys=1, words_per_key=1, out_dir=str(tmp_path / "imp"))
+    data = PasskeyData(model.tokenizer, essays_text()[:50_000], num_passkeys=1, words_per_key=1)
+    ktrain.train_importance(model, tcfg, data=data, quiet=True)
+    prov = json.loads((tmp_path / "imp" / ktrain.SCORES_JSON).read_text())["provenance"]
+    assert prov["same"]["model"]["model_type"] == "llama" and prov["same"]["settings"]["steps"] == 1

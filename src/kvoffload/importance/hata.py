@@ -608,7 +608,10 @@ def train_hata(model, hcfg: HataConfig, *, data=None, train_qk: QKSet | None = N
             _log(f"  mean: trained {r['trained'].mean():.3f} [{r['trained_top'].mean():.3f}]  "
                  f"random {r['random'].mean():.3f} [{r['random_top'].mean():.3f}]", quiet)
     if hcfg.out_dir and int(state.step) >= hcfg.steps:
-        extra = {"final_loss": losses[-1] if losses else None}
+        from kvoffload.provenance import make_provenance
+
+        extra = {"final_loss": losses[-1] if losses else None,
+                 "provenance": make_provenance(model, same={"settings": hcfg.to_json()}, info={"seed": hcfg.seed})}
         if recalls is not None:
             first = next(iter(recalls.values()))
             extra.update(recall_trained=[round(float(x), 4) for x in first["trained"]],

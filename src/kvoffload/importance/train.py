@@ -318,6 +318,9 @@ def train_importance(model, tcfg: TrainConfig, *, data: PasskeyData | None = Non
             log_f.close()
     alpha = np.asarray(state.params["alpha"])
     if tcfg.out_dir and int(state.step) >= tcfg.steps:
-        save_scores(tcfg.out_dir, alpha, mcfg, tcfg, {"final_loss": losses[-1] if losses else None})
+        from kvoffload.provenance import make_provenance
+
+        prov = make_provenance(model, same={"settings": tcfg.to_json()}, info={"seed": tcfg.seed})
+        save_scores(tcfg.out_dir, alpha, mcfg, tcfg, {"final_loss": losses[-1] if losses else None, "provenance": prov})
         _log(f"scores written to {os.path.join(tcfg.out_dir, SCORES_JSON)}", quiet)
     return TrainResult(alpha, losses, state, tcfg.out_dir, time.time() - t_start)

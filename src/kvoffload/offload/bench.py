@@ -453,6 +453,10 @@ def run(args) -> dict:
     results = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "dtype": str(dtype),
                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "quick": args.quick,
                "method": __doc__.split("Method.")[1].strip(), "workloads": {}}
+    from kvoffload.provenance import make_provenance
+
+    results["provenance"] = make_provenance(same={"workloads": {n: wl_all[n] for n in names}, "dtype": str(dtype)},
+                                            info={"arguments": vars(args), "device": dev.device_kind})
     for name in names:
         wl = wl_all[name]
         cfg = model_shape(wl["shape"])

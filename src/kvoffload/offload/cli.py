@@ -56,6 +56,15 @@ def profile_main(argv=None) -> int:
     prof = run_profile(cfg, batch, dtype, quick=args.quick, sizes_mb=nums(args.sizes_mb, float),
                        tokens=nums(args.tokens, int), contexts=nums(args.contexts, int),
                        tensor_parallel=args.tensor_parallel)
+    import dataclasses
+
+    from kvoffload.provenance import make_provenance
+
+    prof["provenance"] = make_provenance(
+        same={"model_shape": dataclasses.asdict(cfg), "batch": batch, "dtype": dtype,
+              "tensor_parallel": args.tensor_parallel},
+        info={"quick": args.quick, "sizes_mb": args.sizes_mb, "tokens": args.tokens, "contexts": args.contexts})
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # checked writable at the start
     write_profile(prof, args.out)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
