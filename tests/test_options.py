@@ -160,3 +160,18 @@ def test_option_parser_fuzz(policy_and_option, value):
     if opt.kind == "choice":
         assert got in opt.choices
     assert opt.parse(got, policy) == got  # idempotent: the CLI's parse and the policy's agree
+
+
+def test_user_errors_doc_is_generated_from_the_schema_and_up_to_date():
+    from kvoffload.errors import KVOffloadError
+    from kvoffload.user_errors_doc import DOC, error_classes, render
+
+    text = render()
+    with open(DOC, encoding="utf-8") as f:
+        assert f.read() == text, "docs/USER_ERRORS.md is out of date: run python -m kvoffload.user_errors_doc"
+    for name in available_policies():  # every option of every policy has its row
+        for opt in policy_schema(name).values():
+            assert f"| `{opt.name}` |" in text, (name, opt.name)
+    classes = error_classes()
+    assert PolicyOptionError in classes and all(issubclass(c, KVOffloadError) for c in classes)
+    assert all(f"`{c.__name__}`" in text for c in classes)

@@ -418,7 +418,7 @@ def _guard_generator(mod, num_samples: int):
     return original, state
 
 
-class RulerLengthError(ValueError):
+class RulerLengthError(KVOffloadError, ValueError):
     """A RULER length refused by a check of ours (not RULER's loops): passes through their failure handling."""
 
 
