@@ -224,8 +224,8 @@ def nonfinite_error(model, prompt: Sequence[int], step: int, row: int) -> NonFin
                 " (check the policy's settings and the dtype's range).")
         bad = nonfinite_weights(model.params)
         msg += (f" Non-finite weights: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}." if bad else
-                f" Every weight is finite; the largest in magnitude is {largest_weight(model.params)} (weights "
-                "that large overflow the activations).")
+                f" Every weight is finite. The largest in magnitude is {largest_weight(model.params)} (weights "
+                "that large can overflow the activations).")
     except Exception as e:  # the diagnosis must never hide the error itself
         msg += f" (The diagnosis failed: {type(e).__name__}: {e}.)"
     return NonFiniteLogitsError(msg)

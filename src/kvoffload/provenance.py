@@ -52,11 +52,13 @@ def source_fingerprint(kind: str, path: str | None = None, **details) -> dict:
     """What a model was loaded from: kind (converted, hf, gguf, tiny, embedded) and a digest of its weight
     files (or of the settings that make a random model)."""
     files = []
-    if path is not None and kind in ("hf", "gguf"):
+    if path is not None and kind in ("hf", "gguf", "embedded"):  # weight files (and configs) at the path
         paths = [path] if os.path.isfile(path) else sorted(
             os.path.join(path, n) for n in os.listdir(path)
             if n.endswith((".safetensors", ".bin", ".gguf", ".json")) and os.path.isfile(os.path.join(path, n)))
         files = [file_fingerprint(p) for p in paths]
+        if kind == "embedded":
+            path = None  # where the package put its GGUF is no part of the model's identity
     return {"kind": kind, "path": None if path is None else os.path.abspath(path),
             "weights_sha": _digest({"files": files, **details})}
 

@@ -92,7 +92,7 @@ CASES = [
      "`decode_step takes a 1-D array of integer token ids [B], got dtype float64 ...`; `... outside the vocabulary`"),
     ("non-finite or huge weights", "a NaN in a safetensors tensor; finite weights of 3e38",
      "at conversion / load: `... holds N non-finite value(s)`; huge finite weights: `non-finite logits ... Every "
-     "weight is finite; the largest in magnitude is 3e+38 (embed)` (a norm whose moment overflows gives NaN, not 0)"),
+     "weight is finite. The largest in magnitude is 3e+38 (embed) ...` (a norm whose moment overflows gives NaN, not 0)"),
     ("eval into a folder with earlier results", "`eval ppl --out D` twice",
      "`D/ppl_results.jsonl holds results of an earlier run; pass --resume ... or --overwrite ...`; the file is untouched"),
     ("resume with another model or settings", "`eval ruler --model tiny:llama ...`, then `--model tiny:opt --resume`",

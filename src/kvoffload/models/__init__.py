@@ -34,7 +34,7 @@ from kvoffload.models.checkpoint import (
     print_progress,
     save_converted,
 )
-from kvoffload.provenance import file_fingerprint, source_fingerprint
+from kvoffload.provenance import source_fingerprint
 from kvoffload.models.tokenizer import Tokenizer, byte_tokenizer, gguf_tokenizer, load_hf_tokenizer
 from kvoffload.models.transformer import family, init_params
 
@@ -146,7 +146,7 @@ def _load_default_model(dt, quiet: bool) -> Model:
     cached = default_model_dir()
     state = converted_state(cached)
     # one fingerprint however it was loaded (the cache, or a fresh conversion): the GGUF it comes from
-    source = source_fingerprint("embedded", None, name=DEFAULT_MODEL_NAME, gguf=file_fingerprint(embedded_gguf_path()))
+    source = source_fingerprint("embedded", embedded_gguf_path(), name=DEFAULT_MODEL_NAME)
     if state == "complete":
         try:
             return dataclasses.replace(_load_converted_model(cached, dt, quiet, redo_hint=False), source=source)
