@@ -53,7 +53,10 @@ def check_output_file(path: str | os.PathLike, what: str = "", error=OutputPathE
     label = f"{what} " if what else ""
     if os.path.isdir(path):
         raise error(f"{label}{path}: is a directory; give a file name")
-    check_output_dir(os.path.dirname(path), what, error)
+    parent = os.path.dirname(path)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise error(f"cannot create {label}{path}: {parent} is not a directory")
+    check_output_dir(parent, what, error)
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise error(f"cannot write to {label}{path}: permission denied")
     return path
