@@ -104,7 +104,7 @@ def test_planner_bounds_a_million_token_prefill():
 
 
 def test_prefill_chunk_tokens_is_validated():
-    with pytest.raises(ValueError, match="prefill_chunk_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must be an integer >= 1"):
         make_policy("offload", prefill_chunk_tokens=0)
 
 

@@ -604,7 +604,7 @@ def test_loop_layers_refuses_what_it_cannot_loop_before_the_prefill():
         with pytest.raises(LoopLayersError, match=match):
             pol.prefill(model, tokens, lengths, 128)
     with pytest.raises(ValueError, match="loop_layers must be true or false"):
-        make_policy("full", loop_layers="yes")
+        make_policy("full", loop_layers="maybe")
 
 
 def test_recompute_workspace_by_token_holds_every_extent_at_once():

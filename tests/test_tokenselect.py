@@ -478,7 +478,7 @@ def test_options_are_checked():
         make_policy("tokenselect", block_tokens=16, page_size=3)
     with pytest.raises(ValueError, match="unknown option"):
         make_policy("tokenselect", token_buget=64)
-    with pytest.raises(TokenSelectOptionError, match="replay_hit_rate values must be in"):
+    with pytest.raises(TokenSelectOptionError, match="replay_hit_rate must be a number or a list of numbers in"):
         make_policy("tokenselect", replay_hit_rate=1.5)
     pol = make_policy("tokenselect", replay_hit_rate=[0.5, 0.5, 0.5])  # one per layer: checked at prefill
     tokens, lengths = pad_prompts(PROMPTS)

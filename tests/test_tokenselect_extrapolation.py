@@ -116,4 +116,4 @@ def test_refusals(model):
     with pytest.raises(TokenSelectOptionError, match="prefill_chunk"):
         make_policy("tokenselect", **{**OPTS, "prefill_chunk": 40})
     with pytest.raises(TokenSelectOptionError, match="true or false"):
-        make_policy("tokenselect", extrapolate="yes")
+        make_policy("tokenselect", extrapolate="maybe")

@@ -70,7 +70,7 @@ def test_library_errors_share_one_base_class():
 
 def test_policy_option_it_does_not_take(capsys, converted):
     rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--policy", "full", "--split-point", "3")
-    one_line_error(rc, err, "policy 'full' takes options", "block_tokens", "got --split-point")
+    one_line_error(rc, err, "policy 'full' takes options", "block_tokens", "got unknown option --split-point")
     rc, _, err = cli(capsys, "generate", "hi", "--model", converted, "--policy-option", "k=3")
     one_line_error(rc, err, "policy 'full'", "--policy-option k")
 
@@ -99,7 +99,7 @@ def test_eval_num_samples_zero(capsys, tmp_path):
 
 def test_eval_policy_option_checked_before_the_run(capsys, tmp_path):
     rc, _, err = cli(capsys, "eval", "ppl", "--model", "tiny", "--policy", "full:k=3", "--out", tmp_path, "--quiet")
-    one_line_error(rc, err, "policy 'full' takes options", "got k")
+    one_line_error(rc, err, "policy 'full' takes options", "got unknown option k")
 
 
 def test_eval_ruler_without_the_generators_says_how_to_install(capsys, tmp_path, monkeypatch):
@@ -299,21 +299,17 @@ def test_eval_refuses_to_delete_results_and_resumes_after_a_cut_line(capsys, tmp
     one_line_error(rc, err, str(results), "--resume", "--overwrite")
     assert results.read_text() == first  # nothing deleted
     # a crash cut the last line in the middle: --resume redoes that row and starts it on a line of its own
-    lines = first.splitlines()
-    results.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
+    lines = first.splitlines()  # the run's provenance, then a record per row
+    assert "provenance" in json.loads(lines[0]) and len(lines) == 3
+    results.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][: len(lines[2]) // 2])
     rc, out, _ = cli(capsys, *args, "--resume")
     assert rc == 0
-    rows = []
-    for line in results.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
+    rows = [json.loads(line) for line in results.read_text().splitlines()[1:]]  # the cut line is gone
     assert len(rows) == 2 and {r["length"] for r in rows} == {20, 24}
     summary = json.loads((tmp_path / "ppl_summary.json").read_text())
     assert sum(r["n"] for r in summary["summary"]) == len(rows)  # the summary counts only rows the file holds
     assert cli(capsys, *args, "--overwrite")[0] == 0
-    assert len(results.read_text().splitlines()) == 2
+    assert len(results.read_text().splitlines()) == 3
 
 
 # ------------------------------------------------------------------ item 9: progress bars
@@ -356,3 +352,341 @@ def test_real_default_cache_corrupted_is_reconverted(tmp_path):
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
     assert "damaged" in again.stderr and path in again.stderr and "Traceback" not in again.stderr
+
+
+# ------------------------------------------------------------------ garbage outputs are refused before writing
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train-importance", "--steps", "2", "--lr", "nan"], "lr must be a finite number > 0, got nan"),
+    (["train-hata", "--steps", "1", "--top-frac", "2"], "top_frac must be a finite number in (0, 1], got 2.0"),
+    (["bench", "--workloads", "tiny", "--steps", "-1"], "--steps must be an integer >= 1, got -1"),
+    (["profile", "--batch", "0"], "--batch must be an integer >= 1, got 0"),
+])
+def test_settings_that_give_garbage_are_refused_before_work(capsys, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "out"
+    if argv[0].startswith("train"):
+        argv = [*argv, "--out", out]
+    elif argv[0] == "profile":
+        argv = [*argv, "--out", out / "p.json"]
+    else:
+        argv = [*argv, "--out", out]
+    rc, _, err = cli(capsys, *argv)
+    one_line_error(rc, err, needle)
+    assert not out.exists() or not any(out.rglob("*"))  # nothing written
+
+
+def test_non_finite_scores_are_neither_written_nor_read(tiny, tmp_path):
+    from kvoffload.errors import InvalidResultError
+    from kvoffload.importance.train import SCORES_JSON, TrainConfig, load_scores, save_scores
+    from kvoffload.policies.clo import load_importance
+
+    alpha = np.full((tiny.config.num_layers, tiny.config.num_kv_heads), np.nan, np.float32)
+    with pytest.raises(InvalidResultError, match="head scores .* non-finite"):
+        save_scores(str(tmp_path), alpha, tiny.config, TrainConfig(steps=1))
+    assert not (tmp_path / SCORES_JSON).exists()
+    path = tmp_path / "nan_scores.json"  # a file from elsewhere (or an older version) holding NaN
+    path.write_text(json.dumps({"alpha": alpha.tolist()}))
+    for read in (load_scores, load_importance):
+        with pytest.raises(KVOffloadError, match=f"{path}.*non-finite"):
+            read(str(path))
+
+
+def test_a_non_finite_training_loss_stops_before_a_checkpoint(tmp_path, monkeypatch):
+    from kvoffload.errors import InvalidResultError
+    from kvoffload.importance import train as ktrain
+
+    model = tiny_random_model("llama", 0, max_position_embeddings=1024)
+    real = ktrain.make_train_step
+
+    def poisoned(*a, **k):  # a step whose loss overflows, as a too large learning rate makes it
+        step = real(*a, **k)
+        return lambda *args: (lambda st, m: (st, {**m, "loss": m["loss"] * np.inf}))(*step(*args))
+
+    monkeypatch.setattr(ktrain, "make_train_step", poisoned)
+    tcfg = ktrain.TrainConfig(steps=2, min_length=400, max_length=448, pad_multiple=64, sink=4, recent=16,
+                              num_passkeys=1, words_per_key=1, out_dir=str(tmp_path))
+    from kvoffload.eval.ruler import essays_text
+    from kvoffload.importance.data import PasskeyData
+
+    data = PasskeyData(model.tokenizer, essays_text()[:50_000], num_passkeys=1, words_per_key=1)
+    with pytest.raises(InvalidResultError, match="loss and gradient at step 1"):
+        ktrain.train_importance(model, tcfg, data=data, quiet=True)
+    assert not (tmp_path / ktrain.SCORES_JSON).exists()
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_empty_longbench_file_is_refused(capsys, tmp_path):
+    data = tmp_path / "lb"
+    data.mkdir()
+    (data / "hotpotqa.jsonl").write_text("")
+    rc, _, err = cli(capsys, "eval", "longbench", "--model", "tiny", "--data-dir", data, "--lengths", "100",
+                     "--out", tmp_path / "out", "--quiet", "--no-plot")
+    one_line_error(rc, err, "hotpotqa.jsonl holds no samples")
+    assert not (tmp_path / "out" / "longbench_summary.json").exists()
+
+
+def test_huge_finite_weights_give_an_error_not_an_empty_answer(tiny):
+    import dataclasses
+
+    from kvoffload.engine import NonFiniteLogitsError, generate
+
+    huge = jax.tree.map(lambda x: jnp.full_like(x, 3e38) if x.dtype == jnp.float32 else x, tiny.params)
+    with pytest.raises(NonFiniteLogitsError, match="Every weight is finite. The largest in magnitude is 3e\\+38"):
+        generate(dataclasses.replace(tiny, params=huge), [[1, 2, 3]], 4)
+
+
+# ------------------------------------------------------------------ convert: a manifest of what it wrote
+
+
+def test_convert_overwrite_replaces_only_its_own_files(capsys, converted, tmp_path):
+    dst = tmp_path / "dst"
+    assert cli(capsys, "convert", converted, dst, "--quiet")[0] == 0
+    (dst / "params" / "mine").mkdir()
+    (dst / "params" / "mine" / "keep.txt").write_text("keep me")
+    (dst / "NOTES.txt").write_text("my notes")
+    manifest = json.loads((dst / CONVERTED_MARKER).read_text())["files"]
+    assert manifest and not any("keep.txt" in f or "NOTES" in f for f in manifest)
+    assert cli(capsys, "convert", converted, dst, "--overwrite", "--quiet")[0] == 0
+    assert (dst / "params" / "mine" / "keep.txt").read_text() == "keep me"
+    (dst / "NOTES.txt").write_text("edited notes")  # a user's file is not checksummed: editing it is no damage
+    assert load_model(str(dst), quiet=True).config == load_model(str(converted), quiet=True).config
+    new = json.loads((dst / CONVERTED_MARKER).read_text())["files"]
+    assert all((dst / f).is_file() for f in new)
+    assert not [f for f in manifest if f not in new and (dst / f).exists()]  # the old conversion's files are gone
+    held = {str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()}
+    assert held == set(new) | {CONVERTED_MARKER, "params/mine/keep.txt", "NOTES.txt"}
+    assert not [p for p in tmp_path.iterdir() if "kvoffload-tmp" in p.name]  # the staging folder is gone
+
+
+def test_convert_on_a_full_disk_keeps_the_previous_checkpoint(capsys, tiny, converted, tmp_path, monkeypatch):
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    dst = tmp_path / "dst"
+    assert cli(capsys, "convert", converted, dst, "--quiet")[0] == 0
+    before = {p.relative_to(dst): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+
+    def full_disk(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", full_disk)
+    rc, _, err = cli(capsys, "convert", converted, dst, "--overwrite", "--quiet")
+    one_line_error(rc, err, "No space left on device", f"{dst} was left as it was")
+    monkeypatch.undo()
+    assert {p.relative_to(dst): p.read_bytes() for p in dst.rglob("*") if p.is_file()} == before
+    assert not [p for p in tmp_path.iterdir() if "kvoffload-tmp" in p.name]
+    got = load_model(str(dst), quiet=True)
+    np.testing.assert_array_equal(np.asarray(got.params.embed), np.asarray(tiny.params.embed))
+
+
+# ------------------------------------------------------------------ output paths are checked before work
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "hi", "--trace", "/dev/null/x"],
+    ["generate", "hi", "--policy", "offload", "--policy-option", "trace=/dev/null/x"],
+    ["profile", "--out", "/dev/null/x"],
+    ["eval", "ppl", "--model", "tiny", "--out", "/dev/null/x", "--quiet"],
+    ["bench", "--workloads", "tiny", "--out", "/dev/null/x"],
+    ["train-importance", "--steps", "1", "--out", "/dev/null/x"],
+])
+def test_output_paths_are_checked_before_work(capsys, monkeypatch, argv):
+    from kvoffload.eval import cli as eval_cli
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the output path was checked")
+
+    monkeypatch.setattr(models, "load_model", no_work)
+    monkeypatch.setattr(eval_cli, "load_eval_model", no_work)
+    monkeypatch.setattr("kvoffload.plan.profiler.run_profile", no_work)
+    monkeypatch.setattr("kvoffload.offload.bench.run", no_work)
+    rc, _, err = cli(capsys, *argv)
+    one_line_error(rc, err, "/dev/null", "not a directory")
+
+
+# ------------------------------------------------------------------ argv, config.json, dtype, decode-step tokens
+
+
+def test_undecodable_prompt_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    prompt = b"abc\xff\xfe def".decode("utf-8", "surrogateescape")  # what Python makes of such an argv
+    rc, _, err = cli(capsys, "generate", prompt)
+    one_line_error(rc, err, "the prompt is not valid UTF-8", "byte 0xff at character 3")
+
+
+@pytest.mark.parametrize("content,needles", [
+    ([1, 2, 3], ["must be a JSON object", "got a JSON list"]),
+    ({"model_type": "llama", "vocab_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "max_position_embeddings": 128, "intermediate_size": 32}, ["key 'hidden_size' is missing"]),
+    ({"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": "four", "max_position_embeddings": 128, "intermediate_size": 32},
+     ["key 'num_attention_heads' must be an integer >= 1, got 'four'"]),
+])
+def test_config_json_of_the_wrong_shape_names_the_key(capsys, tmp_path, content, needles):
+    (tmp_path / "config.json").write_text(json.dumps(content))
+    rc, _, err = cli(capsys, "generate", "hi", "--model", tmp_path, "--quiet")
+    one_line_error(rc, err, "config.json", *needles)
+
+
+def test_int8_dtype_is_refused_at_load(converted):
+    from kvoffload.models import ModelDtypeError
+
+    for load in (lambda: load_model(str(converted), dtype="int8"), lambda: tiny_random_model("llama", dtype="int8")):
+        with pytest.raises(ModelDtypeError, match="'int8' is not a parameter dtype.*float32, bfloat16, float16"):
+            load()
+
+
+def test_decode_step_refuses_float_and_out_of_vocabulary_tokens(tiny):
+    from kvoffload.engine import GenerationInputError, pad_prompts
+    from kvoffload.policies import make_policy
+
+    pol = make_policy("offload")
+    tokens, lengths = pad_prompts([[1, 2, 3]])
+    _, state = pol.prefill(tiny, tokens, np.asarray([3]), 128)
+    with pytest.raises(GenerationInputError, match="integer token ids"):
+        pol.decode_step(tiny, state, [1.7])
+    with pytest.raises(GenerationInputError, match="outside the vocabulary"):
+        pol.decode_step(tiny, state, [tiny.config.vocab_size + 5])
+    with pytest.raises(GenerationInputError, match="integer token ids"):
+        pol.decode_step(tiny, state, jnp.asarray([1.0]))  # a device array's dtype is checked too
+
+
+# ------------------------------------------------------------------ generators that cannot spin
+
+
+def test_every_ruler_task_ends_at_a_length_it_cannot_fill(tmp_path):
+    """Each task at a too-short length returns (a ValueError) instead of spinning in RULER's retry loops; vt names
+    the length it needs, and that length works. In a subprocess: a spin must fail the test, not hang it."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_eval_ruler import WordTokenizer
+from kvoffload.eval import ruler
+tok = WordTokenizer()
+for task in ruler.RULER_TASKS:
+    try:
+        ruler.generate_samples(tok, task, 200, 1)
+        print(task, "fits")
+    except ValueError as e:
+        print(task, "refused:", e)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert set(lines) == set(ruler_tasks())
+    assert lines["vt"].startswith("refused:") and "use a context length of at least" in lines["vt"]
+
+
+def ruler_tasks():
+    from kvoffload.eval.ruler import RULER_TASKS
+
+    return RULER_TASKS
+
+
+def test_vt_too_short_is_refused_naming_the_minimum(capsys, tmp_path):
+    import re
+
+    rc, _, err = cli(capsys, "eval", "ruler", "--model", "tiny:llama:4096", "--tasks", "vt", "--lengths", "256",
+                     "--num-samples", "1", "--out", tmp_path, "--quiet", "--no-plot")
+    one_line_error(rc, err, "RULER vt: length 256 is too short", "use a context length above")
+    # past the bare template (tiny models' byte tokenizer: ~320 tokens) RULER's own vt loop used to spin
+    rc, _, err = cli(capsys, "eval", "ruler", "--model", "tiny:llama:4096", "--tasks", "vt", "--lengths", "1024",
+                     "--num-samples", "1", "--out", tmp_path, "--quiet", "--no-plot")
+    one_line_error(rc, err, "RULER vt: the in-context example does not fit", "cannot be built at any length")
+
+
+def test_vt_names_the_length_it_needs_and_that_length_works():
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_eval_ruler import WordTokenizer
+
+    from kvoffload.eval import ruler
+
+    tok = WordTokenizer()
+    with pytest.raises(ValueError, match="use a context length of at least") as e:
+        ruler.generate_samples(tok, "vt", 400, 1)
+    need = int(re.search(r"at least (\d+)", str(e.value)).group(1))
+    assert len(ruler.generate_samples(tok, "vt", need + 16, 2)) == 2  # with slack for the random draw
+
+
+# ------------------------------------------------------------------ results carry provenance; resume checks it
+
+
+def _stub_generate(model, prompts, max_new_tokens, **kw):
+    return [[65, 66] for _ in prompts]  # "AB": the engine is not what these tests are about
+
+
+def test_resume_refuses_results_of_another_model(tmp_path):
+    from kvoffload.eval.runner import run_ruler
+    from kvoffload.provenance import ProvenanceMismatchError
+
+    llama, opt = tiny_random_model("llama", max_position_embeddings=2048), tiny_random_model("opt", max_position_embeddings=2048)
+    common = dict(tasks=["niah_single_1"], lengths=[1024], policies="full,offload", out_dir=tmp_path, progress=None,
+                  plot=False, generate_fn=_stub_generate)
+    run_ruler(llama, num_samples=3, **common)
+    results = tmp_path / "ruler_results.jsonl"
+    header = json.loads(results.read_text().splitlines()[0])["provenance"]
+    assert header["same"]["model"]["model_type"] == "llama" and header["same"]["dtype"] == "float32"
+    assert header["same"]["package_version"] and header["info"]["policies"][1]["name"] == "offload"
+    before = results.read_bytes()
+    with pytest.raises(ProvenanceMismatchError, match=r"different run \(.*model\.model_type: \"llama\" -> \"opt\""):
+        run_ruler(opt, num_samples=4, resume=True, **common)
+    assert results.read_bytes() == before  # nothing added, nothing lost
+    res = run_ruler(llama, num_samples=4, resume=True, **common)  # the same model resumes
+    assert len(res.records) == 8 and sum(r["n"] for r in res.summary if r["task"] != "average") == 8
+    summary = json.loads((tmp_path / "ruler_summary.json").read_text())
+    assert summary["meta"]["provenance"]["same"] == header["same"]
+
+
+def test_resume_refuses_a_file_without_provenance(tmp_path):
+    from kvoffload.eval.runner import run_ruler
+    from kvoffload.provenance import ProvenanceMismatchError
+
+    (tmp_path / "ruler_results.jsonl").write_text(json.dumps({"task": "niah_single_1", "score": 1.0}) + "\n")
+    with pytest.raises(ProvenanceMismatchError, match="records no provenance"):
+        run_ruler(tiny_random_model("llama", max_position_embeddings=2048), tasks=["niah_single_1"], lengths=[1024],
+                  num_samples=1, out_dir=tmp_path, resume=True, progress=None, plot=False, generate_fn=_stub_generate)
+
+
+def test_resume_after_a_cut_inside_a_utf8_character(capsys, tmp_path):
+    args = ["eval", "ppl", "--model", "tiny", "--lengths", "20", "--window", "16", "--texts", "random",
+            "--out", tmp_path, "--quiet", "--no-plot"]
+    assert cli(capsys, *args)[0] == 0
+    results = tmp_path / "ppl_results.jsonl"
+    whole = results.read_bytes()
+    lines = whole.splitlines(keepends=True)
+    # a crash while writing a record holding raw UTF-8: the last line ends in the first byte of "é"
+    results.write_bytes(lines[0] + '{"task": "random", "pred": "caf'.encode() + "é".encode()[:1])
+    rc, _, err = cli(capsys, *args, "--resume")
+    assert rc == 0, err
+    kept = results.read_bytes().splitlines()
+    assert len(kept) == 2 and json.loads(kept[1])["length"] == 20  # the cut line dropped, the row run again
+
+
+def test_profile_and_training_files_carry_provenance(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvoffload.plan.profiler.run_profile", lambda *a, **k: {"fits": {}})  # the measuring aside
+    out = tmp_path / "prof" / "p.json"
+    assert cli(capsys, "profile", "--batch", "2", "--out", out)[0] == 0
+    prov = json.loads(out.read_text())["provenance"]
+    assert prov["same"]["batch"] == 2 and prov["same"]["model_shape"]["model_type"] == "opt"
+
+    from kvoffload.eval.ruler import essays_text
+    from kvoffload.importance import train as ktrain
+    from kvoffload.importance.data import PasskeyData
+
+    model = tiny_random_model("llama", 0, max_position_embeddings=1024)
+    tcfg = ktrain.TrainConfig(steps=1, min_length=400, max_length=448, pad_multiple=64, sink=4, recent=16,
+                              num_passkeys=1, words_per_key=1, out_dir=str(tmp_path / "imp"))
+    data = PasskeyData(model.tokenizer, essays_text()[:50_000], num_passkeys=1, words_per_key=1)
+    ktrain.train_importance(model, tcfg, data=data, quiet=True)
+    prov = json.loads((tmp_path / "imp" / ktrain.SCORES_JSON).read_text())["provenance"]
+    assert prov["same"]["model"]["model_type"] == "llama" and prov["same"]["settings"]["steps"] == 1

@@ -9,43 +9,7 @@ import sys
 import time
 
 from kvoffload.errors import KVOffloadError
-
-
-def _parse_value(v: str):
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(v.lower(), v)
-
-
-def _policy_options(args) -> dict:
-    opts = {}
-    for item in args.policy_option or []:
-        if "=" not in item:
-            raise ValueError(f"--policy-option takes KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        opts[k.replace("-", "_")] = _parse_value(v)
-    if args.schedule is not None:
-        opts["schedule"] = args.schedule
-    if args.offload_weights:
-        opts["offload_weights"] = True
-    if args.split_point is not None:
-        opts["split_point"] = args.split_point
-    if args.gpu_batches is not None:
-        opts["gpu_batches"] = args.gpu_batches
-    if args.trace is not None:
-        opts["trace"] = args.trace
-    if args.profile is not None:
-        opts["profile"] = args.profile
-    if getattr(args, "tensor_parallel", None) is not None:
-        opts["tensor_parallel"] = args.tensor_parallel
-    return opts
-
-
-class PolicyOptionError(KVOffloadError, ValueError):
-    """An option the chosen policy does not take."""
+from kvoffload.policies.options import PolicyOptionError  # noqa: F401  (raised for the CLI's options; re-exported)
 
 
 # the flag that sets each policy option in `kvoffload generate` (others come from --policy-option KEY=VALUE)
@@ -54,22 +18,35 @@ _OPTION_FLAGS = {"schedule": "--schedule", "offload_weights": "--offload-weights
                  "tensor_parallel": "--tensor-parallel"}
 
 
-def check_policy_options(name: str, options: dict, flags: dict | None = None):
-    """Refuses, before any work, options the policy does not take, naming the policy and what it
-    takes. flags: how the user spelled each option (e.g. split_point -> --split-point)."""
-    from kvoffload.policies import available_policies
-    from kvoffload.policies.base import policy_options
+def _policy_options(args) -> tuple[list[tuple[str, object]], dict[str, str]]:
+    """The policy options of `kvoffload generate` as (name, value) pairs in the order given (values as typed:
+    the policy's schema parses them), and how the user spelled each. A flag and a --policy-option that set the
+    same option are refused together: neither silently wins."""
+    pairs, spelled = [], {}
+    for item in args.policy_option or []:
+        if "=" not in item:
+            raise PolicyOptionError(f"--policy-option takes KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        k = k.strip().replace("-", "_")
+        pairs.append((k, v))
+        spelled[k] = f"--policy-option {k}"
+    for name, flag in _OPTION_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is None or value is False:  # not given (--offload-weights is a store_true flag)
+            continue
+        if name in spelled:
+            raise PolicyOptionError(f"{flag} and {spelled[name]} both set {name}; give one", name)
+        pairs.append((name, value))
+        spelled[name] = flag
+    return pairs, spelled
 
-    names = available_policies()
-    if name not in names:
-        raise PolicyOptionError(f"unknown policy {name!r}; available: {', '.join(names)}")
-    takes = policy_options(name)
-    unknown = [k for k in options if k not in takes]
-    if unknown:
-        flags = flags or {}
-        given = ", ".join(flags.get(k, k) for k in unknown)
-        what = "options " + ", ".join(takes) if takes else "no options"
-        raise PolicyOptionError(f"policy {name!r} takes {what}; got {given}")
+
+def check_policy_options(name: str, options, flags: dict | None = None) -> dict:
+    """The options (a dict or (name, value) pairs) parsed by policy `name`'s schema before any work: one
+    PolicyOptionError naming an unknown, repeated or bad option. flags: how the user spelled each option."""
+    from kvoffload.policies.base import check_options
+
+    return check_options(name, options, flags)
 
 
 def _check_int(value: int, flag: str, low: int, high: int | None = None):
@@ -85,8 +62,14 @@ def cmd_generate(args) -> int:
     _check_int(args.max_new_tokens, "--max-new-tokens", 1)
     _check_int(args.batch, "--batch", 1)
     _check_int(args.seed, "--seed", 0, 2**63 - 1)  # the PRNG key takes a 64-bit integer
-    options = _policy_options(args)
-    check_policy_options(args.policy, options, {k: _OPTION_FLAGS.get(k, f"--policy-option {k}") for k in options})
+    from kvoffload.policies import make_policy
+
+    pairs, spelled = _policy_options(args)
+    options = check_policy_options(args.policy, pairs, spelled)  # typed and checked before the model loads
+    policy = make_policy(args.policy, **options)  # its own checks (the trace path too) before the model loads
+    from kvoffload.models.tokenizer import check_text
+
+    check_text(args.prompt, "the prompt")  # undecodable bytes in argv: one line, before the model loads
     model = load_model(args.model, args.dtype, quiet=args.quiet)
     tok = model.tokenizer
     if tok is None:
@@ -107,8 +90,7 @@ def cmd_generate(args) -> int:
         if not args.chat:
             print(args.prompt, end="", flush=True)
         streamer = TextStreamer(tok, lambda piece: print(piece, end="", flush=True), eos_token_ids(model))
-    out = generate(model, [ids] * args.batch, args.max_new_tokens, policy=args.policy,
-                   policy_options=options, temperature=args.temperature, top_k=args.top_k,
+    out = generate(model, [ids] * args.batch, args.max_new_tokens, policy=policy, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, on_token=streamer)
     dt = time.time() - t0
     if streamer is not None:

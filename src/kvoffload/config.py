@@ -25,6 +25,50 @@ class UnsupportedModelError(KVOffloadError, ValueError):
     """A model type or setting kvoffload does not implement; the message names what is supported."""
 
 
+class ModelConfigError(KVOffloadError, ValueError):
+    """A config.json of the wrong shape: not a JSON object, a key missing, or a value of the wrong type."""
+
+
+_REQUIRED = object()
+
+
+class _ConfigKeys:
+    """Typed reads of an HF config dict: each names the key (and the file) when it is missing or of the wrong
+    type, instead of a KeyError or a bare int() error."""
+
+    def __init__(self, d, source: str):
+        if not isinstance(d, dict):
+            raise ModelConfigError(f"{source} must be a JSON object (HF config.json), got a JSON {_json_kind(d)}")
+        self.d, self.source = d, source
+
+    def _get(self, key, default):
+        if key not in self.d or (self.d[key] is None and default is not _REQUIRED):
+            if default is _REQUIRED:
+                raise ModelConfigError(f"{self.source}: key {key!r} is missing (an HF config.json has it)")
+            return default
+        return self.d[key]
+
+    def int(self, key, default=_REQUIRED, low: int = 1):
+        v = self._get(key, default)
+        if v is default and default is not _REQUIRED:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer() or v < low:
+            raise ModelConfigError(f"{self.source}: key {key!r} must be an integer >= {low}, got {v!r}")
+        return int(v)
+
+    def float(self, key, default=_REQUIRED):
+        import math
+
+        v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ModelConfigError(f"{self.source}: key {key!r} must be a finite number, got {v!r}")
+        return float(v)
+
+
+def _json_kind(v) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(v), type(v).__name__)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     family: str  # "llama" | "opt"
@@ -69,7 +113,8 @@ class ModelConfig:
         return 2 * self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        keys = _ConfigKeys(d, source)
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = d.get("architectures")
@@ -83,18 +128,18 @@ class ModelConfig:
         common = dict(
             family=family,
             model_type=model_type,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            num_layers=int(d["num_hidden_layers"]),
-            num_heads=int(d["num_attention_heads"]),
-            max_position_embeddings=int(d["max_position_embeddings"]),
+            vocab_size=keys.int("vocab_size"),
+            hidden_size=keys.int("hidden_size"),
+            num_layers=keys.int("num_hidden_layers"),
+            num_heads=keys.int("num_attention_heads"),
+            max_position_embeddings=keys.int("max_position_embeddings"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=d.get("pad_token_id"),
         )
         if family == "opt":
             h = common["hidden_size"]
-            proj = int(d.get("word_embed_proj_dim") or h)
+            proj = keys.int("word_embed_proj_dim", h)
             pre = bool(d.get("do_layer_norm_before", True))
             if not d.get("enable_bias", True):
                 raise UnsupportedModelError("OPT with enable_bias=False is not supported")
@@ -105,7 +150,7 @@ class ModelConfig:
                 raise UnsupportedModelError(f"OPT activation {act!r} is not supported (relu, gelu)")
             return cls(
                 **common,
-                intermediate_size=int(d["ffn_dim"]),
+                intermediate_size=keys.int("ffn_dim"),
                 num_kv_heads=common["num_heads"],
                 head_dim=h // common["num_heads"],
                 norm_eps=1e-5,
@@ -125,15 +170,15 @@ class ModelConfig:
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported for {model_type} (silu)")
         n_heads = common["num_heads"]
-        head_dim = int(d.get("head_dim") or common["hidden_size"] // n_heads)
+        head_dim = keys.int("head_dim", common["hidden_size"] // n_heads)
         rope = _rope_settings(d)
         attn_bias = bool(d.get("attention_bias", False))
         return cls(
             **common,
-            intermediate_size=int(d["intermediate_size"]),
-            num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            intermediate_size=keys.int("intermediate_size"),
+            num_kv_heads=keys.int("num_key_value_heads", n_heads),
             head_dim=head_dim,
-            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            norm_eps=keys.float("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=attn_bias or model_type == "qwen2",
             o_bias=attn_bias,
@@ -152,9 +197,9 @@ class ModelConfig:
         try:
             with open(path) as f:
                 d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"corrupt model config {path}: {e}") from e
-        return cls.from_hf_dict(d)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelConfigError(f"corrupt model config {path}: {e}") from e
+        return cls.from_hf_dict(d, path)
 
 
 def _rope_settings(d: dict[str, Any]) -> dict[str, Any]:

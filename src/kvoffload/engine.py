@@ -24,7 +24,7 @@ from kvoffload.errors import KVOffloadError
 from kvoffload.models.common import pytree_dataclass
 from kvoffload.models.sampling import check_sampling, sample
 from kvoffload.models.transformer import family, layer_prefill
-from kvoffload.policies import make_policy
+from kvoffload.policies import available_policies, make_policy
 from kvoffload.policies.base import Policy
 
 PROMPT_BUCKET = 64
@@ -117,7 +117,20 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
 
 
 def resolve_policy(policy: str | Policy, policy_options: dict | None) -> Policy:
+    """A policy by name built with policy_options, or a built policy as it is. Options beside a built policy
+    are refused (they would be ignored): unknown ones by name, known ones with where they go instead."""
     if isinstance(policy, Policy):
+        if policy_options:
+            from kvoffload.policies.base import check_options
+            from kvoffload.policies.options import PolicyOptionError
+
+            name = getattr(policy, "name", type(policy).__name__)
+            if name in available_policies():
+                check_options(name, policy_options)  # an unknown or bad option is named as for a policy by name
+            first = next(iter(policy_options))
+            raise PolicyOptionError(
+                f"policy_options ({', '.join(policy_options)}) given with a built policy {name!r} would be ignored; "
+                f"pass them to make_policy({name!r}, ...) or give the policy by name", first)
         return policy
     return make_policy(policy, **(policy_options or {}))
 
@@ -189,6 +202,16 @@ def nonfinite_weights(params) -> list[str]:
     return [f"{name} ({int(n)} of {a.size} values)" for (name, a), n in zip(leaves, counts) if n]
 
 
+def largest_weight(params) -> str:
+    """'VALUE (path)': the floating-point weight of largest magnitude in a parameter pytree."""
+    leaves = [(jax.tree_util.keystr(path).lstrip("."), a)
+              for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
+              if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact) and jnp.asarray(a).size]
+    peaks = jax.device_get([jnp.max(jnp.abs(a)).astype(jnp.float32) for _, a in leaves])
+    i = int(np.argmax(peaks))
+    return f"{float(peaks[i]):.3g} ({leaves[i][0]})"
+
+
 def nonfinite_error(model, prompt: Sequence[int], step: int, row: int) -> NonFiniteLogitsError:
     """The error for non-finite logits first seen at `step` (0 = the prefill) for batch row `row`,
     with a diagnosis: where the prompt's prefill goes non-finite and which weights are."""
@@ -201,7 +224,8 @@ def nonfinite_error(model, prompt: Sequence[int], step: int, row: int) -> NonFin
                 " (check the policy's settings and the dtype's range).")
         bad = nonfinite_weights(model.params)
         msg += (f" Non-finite weights: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}." if bad else
-                " Every weight is finite.")
+                f" Every weight is finite. The largest in magnitude is {largest_weight(model.params)} (weights "
+                "that large can overflow the activations).")
     except Exception as e:  # the diagnosis must never hide the error itself
         msg += f" (The diagnosis failed: {type(e).__name__}: {e}.)"
     return NonFiniteLogitsError(msg)

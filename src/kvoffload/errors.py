@@ -16,3 +16,42 @@ def warn_accuracy(message: str):
     import warnings
 
     warnings.warn(message, AccuracyWarning, stacklevel=3)
+
+
+class InvalidResultError(KVOffloadError, ValueError):
+    """A run's output that would be garbage (non-finite numbers, nothing evaluated): refused before it is
+    written, so no file ever holds a result that looks like one and is not."""
+
+
+class ArgumentRangeError(KVOffloadError, ValueError):
+    """A command-line or library number outside the range it takes."""
+
+
+def check_range(name: str, value, low=None, high=None, *, integer: bool = False, low_open: bool = False):
+    """value as given, or one ArgumentRangeError naming `name` when it is not a finite number (an integer
+    where integer=True) within [low, high] (low excluded with low_open)."""
+    import math
+
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (not integer or float(value).is_integer())
+    ok = ok and (low is None or value > low or (value == low and not low_open))
+    ok = ok and (high is None or value <= high)
+    if not ok:
+        what = "an integer" if integer else "a finite number"
+        if low is not None and high is not None:
+            what += f" in {'(' if low_open else '['}{low}, {high}]"
+        elif low is not None:
+            what += f" {'>' if low_open else '>='} {low}"
+        raise ArgumentRangeError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def check_finite_result(what: str, values, then: str = "nothing written") -> None:
+    """Refuses (InvalidResultError) a result holding NaN or inf: `what` names it, `then` what happens (and
+    what to change)."""
+    import numpy as np
+
+    arr = np.asarray(values, np.float64)
+    bad = int(arr.size - np.isfinite(arr).sum())
+    if bad:
+        raise InvalidResultError(f"{what} holds {bad} non-finite value(s) of {arr.size}; {then}")

@@ -158,6 +158,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             from .ruler import check_installed
 
             check_installed()  # NVIDIA's generators are installed (else: how to install them), before the model loads
+        from kvoffload.paths import check_output_dir
+
+        check_output_dir(args.out or f"eval-out/{bench}", "--out")  # before the model loads and the run
     except USER_ERRORS as e:
         print(f"kvoffload eval {bench}: error: {one_line(e)}", file=sys.stderr)
         return 2

@@ -190,6 +190,8 @@ def load_longbench(data_dir: str | os.PathLike, datasets: Sequence[str] | None =
         if not p.exists():
             raise FileNotFoundError(f"{p} not found")
         out[name] = read_jsonl(p, dataset=name, limit=limit)
+        if not out[name]:  # an empty table would look like a run that found nothing to score
+            raise LongBenchFormatError(f"{p} holds no samples (an empty file?); nothing to evaluate")
     return out
 
 

@@ -21,13 +21,13 @@ AVERAGE = "average"
 def load_records(path: str | os.PathLike) -> list[dict]:
     """Per-sample records of a ``*_results.jsonl`` file (error lines and cut lines skipped)."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: a line cut inside a UTF-8 character is skipped like any cut line
         for line in f:
             try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
+                r = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 continue
-            if "error" not in r:
+            if isinstance(r, dict) and "error" not in r and "provenance" not in r:  # the first line: the run's provenance
                 out.append(r)
     return out
 

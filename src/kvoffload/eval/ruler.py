@@ -410,12 +410,58 @@ def _guard_generator(mod, num_samples: int):
         else:
             state["last"], state["repeats"] = key, 0
         if state["repeats"] >= limit:  # a retry loop that cannot succeed: let it finish
-            state["infeasible"] = True
+            state["infeasible"], state["stuck"] = True, (a, k)
             return "", []
         return original(*a, **k)
 
     mod.generate_input_output = wrapped
     return original, state
+
+
+class RulerLengthError(KVOffloadError, ValueError):
+    """A RULER length refused by a check of ours (not RULER's loops): passes through their failure handling."""
+
+
+VT_NOISE_STEP = 10  # RULER's vt searches its noise count in steps of 10, starting at 10
+
+
+def _check_vt_fits(task: str, generate_io, adapter, icl: dict, ns, length: int, ttg: int):
+    """Refuses a length variable tracking cannot fill, naming the minimum. RULER's vt loop cannot end there,
+    and the repeat guard does not help: its in-context example counts against the length too, so even the
+    guard's empty sample does not fit. The smallest sample RULER's search can use holds 10 noise sentences
+    (with fewer its noise search breaks): its tokens, the example's and the answer budget must fit."""
+    if not icl.get("input"):
+        raise RulerLengthError(f"RULER {task}: the in-context example does not fit RULER's 500 tokens with this "
+                               "tokenizer; variable tracking cannot be built at any length")
+    example = icl["input"] + " " + " ".join(icl["outputs"]) + "\n\n"
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:  # one draw of the smallest sample, the random state restored: RULER's samples stay the same
+        text, answer = generate_io(VT_NOISE_STEP, ns.num_chains, ns.num_hops, is_icl=False)
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    need = len(adapter.text_to_tokens(text + f" {answer}")) + ttg + len(adapter.text_to_tokens(example))
+    if need > length:
+        raise RulerLengthError(f"RULER {task}: length {length} is too short; its smallest sample (in-context example, "
+                         f"{VT_NOISE_STEP} noise sentences, {ttg} answer tokens) needs about {need} tokens: use a "
+                         f"context length of at least {need}")
+
+
+def _stuck_sample_tokens(generate_io, stuck, adapter) -> int | None:
+    """The prompt tokens of the sample a guarded retry loop gave up on (its smallest context), to name the
+    length needed; None where it cannot be told. The random state is restored."""
+    if stuck is None or generate_io is None:
+        return None
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            text = generate_io(*stuck[0], **dict(stuck[1]))[0]
+        return len(adapter.text_to_tokens(text))
+    except Exception:  # the call that failed in RULER's loop may fail here too: no number then
+        return None
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
 
 # ------------------------------------------------------------------- public API
@@ -470,7 +516,7 @@ def generate_samples(tokenizer, task: str, length: int, num_samples: int, seed: 
                               .replace("{type_needle_v}", "numbers").replace("{num_v}", "5")))
     if bare + ttg >= length:
         raise ValueError(f"RULER {task}: length {length} is too short (template {bare} tokens "
-                         f"+ {ttg} answer tokens); use a longer context length")
+                         f"+ {ttg} answer tokens, before any context); use a context length above {bare + ttg}")
 
     with _LOCK:
         mod = _generator(family, _import_key(family, targs, seed))
@@ -513,11 +559,14 @@ def generate_samples(tokenizer, task: str, length: int, num_samples: int, seed: 
                 elif family == "variable_tracking":
                     icl = mod.sys_vartrack_w_noise_random(num_samples=1, max_seq_length=500, incremental=5,
                                                           num_chains=ns.num_chains, num_hops=ns.num_hops)[0]
+                    _check_vt_fits(task, original, adapter, icl, ns, length, ttg)
                     rows = mod.sys_vartrack_w_noise_random(num_samples=num_samples, max_seq_length=length,
                                                            num_chains=ns.num_chains, num_hops=ns.num_hops,
                                                            icl_example=icl)
                 else:  # pragma: no cover
                     raise NotImplementedError(family)
+        except RulerLengthError:
+            raise
         except Exception:
             if not guard["infeasible"]:
                 raise
@@ -527,9 +576,12 @@ def generate_samples(tokenizer, task: str, length: int, num_samples: int, seed: 
                 mod.generate_input_output = original
             random.setstate(py_state)
             np.random.set_state(np_state)
+        need = _stuck_sample_tokens(original, guard.get("stuck"), adapter)  # under the lock: it calls the module
     if guard["infeasible"] or any(not r["input"] for r in rows):
-        raise ValueError(f"RULER {task}: length {length} is too short to build a sample "
-                         f"(RULER's generator could not fit its minimal context); use a longer context length")
+        raise ValueError(f"RULER {task}: length {length} is too short to build a sample (RULER's generator could "
+                         "not fit its minimal context)" + (f"; its smallest sample needs about {need + ttg} tokens: "
+                                                           f"use a context length of at least {need + ttg}"
+                                                           if need else "; use a longer context length"))
 
     metric = cfg["metric"]
     samples = []

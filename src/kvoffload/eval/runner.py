@@ -112,14 +112,19 @@ def parse_policies(specs: str | Sequence[str], available: Sequence[str] | None =
             k, eq, v = kv.partition("=")
             if not eq or not k.strip():
                 raise ValueError(f"bad policy option {kv!r} in {g[0]!r} (use name:key=value,key=value)")
-            opts.append((k.strip(), _parse_value(v.strip())))
+            opts.append((k.strip(), v.strip()))
         name = name.strip()
         if name not in available:
             raise ValueError(f"unknown policy {name!r}; available: {', '.join(available)}")
-        if check_options:
-            from kvoffload.cli import check_policy_options
+        if check_options:  # typed by the policy's schema now: an unknown, repeated or bad option fails before the run
+            from kvoffload.policies.base import check_options as parse_typed
 
-            check_policy_options(name, dict(opts))  # a policy given options it does not take fails now
+            typed = parse_typed(name, opts)
+            opts = [(k, typed[k]) for k, _ in opts if k in typed]
+        else:
+            if len({k for k, _ in opts}) < len(opts):
+                raise ValueError(f"an option is given twice in {g[0]!r}")
+            opts = [(k, _parse_value(v)) for k, v in opts]
         spec = PolicySpec(name, tuple(opts))
         if any(s.label == spec.label for s in out):
             raise ValueError(f"policy {spec.label!r} is listed twice")
@@ -204,46 +209,76 @@ class ExistingResultsError(KVOffloadError, ValueError):
 
 
 class _ResultsFile:
-    """Appends per-sample records, one JSON line each. With resume, knows which were done before (a
-    line cut by a crash is skipped, and the next record starts on a fresh line); without resume,
-    refuses a file holding earlier results unless overwrite."""
+    """Appends per-sample records, one JSON line each, after a first line holding the run's provenance
+    (`kvoffload.provenance`). With resume, refuses a file whose provenance differs from this run's (naming
+    the fields) and knows which samples were done before; the file is read as bytes and a last line cut by a
+    crash is dropped, whatever it holds (even half a UTF-8 character). Without resume, refuses a file holding
+    earlier results unless overwrite."""
 
-    def __init__(self, path: Path, resume: bool, overwrite: bool = False):
+    def __init__(self, path: Path, resume: bool, overwrite: bool = False, provenance: dict | None = None):
+        from kvoffload.provenance import check_same
+
         self.path = path
         self.done: dict[tuple, dict] = {}
         path.parent.mkdir(parents=True, exist_ok=True)
         held = path.exists() and path.stat().st_size > 0
         if held and resume:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        r = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut by a crash: its sample runs again
-                    if isinstance(r, dict) and "error" not in r:
-                        self.done[self.key(r)] = r
+            header, rows, complete = self._read(path)
+            if provenance is not None:
+                check_same(path, header, provenance)
+            for r in rows:
+                if "error" not in r:
+                    self.done[self.key(r)] = r
+            with open(path, "r+b") as f:  # a cut last line goes: its sample runs again
+                f.truncate(complete)
         elif held and not overwrite:
             raise ExistingResultsError(
                 f"{path} holds results of an earlier run; pass --resume (resume=True) to keep them and run only "
                 "the missing samples, or --overwrite (overwrite=True) to replace them, or choose another --out")
         self._f = open(path, "a" if resume else "w", encoding="utf-8")
-        if held and resume:
-            with open(path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                cut = f.read(1) != b"\n"
-            if cut:  # the last line was cut mid-write: end it, so the next record is a line of its own
-                self._f.write("\n")
+        # written with the first record: a run refused before any sample leaves no file that looks like results
+        self._header = None if held and resume else provenance
+
+    @staticmethod
+    def _read(path: Path) -> tuple[dict | None, list[dict], int]:
+        """(the provenance header or None, the records, the byte length of the complete lines)."""
+        data = path.read_bytes()
+        complete = data.rfind(b"\n") + 1  # past the last newline: a line without one was cut mid-write
+        header, rows = None, []
+        for line in data[:complete].splitlines():
+            try:
+                r = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                continue  # a damaged line: its sample runs again
+            if isinstance(r, dict) and "provenance" in r:
+                header = header or r["provenance"]
+            elif isinstance(r, dict):
+                rows.append(r)
+        return header, rows, complete
 
     @staticmethod
     def key(r: dict) -> tuple:
         return (r.get("task"), r.get("length"), r.get("policy"), r.get("seed"), r.get("index"), r.get("prompt_sha"))
 
     def write(self, r: dict):
+        if self._header is not None:
+            header, self._header = self._header, None
+            self.write({"provenance": header})
         self._f.write(json.dumps(r, ensure_ascii=False) + "\n")
         self._f.flush()
 
     def close(self):
         self._f.close()
+
+
+def run_provenance(model, benchmark: str, specs: Sequence["PolicySpec"], same: dict, info: dict) -> dict:
+    """The provenance of an evaluation run: the model (fingerprint and dtype), the package version, the
+    benchmark and `same` (settings that make a row mean something else) are compared on resume; the
+    policies and `info` (sample counts, lengths, tasks: a resume may add to them) are recorded."""
+    from kvoffload.provenance import make_provenance
+
+    policies = [{"label": s.label, "name": s.name, "options": s.options_dict} for s in specs]
+    return make_provenance(model, same={"benchmark": benchmark, **same}, info={"policies": policies, **info})
 
 
 def _resume_or_run(rf: _ResultsFile, prog: _Progress, records: list[dict], errors: list[str], *, benchmark: str,
@@ -533,7 +568,11 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
     fmt = template_name(chat)
     generate_fn = generate_fn or _engine_generate()
     out = Path(out_dir)
-    rf = _ResultsFile(out / "ruler_results.jsonl", resume, overwrite)
+    # the template changes what a row means (compared on resume); each record names its seed, so a resume may
+    # add seeds as it may add tasks or lengths
+    prov = run_provenance(model, "ruler", specs, {"template": fmt},
+                          {"tasks": tasks, "lengths": lengths, "num_samples": num_samples, "seeds": seeds})
+    rf = _ResultsFile(out / "ruler_results.jsonl", resume, overwrite, prov)
     prog = _Progress("ruler", len(tasks) * len(lengths) * len(seeds) * len(specs) * num_samples, progress)
     prog.note(f"tasks={','.join(tasks)} lengths={lengths} seeds={seeds} policies={[s.label for s in specs]} "
               f"samples={num_samples} per seed, template={fmt}")
@@ -597,7 +636,7 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
             samples_file.close()
     meta = _meta(model, "ruler", specs, {"tasks": tasks, "lengths": lengths, "num_samples": num_samples,
                                           "seeds": seeds, "template": fmt, "chat_template": chat.enabled,
-                                          "errors": errors})
+                                          "errors": errors, "provenance": prov})
     return _finish("ruler", records, out, errors, t_start, meta, prog, baseline, plot)
 
 
@@ -637,7 +676,14 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                              f"{limit_pos - worst - overhead}")
     generate_fn = generate_fn or _engine_generate()
     out = Path(out_dir)
-    rf = _ResultsFile(out / "longbench_results.jsonl", resume, overwrite)
+    from kvoffload.provenance import file_fingerprint
+
+    suffix = "_e" if longbench_e else ""
+    prov = run_provenance(model, "longbench", specs,
+                          {"chat_template": chat.enabled, "longbench_e": longbench_e,
+                           "data": {d: file_fingerprint(str(Path(data_dir) / f"{d}{suffix}.jsonl")) for d in data}},
+                          {"datasets": list(data), "lengths": lengths, "limit": limit, "data_dir": str(data_dir)})
+    rf = _ResultsFile(out / "longbench_results.jsonl", resume, overwrite, prov)
     total = sum(len(v) for v in data.values()) * len(lengths) * len(specs)
     prog = _Progress("longbench", total, progress)
     prog.note(f"datasets={','.join(data)} budgets={lengths} policies={[s.label for s in specs]} "
@@ -672,7 +718,7 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
     meta = _meta(model, "longbench", specs, {"datasets": list(data), "lengths": lengths, "limit": limit,
                                               "longbench_e": longbench_e, "template": template_name(chat),
                                               "chat_template": chat.enabled,
-                                              "data_dir": str(data_dir), "errors": errors})
+                                              "data_dir": str(data_dir), "errors": errors, "provenance": prov})
     return _finish("longbench", records, out, errors, t_start, meta, prog, baseline, plot)
 
 
@@ -726,7 +772,9 @@ def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequenc
         n_win = sum(1 for _ in pp.sliding_windows(L, w, s, decode_tokens))
         plans.append((L, w, s, n_win))
     out = Path(out_dir)
-    rf = _ResultsFile(out / "ppl_results.jsonl", resume, overwrite)
+    prov = run_provenance(model, "ppl", specs, {"window": window, "stride": stride, "decode_tokens": decode_tokens,
+                                                "seed": seed}, {"texts": list(sources), "lengths": lengths})
+    rf = _ResultsFile(out / "ppl_results.jsonl", resume, overwrite, prov)
     prog = _Progress("ppl", sum(p[3] for p in plans) * len(sources) * len(specs), progress)
     prog.note(f"texts={list(sources)} lengths={lengths} policies={[s.label for s in specs]} "
               f"windows={[(p[1], p[2]) for p in plans]}")
@@ -759,5 +807,6 @@ def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequenc
         rf.close()
         prog.close()
     meta = _meta(model, "ppl", specs, {"texts": list(sources), "lengths": lengths, "window": window,
-                                        "stride": stride, "decode_tokens": decode_tokens, "errors": errors})
+                                        "stride": stride, "decode_tokens": decode_tokens, "errors": errors,
+                                        "provenance": prov})
     return _finish("ppl", records, out, errors, t_start, meta, prog, baseline, plot)

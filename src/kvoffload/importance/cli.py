@@ -14,6 +14,9 @@ import json
 import os
 import sys
 
+from kvoffload.errors import check_range
+from kvoffload.paths import check_output_dir
+
 
 def _add_common(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or converted dir "
@@ -115,17 +118,25 @@ def train_importance_main(argv=None) -> int:
     if args.steps is None or args.steps < 1:
         print("train-importance: --steps (>= 1) is required", file=sys.stderr)
         return 2
+    try:  # the settings and the output folder are checked before the model loads
+        tcfg = TrainConfig(
+            steps=args.steps, batch_size=args.batch_size, min_length=args.min_length, max_length=args.max_length,
+            pad_multiple=args.pad_multiple, sink=args.sink, recent=args.recent, granularity=args.granularity,
+            lr=args.lr, l1=args.l1, num_passkeys=args.num_passkeys, words_per_key=args.words_per_key,
+            seed=args.seed, out_dir=args.out, text_path=args.text,
+            checkpoint_every=args.checkpoint_every or max(1, args.steps // 10),
+        )
+        check_output_dir(args.out, "--out")
+        if args.evaluate:
+            check_range("--eval-samples", args.eval_samples, 1, integer=True)
+            check_range("--eval-fraction", args.eval_fraction, 0, 1, low_open=True)
+    except ValueError as e:
+        print(f"train-importance: {e}", file=sys.stderr)
+        return 2
     model = _load(args)
     if model.tokenizer is None:
         print("train-importance: the model has no tokenizer (needed for the passkey data)", file=sys.stderr)
         return 2
-    tcfg = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, min_length=args.min_length, max_length=args.max_length,
-        pad_multiple=args.pad_multiple, sink=args.sink, recent=args.recent, granularity=args.granularity,
-        lr=args.lr, l1=args.l1, num_passkeys=args.num_passkeys, words_per_key=args.words_per_key,
-        seed=args.seed, out_dir=args.out, text_path=args.text,
-        checkpoint_every=args.checkpoint_every or max(1, args.steps // 10),
-    )
     text = text_from_file(args.text) if args.text else None
     data = PasskeyData(model.tokenizer, text, num_passkeys=args.num_passkeys,
                        words_per_key=args.words_per_key, seed=args.seed)
@@ -155,10 +166,6 @@ def train_hata_main(argv=None) -> int:
     if args.steps is None or args.steps < 1:
         print("train-hata: --steps (>= 1) is required", file=sys.stderr)
         return 2
-    model = _load(args)
-    if model.tokenizer is None:
-        print("train-hata: the model has no tokenizer (needed to build prompts)", file=sys.stderr)
-        return 2
     kw = {}
     if args.lr is not None:
         kw["lr"] = args.lr
@@ -172,13 +179,22 @@ def train_hata_main(argv=None) -> int:
         kw["ruler_tasks"] = tuple(t.strip() for t in args.ruler_tasks.split(",") if t.strip())
     if args.top_boost is not None:
         kw["top_boost"] = args.top_boost
-    try:
+    try:  # the settings and the output folder are checked before the model loads
         hcfg = HataConfig(
             top_frac=args.top_frac, steps=args.steps, momentum=args.momentum,
             num_prompts=args.prompts, eval_prompts=args.eval_prompts, prompt_length=args.prompt_length,
             queries_per_prompt=args.queries, seed=args.seed, out_dir=args.out, text_path=args.text,
             checkpoint_every=args.checkpoint_every or max(1, args.steps // 5), **kw,
         )
+        check_output_dir(args.out, "--out")
+    except ValueError as e:
+        print(f"train-hata: {e}", file=sys.stderr)
+        return 2
+    model = _load(args)
+    if model.tokenizer is None:
+        print("train-hata: the model has no tokenizer (needed to build prompts)", file=sys.stderr)
+        return 2
+    try:
         train_hata(model, hcfg, evaluate=not args.no_eval, quiet=args.quiet)
     except ValueError as e:
         print(f"train-hata: {e}", file=sys.stderr)

@@ -56,6 +56,7 @@ import optax
 from flax.training import train_state
 
 from kvoffload import ops
+from kvoffload.errors import check_finite_result, check_range
 from kvoffload.importance import gating
 from kvoffload.models.common import prefill_attention
 from kvoffload.models.transformer import family
@@ -96,6 +97,18 @@ class HataConfig:
     boost_frac: float = 0.01
 
     def __post_init__(self):
+        # before any work: top_frac 2 or a NaN lr would train and report recall 0.000 as if it were a result
+        for name in ("steps", "num_prompts", "eval_prompts", "prompt_length", "queries_per_prompt",
+                     "checkpoint_every", "log_every"):
+            check_range(name, getattr(self, name), 1, integer=True)
+        check_range("seed", self.seed, 0, integer=True)
+        check_range("top_frac", self.top_frac, 0, 1, low_open=True)
+        check_range("boost_frac", self.boost_frac, 0, 1, low_open=True)
+        check_range("lr", self.lr, 0, low_open=True)
+        check_range("momentum", self.momentum, 0, 1)
+        check_range("scale", self.scale, 0, low_open=True)
+        for name in ("balance", "ortho"):
+            check_range(name, getattr(self, name), 0)
         if self.data not in DATA_SOURCES:
             raise ValueError(f"data must be one of {DATA_SOURCES}, got {self.data!r}")
         if self.bits < 32 or self.bits % 32:
@@ -439,6 +452,7 @@ def save_projections(out_dir: str, w, cfg, hcfg: HataConfig, extra: dict | None 
     import orbax.checkpoint as ocp
 
     out_dir = os.path.abspath(out_dir)
+    check_finite_result(f"the HATA projections for {out_dir}", w)
     ck = ocp.StandardCheckpointer()
     ck.save(os.path.join(out_dir, "hata"), {"w": np.asarray(w, np.float32)}, force=True)
     ck.wait_until_finished()
@@ -558,6 +572,8 @@ def train_hata(model, hcfg: HataConfig, *, data=None, train_qk: QKSet | None = N
         p = int(np.random.default_rng([hcfg.seed, 5, s]).integers(P))  # deterministic prompt order
         state, m = step_fn(state, jnp.asarray(train_qk.q[p]), jnp.asarray(train_qk.k[p]), weights[p])
         m = {k: float(v) for k, v in m.items()}
+        check_finite_result(f"the HATA training loss at step {s + 1}", [m["loss"]],
+                            "training stopped, no checkpoint or projections written (a lower --lr?)")
         losses.append(m["loss"])
         if bar is not None and ((s + 1) % hcfg.log_every == 0 or s + 1 == end):
             bar.set_postfix_str(f"loss {m['loss']:.5f} code-dist {m['sim']:.5f} balance {m['balance']:.4f} "
@@ -592,7 +608,10 @@ def train_hata(model, hcfg: HataConfig, *, data=None, train_qk: QKSet | None = N
             _log(f"  mean: trained {r['trained'].mean():.3f} [{r['trained_top'].mean():.3f}]  "
                  f"random {r['random'].mean():.3f} [{r['random_top'].mean():.3f}]", quiet)
     if hcfg.out_dir and int(state.step) >= hcfg.steps:
-        extra = {"final_loss": losses[-1] if losses else None}
+        from kvoffload.provenance import make_provenance
+
+        extra = {"final_loss": losses[-1] if losses else None,
+                 "provenance": make_provenance(model, same={"settings": hcfg.to_json()}, info={"seed": hcfg.seed})}
         if recalls is not None:
             first = next(iter(recalls.values()))
             extra.update(recall_trained=[round(float(x), 4) for x in first["trained"]],

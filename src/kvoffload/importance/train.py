@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from flax.training import train_state
 
+from kvoffload.errors import check_finite_result, check_range
 from kvoffload.importance import gating
 from kvoffload.importance.data import PasskeyData, bucket
 
@@ -60,6 +61,18 @@ class TrainConfig:
     checkpoint_every: int = 25
     log_every: int = 1
     text_path: str | None = None  # haystack text file; None = RULER's essays
+
+    def __post_init__(self):
+        # before any work: a NaN learning rate trains all-NaN gates (a scores file clo would then read)
+        for name in ("steps", "batch_size", "min_length", "max_length", "pad_multiple", "checkpoint_every",
+                     "log_every", "num_passkeys", "words_per_key"):
+            check_range(name, getattr(self, name), 1, integer=True)
+        for name in ("sink", "recent", "seed"):
+            check_range(name, getattr(self, name), 0, integer=True)
+        check_range("lr", self.lr, 0, low_open=True)
+        check_range("l1", self.l1, 0)
+        check_range("warmup_frac", self.warmup_frac, 0, 1)
+        check_range("decay_frac", self.decay_frac, 0, 1)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -186,6 +199,7 @@ def save_scores(out_dir: str, alpha, model_cfg, tcfg: TrainConfig, extra: dict |
 
     out_dir = os.path.abspath(out_dir)
     alpha = np.asarray(alpha, np.float32)
+    check_finite_result(f"the head scores for {out_dir}", alpha)
     ck = ocp.StandardCheckpointer()
     ck.save(os.path.join(out_dir, "scores"), {"alpha": alpha}, force=True)
     ck.wait_until_finished()
@@ -214,10 +228,13 @@ def load_scores(path: str) -> np.ndarray:
         path = os.path.join(path, SCORES_JSON)
     if path.endswith(".json"):
         with open(path) as f:
-            return np.asarray(json.load(f)["alpha"], np.float32)
-    import orbax.checkpoint as ocp
+            alpha = np.asarray(json.load(f)["alpha"], np.float32)
+    else:
+        import orbax.checkpoint as ocp
 
-    return np.asarray(ocp.StandardCheckpointer().restore(path)["alpha"], np.float32)
+        alpha = np.asarray(ocp.StandardCheckpointer().restore(path)["alpha"], np.float32)
+    check_finite_result(f"head scores file {path}", alpha, "not used (train the scores again)")  # NaN scores would rank heads at random
+    return alpha
 
 
 # ------------------------------------------------------------------------------------ loop
@@ -279,6 +296,8 @@ def train_importance(model, tcfg: TrainConfig, *, data: PasskeyData | None = Non
             state, m = step_fn(state, model.params, stacked, jnp.asarray(b.tokens), jnp.asarray(b.lengths),
                                jnp.asarray(b.answer_mask))
             m = {k: float(v) for k, v in m.items()}
+            check_finite_result(f"the training loss and gradient at step {s + 1}", [m["loss"], m["grad_norm"]],
+                                "training stopped, no checkpoint or scores written (a lower --lr?)")
             losses.append(m["loss"])
             now = time.time()
             if log_f is not None:
@@ -299,6 +318,9 @@ def train_importance(model, tcfg: TrainConfig, *, data: PasskeyData | None = Non
             log_f.close()
     alpha = np.asarray(state.params["alpha"])
     if tcfg.out_dir and int(state.step) >= tcfg.steps:
-        save_scores(tcfg.out_dir, alpha, mcfg, tcfg, {"final_loss": losses[-1] if losses else None})
+        from kvoffload.provenance import make_provenance
+
+        prov = make_provenance(model, same={"settings": tcfg.to_json()}, info={"seed": tcfg.seed})
+        save_scores(tcfg.out_dir, alpha, mcfg, tcfg, {"final_loss": losses[-1] if losses else None, "provenance": prov})
         _log(f"scores written to {os.path.join(tcfg.out_dir, SCORES_JSON)}", quiet)
     return TrainResult(alpha, losses, state, tcfg.out_dir, time.time() - t_start)

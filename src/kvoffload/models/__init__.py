@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload.config import ModelConfig
+from kvoffload.errors import KVOffloadError
 from kvoffload.models.checkpoint import (
     CheckpointError,
     check_destination,
@@ -27,10 +29,12 @@ from kvoffload.models.checkpoint import (
     incomplete_error,
     load_converted,
     load_gguf,
+    CONVERTED_MARKER,
     load_hf_params,
     print_progress,
     save_converted,
 )
+from kvoffload.provenance import source_fingerprint
 from kvoffload.models.tokenizer import Tokenizer, byte_tokenizer, gguf_tokenizer, load_hf_tokenizer
 from kvoffload.models.transformer import family, init_params
 
@@ -45,13 +49,27 @@ class Model:
     config: ModelConfig
     params: Any
     tokenizer: Tokenizer | None = None
+    # where it was loaded from, with a digest of its weight files (provenance.source_fingerprint): results
+    # record it, and a resumed evaluation refuses results of another model
+    source: dict | None = None
+
+
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelDtypeError(KVOffloadError, ValueError):
+    """A parameter dtype the models do not run in (int8 would load and fail later, in every matmul)."""
 
 
 def _dtype(dtype) -> jnp.dtype:
     try:
-        return jnp.dtype(dtype)
-    except TypeError as e:
-        raise ValueError(f"unknown dtype {dtype!r} (float32, bfloat16, float16)") from e
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in PARAM_DTYPES:
+        raise ModelDtypeError(f"dtype {dtype!r} is not a parameter dtype kvoffload runs in; use one of "
+                              f"{', '.join(PARAM_DTYPES)}")
+    return dt
 
 
 def embedded_gguf_path() -> str:
@@ -99,7 +117,7 @@ def load_model(path: str | None = None, dtype="float32", quiet: bool = False) ->
         if not path.endswith(".gguf"):
             raise CheckpointError(f"{path}: a model file must be .gguf; for HF checkpoints pass the directory")
         cfg, params, reader = load_gguf(path, dt, progress=print_progress("dequantizing GGUF tensors", quiet))
-        return Model(cfg, params, gguf_tokenizer(reader, path))
+        return Model(cfg, params, gguf_tokenizer(reader, path), source_fingerprint("gguf", path))
     state = converted_state(path)
     if state == "complete":
         return _load_converted_model(path, dt, quiet)
@@ -107,7 +125,7 @@ def load_model(path: str | None = None, dtype="float32", quiet: bool = False) ->
         raise incomplete_error(os.path.abspath(path))
     cfg = ModelConfig.from_json(path)
     params = load_hf_params(path, cfg, dt, progress=print_progress("loading weight files", quiet, unit="file"))
-    return Model(cfg, params, load_hf_tokenizer(path, cfg.eos_token_ids))
+    return Model(cfg, params, load_hf_tokenizer(path, cfg.eos_token_ids), source_fingerprint("hf", path))
 
 
 def _load_converted_model(path: str, dt, quiet: bool, redo_hint: bool = True) -> Model:
@@ -117,7 +135,9 @@ def _load_converted_model(path: str, dt, quiet: bool, redo_hint: bool = True) ->
         params = jax.tree.map(lambda a: a.astype(dt), params)
     # a checkpoint of format 2 lists its tokenizer files, so a deleted one fails the file check above
     tok = Tokenizer.load_saved(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-    return Model(cfg, params, tok)
+    with open(os.path.join(path, CONVERTED_MARKER)) as f:  # verified by load_converted just above
+        manifest = json.load(f).get("files")
+    return Model(cfg, params, tok, source_fingerprint("converted", path, manifest=manifest))
 
 
 def _load_default_model(dt, quiet: bool) -> Model:
@@ -125,9 +145,11 @@ def _load_default_model(dt, quiet: bool) -> Model:
     the cache is derived data, so a clean reconversion is the fix, and it says so on one line."""
     cached = default_model_dir()
     state = converted_state(cached)
+    # one fingerprint however it was loaded (the cache, or a fresh conversion): the GGUF it comes from
+    source = source_fingerprint("embedded", embedded_gguf_path(), name=DEFAULT_MODEL_NAME)
     if state == "complete":
         try:
-            return _load_converted_model(cached, dt, quiet, redo_hint=False)
+            return dataclasses.replace(_load_converted_model(cached, dt, quiet, redo_hint=False), source=source)
         except CheckpointError as e:
             print(f"kvoffload: the cached default model is damaged ({' '.join(str(e).split())}); converting "
                   "it again", file=sys.stderr, flush=True)
@@ -144,6 +166,7 @@ def _load_default_model(dt, quiet: bool) -> Model:
     _log(f"converted in {time.time() - t0:.1f}s", quiet)
     if dt != jnp.float32:
         model.params = jax.tree.map(lambda a: a.astype(dt), model.params)
+    model.source = source
     return model
 
 
@@ -164,7 +187,8 @@ def tiny_random_model(arch: str = "llama", seed: int = 0, dtype="float32", **ove
     cfg = ModelConfig.from_hf_dict({**TINY_CONFIGS[arch], **overrides})
     # scale 0.2 keeps the logits far from ties so greedy tokens are a sharp check
     params = family(cfg).init_params(cfg, jax.random.key(seed), _dtype(dtype), scale=0.2)
-    return Model(cfg, params, byte_tokenizer())
+    return Model(cfg, params, byte_tokenizer(),
+                 source_fingerprint("tiny", None, arch=arch, seed=seed, overrides=overrides))
 
 
 __all__ = [

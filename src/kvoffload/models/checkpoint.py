@@ -23,6 +23,7 @@ import numpy as np
 
 from kvoffload.config import ModelConfig, UnsupportedModelError
 from kvoffload.errors import KVOffloadError
+from kvoffload.paths import check_output_dir
 from kvoffload.models import llama, opt
 
 
@@ -329,7 +330,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
         d["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, a + "rope.scaling.factor"))}
     elif stype not in (None, "none"):
         raise UnsupportedModelError(f"{path}: GGUF rope scaling {stype!r} is not supported")
-    return ModelConfig.from_hf_dict(d)
+    return ModelConfig.from_hf_dict(d, f"{path} (GGUF metadata)")
 
 
 def load_gguf(path: str, dtype=jnp.float32, progress: Callable[[int, int], None] | None = None):
@@ -372,9 +373,9 @@ def load_gguf(path: str, dtype=jnp.float32, progress: Callable[[int, int], None]
 # ----------------------------------------------------------------------------- orbax
 CONVERTED_MARKER = "kvoffload.json"  # written last: its presence means the conversion finished
 INCOMPLETE_MARKER = "kvoffload.incomplete"  # written first, removed last: a conversion under way or cut
-# everything save_converted writes (and all that --overwrite removes)
-_CONVERTED_ENTRIES = {CONVERTED_MARKER, INCOMPLETE_MARKER, "params", "tokenizer.json", "tokenizer_meta.json"}
-_FORMAT = 2  # 2: the marker records a sha256 per file
+# what save_converted wrote before its marker listed the files (format 2): all that --overwrite may remove there
+_LEGACY_ENTRIES = ("params/", "tokenizer.json", "tokenizer_meta.json")
+_FORMAT = 3  # 3: the marker's "files" is the manifest of what the conversion wrote (2: every file in the folder)
 
 
 def _sha256(path: str) -> str:
@@ -386,7 +387,8 @@ def _sha256(path: str) -> str:
 
 
 def _file_digests(directory: str) -> dict[str, str]:
-    """sha256 of every file under directory except the markers, by path relative to it."""
+    """sha256 of every file under directory except the markers, by path relative to it (the manifest of a
+    conversion written into a folder of its own)."""
     out = {}
     for root, _, files in os.walk(directory):
         for name in files:
@@ -395,6 +397,22 @@ def _file_digests(directory: str) -> dict[str, str]:
             if rel not in (CONVERTED_MARKER, INCOMPLETE_MARKER):
                 out[rel] = _sha256(p)
     return dict(sorted(out.items()))
+
+
+def _written_files(directory: str) -> list[str]:
+    """The files an earlier conversion into directory wrote (and --overwrite replaces): its marker's manifest
+    (format 3), or, for an older marker or a cut conversion, its files under params/ and the tokenizer's.
+    Other files (a user's notes) are never among them."""
+    for marker in (CONVERTED_MARKER, INCOMPLETE_MARKER):
+        try:
+            with open(os.path.join(directory, marker)) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("format") == _FORMAT and isinstance(meta.get("files"), (dict, list)):
+            return sorted(meta["files"])
+    held = [os.path.relpath(os.path.join(r, n), directory) for r, _, fs in os.walk(directory) for n in fs]
+    return sorted(rel for rel in held if rel.startswith(_LEGACY_ENTRIES[0]) or rel in _LEGACY_ENTRIES[1:])
 
 
 def converted_state(directory: str) -> str | None:
@@ -433,41 +451,20 @@ def check_destination(directory: str, overwrite: bool = False):
         if entries and not overwrite:
             raise CheckpointError(f"{directory}: already holds a kvoffload checkpoint; pass --overwrite "
                                   "(overwrite=True) to replace it")
-    # Create what is missing and write a probe file, then undo: a path under a file, a read-only or
-    # virtual file system (/sys) fails here, before minutes of loading.
-    created, d = [], directory
-    while not os.path.exists(d):
-        created.append(d)
-        d = os.path.dirname(d)
-    if not os.path.isdir(d):
-        raise CheckpointError(f"cannot create {directory}: {d} is not a directory")
-    try:
-        for c in reversed(created):
-            os.mkdir(c)
-        probe = os.path.join(directory, f".kvoffload-write-test-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(f"cannot write to {directory}: {e.strerror or e}") from e
-    finally:
-        for c in created:
-            try:
-                os.rmdir(c)
-            except OSError:
-                pass
+    # a path under a file, a read-only or virtual file system (/sys) fails here, before minutes of loading
+    check_output_dir(directory, error=CheckpointError)
 
 
-def _clear_converted(directory: str):
-    """Removes what save_converted writes (only that: other files stay)."""
-    for name in _CONVERTED_ENTRIES - {INCOMPLETE_MARKER}:
-        p = os.path.join(directory, name)
-        if os.path.isdir(p):
-            shutil.rmtree(p)
-        elif os.path.exists(p):
+def _remove_files(directory: str, rels):
+    """Removes these files (relative paths) and the folders they leave empty; nothing else."""
+    for rel in rels:
+        p = os.path.join(directory, rel)
+        if os.path.isfile(p) or os.path.islink(p):
             os.remove(p)
+        d = os.path.dirname(p)
+        while d != directory and os.path.isdir(d) and not os.listdir(d):
+            os.rmdir(d)
+            d = os.path.dirname(d)
 
 
 def _write_json_atomically(path: str, obj):
@@ -483,8 +480,11 @@ def save_converted(directory: str, cfg: ModelConfig, params, tokenizer=None, *, 
                    source: str | None = None):
     """Writes an orbax checkpoint of params plus the config (and tokenizer) beside it.
 
-    The marker (kvoffload.json, written last) records a sha256 of every file, verified at load; a
-    kvoffload.incomplete file marks the directory while the conversion runs. Refuses a non-empty
+    Everything is written first into a folder beside the destination (same file system), then moved in by
+    renames: a full disk or an error while writing leaves the destination as it was (a previous checkpoint
+    intact). The marker (kvoffload.json, written last) holds the manifest of the files written with their
+    sha256, verified at load; only those files are replaced by overwrite, other files in the folder stay and
+    are not checksummed. kvoffload.incomplete marks the folder while it is incomplete. Refuses a non-empty
     directory that is not a kvoffload checkpoint, and replaces one only with overwrite.
     """
     import dataclasses
@@ -496,16 +496,37 @@ def save_converted(directory: str, cfg: ModelConfig, params, tokenizer=None, *, 
     for what, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         check_finite(leaf, f"parameter {jax.tree_util.keystr(what)}")
     os.makedirs(directory, exist_ok=True)
-    _write_json_atomically(os.path.join(directory, INCOMPLETE_MARKER), {"source": source})
-    _clear_converted(directory)
-    leaves = jax.tree.leaves(params)
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.join(directory, "params"), params, force=True)
-    ckpt.wait_until_finished()
-    if tokenizer is not None:
-        tokenizer.save(directory)
-    meta = {"config": dataclasses.asdict(cfg), "dtype": str(leaves[0].dtype), "format": _FORMAT,
-            "source": source, "files": _file_digests(directory)}
+    if converted_state(directory) is None:  # a new folder: marked at once, so a cut conversion is recognised
+        _write_json_atomically(os.path.join(directory, INCOMPLETE_MARKER), {"source": source})
+    staging = os.path.join(os.path.dirname(directory), f".{os.path.basename(directory)}.kvoffload-tmp")
+    shutil.rmtree(staging, ignore_errors=True)  # what a cut conversion left
+    try:
+        os.makedirs(staging)
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(os.path.join(staging, "params"), params, force=True)
+        ckpt.wait_until_finished()
+        if tokenizer is not None:
+            tokenizer.save(staging)
+        written = _file_digests(staging)
+    except OSError as e:  # a full disk, a quota: one line, the destination untouched
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"cannot write the converted checkpoint beside {directory}: {e.strerror or e}; "
+                              f"{directory} was left as it was") from e
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    # the swap: renames only (no new space needed); marked incomplete with both file lists until it is done
+    old = _written_files(directory)
+    _write_json_atomically(os.path.join(directory, INCOMPLETE_MARKER),
+                           {"source": source, "format": _FORMAT, "files": sorted(set(old) | set(written))})
+    if os.path.exists(os.path.join(directory, CONVERTED_MARKER)):
+        os.remove(os.path.join(directory, CONVERTED_MARKER))
+    _remove_files(directory, old)
+    for rel in written:
+        os.renames(os.path.join(staging, rel), os.path.join(directory, rel))
+    shutil.rmtree(staging, ignore_errors=True)
+    meta = {"config": dataclasses.asdict(cfg), "dtype": str(jax.tree.leaves(params)[0].dtype), "format": _FORMAT,
+            "source": source, "files": written}
     _write_json_atomically(os.path.join(directory, CONVERTED_MARKER), meta)
     os.remove(os.path.join(directory, INCOMPLETE_MARKER))
 

@@ -21,9 +21,16 @@ def pytree_dataclass(cls):
     return cls
 
 
+def _overflow_is_nan(inv, moment):
+    """rsqrt of a moment that overflowed to inf is 0, and a norm would turn huge (finite) activations into zeros
+    and the logits into a silent all-zero row: NaN instead, which the engine refuses with its diagnosis."""
+    return jnp.where(jnp.isinf(moment), jnp.nan, inv)
+
+
 def rms_norm(x, weight, eps):
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = xf * _overflow_is_nan(jax.lax.rsqrt(ms + eps), ms)
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -31,7 +38,7 @@ def layer_norm(x, weight, bias, eps):
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    y = (xf - mean) * _overflow_is_nan(jax.lax.rsqrt(var + eps), var)
     return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 

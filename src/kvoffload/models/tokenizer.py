@@ -5,9 +5,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Sequence
 
+from kvoffload.errors import KVOffloadError
+
 CHAT_META = "tokenizer_meta.json"
+# lone surrogates: what Python makes of bytes that are not UTF-8 in a command line (surrogateescape)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class TextInputError(KVOffloadError, ValueError):
+    """Text to tokenize that is not a string or not valid Unicode."""
+
+
+def check_text(text, what: str = "text") -> str:
+    """text as it is, or one TextInputError: not a str, or holding bytes that were not UTF-8 (a command line's
+    undecodable bytes arrive as lone surrogates, which no tokenizer can encode)."""
+    if not isinstance(text, str):
+        raise TextInputError(f"{what} must be a str, got {type(text).__name__}")
+    bad = _SURROGATE.search(text)
+    if bad:
+        ch = ord(bad.group())
+        byte = f"byte 0x{ch - 0xdc00:02x}" if 0xdc80 <= ch <= 0xdcff else f"code point U+{ch:04X}"
+        raise TextInputError(f"{what} is not valid UTF-8 ({byte} at character {bad.start()}); pass UTF-8 text")
+    return text
 
 
 class Tokenizer:
@@ -27,7 +49,7 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.backend.encode(check_text(text), add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids

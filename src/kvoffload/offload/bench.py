@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from kvoffload.errors import check_finite_result
+
 QUICK_WORKLOADS = ["opt67b", "llama8b"]
 
 
@@ -451,6 +453,10 @@ def run(args) -> dict:
     results = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "dtype": str(dtype),
                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "quick": args.quick,
                "method": __doc__.split("Method.")[1].strip(), "workloads": {}}
+    from kvoffload.provenance import make_provenance
+
+    results["provenance"] = make_provenance(same={"workloads": {n: wl_all[n] for n in names}, "dtype": str(dtype)},
+                                            info={"arguments": vars(args), "device": dev.device_kind})
     for name in names:
         wl = wl_all[name]
         cfg = model_shape(wl["shape"])
@@ -486,6 +492,9 @@ def run(args) -> dict:
                     print(f"[bench]   FAILED: {r['error']}", file=sys.stderr, flush=True)
                     rows.append(r)
                     continue
+                # a measurement that is not a number is not a result: refused before any file gets it
+                check_finite_result(f"the measured step time of {pol} at context {ctx} ({name})",
+                                    [r.get("step_s", float("nan")), r.get("prefill_s", 0.0)])
                 l = (r.get("plan") or {}).get("split_point", 0) or 0
                 # the pipeline's own prediction of the step it ran (its LayerWork: real blocks, extents,
                 # recompute); the scalar model beside it for reference

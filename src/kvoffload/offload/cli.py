@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import ArgumentRangeError, KVOffloadError, check_range
+from kvoffload.paths import check_output_dir, check_output_file
 
 
 def profile_main(argv=None) -> int:
@@ -27,9 +28,19 @@ def profile_main(argv=None) -> int:
                     help="profile one device of an N-device mesh: transfers with every link busy, its heads' "
                          "compute, and the collectives between devices (default 1)")
     args = ap.parse_args(argv)
+    if args.batch is not None:
+        check_range("--batch", args.batch, 1, integer=True)  # 0 must not fall back to the default batch
+    check_range("--tensor-parallel", args.tensor_parallel, 1, integer=True)
+    check_output_file(args.out)  # before minutes of measuring
 
     def nums(s, cast):
-        return tuple(cast(v) for v in s.split(",")) if s else None
+        try:
+            vals = tuple(cast(v) for v in s.split(",")) if s else None
+        except ValueError:
+            raise ArgumentRangeError(f"a list of numbers, comma separated, is needed; got {s!r}") from None
+        for v in vals or ():
+            check_range("each size / count", v, 0, low_open=True)
+        return vals
 
     from kvoffload.offload import memory as M
     from kvoffload.plan.profiler import model_shape, run_profile, write_profile
@@ -45,8 +56,15 @@ def profile_main(argv=None) -> int:
     prof = run_profile(cfg, batch, dtype, quick=args.quick, sizes_mb=nums(args.sizes_mb, float),
                        tokens=nums(args.tokens, int), contexts=nums(args.contexts, int),
                        tensor_parallel=args.tensor_parallel)
-    d = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(d, exist_ok=True)
+    import dataclasses
+
+    from kvoffload.provenance import make_provenance
+
+    prof["provenance"] = make_provenance(
+        same={"model_shape": dataclasses.asdict(cfg), "batch": batch, "dtype": dtype,
+              "tensor_parallel": args.tensor_parallel},
+        info={"quick": args.quick, "sizes_mb": args.sizes_mb, "tokens": args.tokens, "contexts": args.contexts})
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # checked writable at the start
     write_profile(prof, args.out)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
@@ -62,6 +80,11 @@ def check_bench_workloads(argv, platform: str):
     from kvoffload.offload.bench import QUICK_WORKLOADS, _workloads, build_parser
 
     args, _ = build_parser().parse_known_args(argv)
+    # before anything runs: --steps -1 would time no step and print a table of NaN
+    for flag, low in (("--steps", 1), ("--warmup", 0), ("--hf-steps", 1), ("--sync-depth", 0), ("--back-to-back", 0)):
+        check_range(flag, getattr(args, flag[2:].replace("-", "_")), low, integer=True)
+    if args.out is not None:
+        check_output_dir(args.out)
     known = _workloads(args.quick)
     names = args.workloads.split(",") if args.workloads else (
         QUICK_WORKLOADS if args.quick else [n for n in known if not n.startswith("tiny")])

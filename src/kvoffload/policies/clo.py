@@ -103,7 +103,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvoffload import ops
-from kvoffload.errors import KVOffloadError, warn_accuracy
+from kvoffload.errors import warn_accuracy
 from kvoffload.importance.deploy import group_similarity
 from kvoffload.models.transformer import family
 from kvoffload.offload import sharding as S
@@ -112,10 +112,13 @@ from kvoffload.offload.pool import write_blocks_many, write_blocks_stacked
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
+from kvoffload.policies.options import Option, PolicyOptionError
 from kvoffload.policies.tokenselect import (
     NEG_INF,
     HostRows,
     SelectionCache,
+    SELECTION_RUN_OPTIONS,
+    SELECTION_WINDOW_OPTIONS,
     TokenSelectHooks,
     TokenSpace,
     cache_decision,
@@ -158,7 +161,7 @@ SHIPPED_SCORES = os.path.join(PRETRAINED, "smollm2_135m_instruct_head_scores.jso
 SHIPPED_PROFILE = os.path.join(PRETRAINED, "smollm2_135m_instruct_clo_profile.json")
 
 
-class CloOptionError(KVOffloadError, ValueError):
+class CloOptionError(PolicyOptionError):
     """A clo option out of range, not supported, or not applicable to the model."""
 
 
@@ -910,15 +913,32 @@ class CloPolicy(LayeredPolicy):
     host_pool = True  # V (and for quest / hata K) extents in pinned host memory; exact: K on the device
     host_dtypes = ("native", "int4")  # int4: the host extents quantized, the gathered rows dequantized on the GPU
     int4_k_quant_default = "token"  # rows are gathered one by one (`LayeredPolicy.int4_k_quant_default`)
-    extra_options = ("retrieval", "quest_page_tokens", "quest_dtype", "hata_bits", "hata_weights", "topk", "topk_ratio",
-                     "topk_min", "num_sink", "num_recent", "importance", "eta", "p",
-                     "fixed_threshold", "gqa_aggregation", "persistent_heads", "layer0_full", "speculative_prefetch",
-                     "store", "replay_hit_rate", "conditionals", "topk_method")
-
-    def __init__(self, **options):
-        if options.get("offload_weights"):
-            raise CloOptionError("policy 'clo' keeps the weights on the device; offload_weights is not supported")
-        super().__init__(**options)
+    streams_weights = False
+    option_error = CloOptionError
+    hook_options = (
+        Option("retrieval", "choice", "how tokens are scored: exact q.k, Quest page bounds, HATA hash codes",
+               choices=RETRIEVALS),
+        Option("quest_page_tokens", "int", "quest: tokens per page (divides block_tokens)", low=1),
+        Option("quest_dtype", "choice", "quest: page metadata in the keys' dtype or int8", choices=QUEST_DTYPES),
+        Option("hata_bits", "int", "hata: hash bits (a multiple of 32); none: the weights' width, else 128", low=32),
+        Option("hata_weights", "path", "hata: trained projections from `kvoffload train-hata`; none: random"),
+        Option("topk", "int", "tokens selected per head (none: topk_ratio, default 0.1 of the context)", low=1),
+        Option("topk_ratio", "float", "tokens selected per head as a share of the context", low=0, high=1,
+               low_open=True),
+        Option("topk_min", "int", "with a ratio: the fewest tokens selected (none: 1024 for quest and hata, 0 for "
+               "exact)", low=0),
+        *SELECTION_WINDOW_OPTIONS,
+        Option("importance", "path", "head-importance scores from `kvoffload train-importance`; none: shipped"),
+        Option("eta", "float", "reuse-threshold curve: the cosine of the least important head", low=-1, high=1),
+        Option("p", "float", "reuse-threshold curve exponent", low=0, low_open=True),
+        Option("fixed_threshold", "float", "one reuse threshold for every head (in place of the curve)"),
+        Option("gqa_aggregation", "choice", "how a KV group's query similarities combine", choices=AGGREGATIONS),
+        Option("persistent_heads", "pairs", "heads that keep all their tokens: auto, none, plan (a CLO profile)",
+               choices=("auto", "none", "plan")),
+        Option("layer0_full", "bool", "layer 0 attends all its tokens as `full` does"),
+        Option("speculative_prefetch", "bool", "gather the next layer's guessed rows ahead"),
+        *SELECTION_RUN_OPTIONS,
+    )
 
     def make_hooks(self, retrieval="exact", quest_page_tokens=16, quest_dtype="keys", hata_bits=None, hata_weights=None, topk=None, topk_ratio=None, num_sink=4, num_recent=64, importance=None,
                    eta=0.8, p=3.0, fixed_threshold=None, gqa_aggregation="harmonic", persistent_heads="auto",

@@ -12,8 +12,4 @@ from kvoffload.policies.layered import LayeredPolicy
 @register_policy("full")
 class FullPolicy(LayeredPolicy):
     host_pool = False
-
-    def __init__(self, **options):
-        if options.get("offload_weights"):
-            raise ValueError("policy 'full' keeps weights and K/V on the device; use 'offload' or 'kvpr' to stream weights")
-        super().__init__(**options)
+    streams_weights = False  # weights and K/V on the device

@@ -49,6 +49,7 @@ from kvoffload.plan.hybrid import (
 )
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
+from kvoffload.policies.options import Option
 
 GB = 1e9
 # "balance": this batch's blocks split to minimise the predicted step (plan/hybrid.py balance_batch);
@@ -252,21 +253,25 @@ def class_columns(classes, per_req):
 @register_policy("hybrid")
 class HybridPolicy(LayeredPolicy):
     host_pool = True
-    extra_options = ("act_share", "gpu_blocks", "mini_batch_gb", "host_budget_gb", "allocation")
+    hook_options = (
+        Option("act_share", "float", "share of blocks stored as activations (0: KV only, 1: ACT only); "
+               "none: the planner's", low=0, high=1),
+        Option("gpu_blocks", "int", "GPU-resident activation blocks per layer; auto: what GPU memory holds",
+               low=0, words=("auto",)),
+        Option("mini_batch_gb", "float", "GPU workspace per mini-batch, GB", low=0, low_open=True),
+        Option("host_budget_gb", "float", "host memory for the blocks, GB; none: the machine's", low=0,
+               low_open=True),
+        Option("allocation", "choice", "how block shares are chosen: balanced split or the paper's Algorithm 1",
+               choices=ALLOCATIONS),
+    )
     # HybridServe offloads the weights too and switches mini-batches at layer granularity
     defaults = {"offload_weights": True, "schedule": "column"}
     host_dtypes = ("native", "int4")  # int4: host KV and ACT blocks quantized, GPU-resident blocks native
 
-    def __init__(self, **options):
-        for k, v in self.defaults.items():
-            if options.get(k) is None:
-                options[k] = v
-        super().__init__(**options)
-
-    def make_hooks(self, act_share=None, gpu_blocks="auto", mini_batch_gb=None, host_budget_gb=None, allocation=None):
-        return HybridHooks(act_share=act_share, gpu_blocks="auto" if gpu_blocks is None else gpu_blocks,
-                           mini_batch_gb=0.5 if mini_batch_gb is None else mini_batch_gb,
-                           host_budget_gb=host_budget_gb, allocation=allocation or "balance")
+    def make_hooks(self, act_share=None, gpu_blocks="auto", mini_batch_gb=0.5, host_budget_gb=None,
+                   allocation="balance"):
+        return HybridHooks(act_share=act_share, gpu_blocks=gpu_blocks, mini_batch_gb=mini_batch_gb,
+                           host_budget_gb=host_budget_gb, allocation=allocation)
 
     def describe(self, state=None) -> dict:
         d = super().describe(state)

@@ -22,6 +22,7 @@ import numpy as np
 from kvoffload.offload.pipeline import GroupPlan, LayerHooks, attended_tokens, extent_work
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
+from kvoffload.policies.options import Option
 
 STORES = ("both", "split")
 
@@ -112,7 +113,12 @@ class KVPRHooks(LayerHooks):
 class KVPRPolicy(LayeredPolicy):
     host_pool = True
     host_dtypes = ("native", "int4")
-    extra_options = ("split_point", "kvpr_store")
+    hook_options = (
+        Option("split_point", "int", "force the recompute split point (extents recomputed); none: the scheduler's",
+               low=0),
+        Option("kvpr_store", "choice", "both: K/V and X on the host; split: X below the split, K/V above",
+               choices=STORES),
+    )
 
     def make_hooks(self, split_point=None, kvpr_store="both"):
         return KVPRHooks(split_point=split_point, kvpr_store=kvpr_store or "both")

@@ -4,14 +4,58 @@ decode_step and describe, shared; a subclass supplies its hooks and where the po
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
-from kvoffload.offload.pipeline import LayerHooks, LayerPipeline, PipelineOptions
+from kvoffload import ops
+from kvoffload.offload.pipeline import SCHEDULES, LayerHooks, LayerPipeline, PipelineOptions
+from kvoffload.paths import check_output_file
+from kvoffload.plan.cost import HOST_DTYPES, INT4_K_QUANTS
 from kvoffload.policies.base import Policy
+from kvoffload.policies.options import Option, PolicyOptionError, parse_options
+
+# The options every pipeline policy takes: one per field of PipelineOptions (the field holds the default).
+PIPELINE_OPTIONS = (
+    Option("schedule", "choice", "row: one GPU batch a step; column: gpu_batches GPU batches per layer",
+           choices=SCHEDULES),
+    Option("offload_weights", "bool", "stream the weights layer by layer from host memory"),
+    Option("resident_layers", "int", "with offload_weights: the first N layers' weights stay on the GPU", low=0),
+    Option("gpu_batches", "int", "column schedule: GPU batches per decode step", low=1),
+    Option("block_tokens", "int", "tokens per pool block (a power of two)", low=1),
+    Option("extent_mb", "float", "MiB of K (or V) per extent; none: a per-device default", low=0, low_open=True),
+    Option("sync_depth", "int", "pipeline items issued ahead of the one computing (0: synchronous)", low=0),
+    Option("attention_impl", "choice", "decode attention: Pallas kernel, XLA reference, or auto", choices=ops.IMPLS),
+    Option("prefill_workspace_gb", "float", "prefill row chunks keep their workspace under this many GB", low=0,
+           low_open=True),
+    Option("prefill_chunk_tokens", "int", "prefill each layer in chunks of this many tokens; none: whole prompt",
+           low=1),
+    Option("prefill_attention_impl", "choice", "chunked prefill attention", choices=ops.PREFILL_IMPLS),
+    Option("recompute_impl", "choice", "K/V recomputation from X: kernel, XLA reference, or auto",
+           choices=ops.IMPLS),
+    Option("profile", "path", "a JSON machine profile written by `kvoffload profile`"),
+    Option("trace", "path", "write a per-step trace (JSON) to this file"),
+    Option("check_memory", "bool", "refuse a plan that does not fit host or GPU memory"),
+    Option("host_memory_limit_gb", "float", "host memory the plan may use; none: what the machine has", low=0,
+           low_open=True),
+    Option("gpu_memory_limit_gb", "float", "GPU memory the plan may use; none: what the device has", low=0,
+           low_open=True),
+    Option("host_dtype", "choice", "how the host pool stores K/V and activations", choices=HOST_DTYPES),
+    Option("int4_group_size", "int", "int4: elements per quantization group", low=1),
+    Option("int4_k_quant", "choice", "int4: how K is scaled (token, channel, int8 codes, native dtype)",
+           choices=INT4_K_QUANTS),
+    Option("tensor_parallel", "int", "split heads, weights and the host pool over the first N devices", low=1),
+    Option("mesh", "object", "a jax.sharding.Mesh with a 'model' axis (in place of tensor_parallel)"),
+    Option("layers_per_program", "int", "consecutive layers decoded in one program where nothing moves", low=1),
+    Option("loop_layers", "bool", "run the trailing layers of one shape as one looped program"),
+)
 
 
 class LayeredPolicy(Policy):
     host_pool = True  # the pool in pinned host memory (False: device memory)
-    extra_options: tuple = ()  # options the policy's hooks take (beside PipelineOptions)
+    # the options the policy's hooks take (beside PIPELINE_OPTIONS); their defaults are make_hooks'
+    hook_options: tuple[Option, ...] = ()
+    defaults: dict = {}  # pipeline options whose default differs for this policy (hybrid: offload_weights)
+    streams_weights = True  # False: the policy keeps the weights on the device and refuses offload_weights
+    option_error = PolicyOptionError  # the class its option errors have (clo, tokenselect: their own subclass)
     host_dtypes: tuple = ("native",)  # the host_dtype values its hooks support (int4: offload, kvpr, hybrid)
     # int4 K scales unless int4_k_quant is given: per channel of each block where whole blocks move (RULER on
     # SmolLM2 at 7K: -4.42 points per token, +1.07 per channel; BENCHMARKS); per token where single rows are
@@ -19,18 +63,32 @@ class LayeredPolicy(Policy):
     int4_k_quant_default: str = "channel"
 
     @classmethod
+    def option_schema(cls) -> dict[str, Option]:
+        """name -> Option (with its default) of every option this policy takes: the pipeline's, then its hooks'."""
+        fields = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
+        defaults = {**fields, "int4_k_quant": cls.int4_k_quant_default, **cls.defaults}
+        sig = inspect.signature(cls.make_hooks).parameters
+        defaults.update({k: p.default for k, p in sig.items() if p.default is not inspect.Parameter.empty})
+        schema = {o.name: o for o in PIPELINE_OPTIONS + cls.hook_options}
+        missing = set(fields) - set(schema)
+        assert not missing, f"PipelineOptions fields without an Option: {missing}"
+        return {k: dataclasses.replace(o, default=defaults.get(k)) for k, o in sorted(schema.items())}
+
+    @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return tuple(sorted({f.name for f in dataclasses.fields(PipelineOptions)} | set(cls.extra_options)))
+        return tuple(cls.option_schema())
 
     def __init__(self, **options):
+        options = {**self.defaults, **parse_options(self.name, self.option_schema(), options, error=self.option_error)}
+        if options.get("offload_weights") and not self.streams_weights:
+            raise self.option_error(f"policy {self.name!r} keeps the weights on the device; offload_weights is not "
+                                    "supported (use 'offload' or 'kvpr' to stream weights)", "offload_weights")
         known = {f.name for f in dataclasses.fields(PipelineOptions)}
-        unknown = sorted(set(options) - known - set(self.extra_options))
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} for policy {self.name!r}; it takes: "
-                             f"{', '.join(sorted(known | set(self.extra_options)))}")
         pipe_opts = {k: v for k, v in options.items() if k in known and v is not None}  # None: the default
         pipe_opts.setdefault("int4_k_quant", self.int4_k_quant_default)
-        hook_opts = {k: v for k, v in options.items() if k in self.extra_options}
+        hook_opts = {k: v for k, v in options.items() if k not in known}
+        if pipe_opts.get("trace"):  # written after the run: a path that cannot be written fails now, not then
+            check_output_file(pipe_opts["trace"], "trace", error=self.option_error)
         self.options = PipelineOptions(**pipe_opts)
         if self.options.host_dtype not in self.host_dtypes:
             raise ValueError(
@@ -49,6 +107,7 @@ class LayeredPolicy(Policy):
         return self.pipeline.prefill(model, tokens, lengths, capacity)
 
     def decode_step(self, model, state, tokens):
+        self.check_step_tokens(model, tokens)
         return self.pipeline.decode_step(model, state, tokens)
 
     def release(self, state, rows):

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
+from kvoffload.policies.options import Option
 
 
 @register_policy("offload")
 class OffloadPolicy(LayeredPolicy):
     host_pool = True
     host_dtypes = ("native", "int4")
-    extra_options = ("split_point",)
+    hook_options = (Option("split_point", "int", "only 0 (offload fetches all K/V; kvpr takes other split points)",
+                           low=0),)
 
     def make_hooks(self, split_point=None):
         if split_point is not None and int(split_point) != 0:

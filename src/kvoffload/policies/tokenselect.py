@@ -60,13 +60,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvoffload import ops
-from kvoffload.errors import KVOffloadError
 from kvoffload.offload import sharding as S
 from kvoffload.offload.pipeline import LayerHooks, PoolSources, native_extent
 from kvoffload.pallas.sparse_attention import expand_indices
 from kvoffload.policies import extrapolation
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
+from kvoffload.policies.options import Option, PolicyOptionError
 
 PLACEMENTS = ("gpu", "split")
 IN_PLACE_EXTENT_MB = 1024.0  # the default extent of a pool read in place (`TokenSelectHooks.extent_mb_per_device`)
@@ -74,7 +74,7 @@ DEFAULT_BUDGET = 2048  # the paper's top-k (pzs19/TokenSelect config: top_k 2048
 NEG_INF = float("-inf")
 
 
-class TokenSelectOptionError(KVOffloadError, ValueError):
+class TokenSelectOptionError(PolicyOptionError):
     """A tokenselect option out of range or not supported."""
 
 
@@ -457,6 +457,21 @@ def tier_index(sizes, most):
 # ---------------------------------------------------------------------------------------------
 
 STORES = ("kv", "act", "auto")
+
+# options tokenselect and clo share (their meaning is the same in both)
+SELECTION_WINDOW_OPTIONS = (
+    Option("num_sink", "int", "first tokens always attended", low=0),
+    Option("num_recent", "int", "most recent tokens always attended", low=0),
+)
+SELECTION_RUN_OPTIONS = (
+    Option("store", "choice", "kv: K/V (V) rows in the host pool; act: activations, the selected K/V recomputed; "
+           "auto: per layer by the cost model", choices=STORES),
+    Option("replay_hit_rate", "floats", "replay this reuse rate (one number, or one per layer) instead of the rule",
+           low=0, high=1),
+    Option("conditionals", "bool", "skip a layer's selection work under lax.cond when every head reuses; "
+           "none: only off the GPU"),
+    Option("topk_method", "choice", "the top-k implementation", choices=ops.TOPK_METHODS),
+)
 UNION_TIER = 4  # the X-row gathers take K, 4K, 16K, ... rows (up to the whole union's bound), the smallest that fits
 
 
@@ -1012,14 +1027,26 @@ def selection_budget(budget, ratio, num_sink, num_recent, *, default_budget=None
 class TokenSelectPolicy(LayeredPolicy):
     host_pool = False
     int4_k_quant_default = "token"  # rows are gathered one by one (`LayeredPolicy.int4_k_quant_default`)
-    extra_options = ("token_budget", "token_ratio", "token_min", "num_sink", "num_recent", "cache_threshold", "kv",
-                     "page_size", "extrapolate", "prefill_chunk", "store", "replay_hit_rate", "conditionals", "topk_method")
+    streams_weights = False
+    option_error = TokenSelectOptionError
+    hook_options = (
+        Option("token_budget", "int", "tokens selected per head (none: 2048 unless token_ratio)", low=1),
+        Option("token_ratio", "float", "tokens selected per head as a share of the context", low=0, high=1,
+               low_open=True),
+        Option("token_min", "int", "with token_ratio: the fewest tokens selected", low=0),
+        *SELECTION_WINDOW_OPTIONS,
+        Option("cache_threshold", "float", "reuse the cached selection while the query's cosine to the cached "
+               "one is at least this"),
+        Option("kv", "choice", "gpu: the pool in device memory; split: K on the GPU, V in the host pool",
+               choices=PLACEMENTS),
+        Option("page_size", "int", "tokens per selected page (divides block_tokens)", low=1),
+        Option("extrapolate", "bool", "accept prompts past the model's positions (a dense runner)"),
+        Option("prefill_chunk", "int", "extrapolate: prompt tokens per prefill chunk", low=1),
+        *SELECTION_RUN_OPTIONS,
+    )
     extrapolation = None  # an Extrapolation with extrapolate=True: prompts past the trained positions
 
     def __init__(self, **options):
-        if options.get("offload_weights"):
-            raise TokenSelectOptionError("policy 'tokenselect' keeps the weights on the device; "
-                                         "offload_weights is not supported")
         # kv=split: a host pool (V extents in pinned host memory, K extents on the device, see the hooks);
         # its V extents may be stored as int4 (the selected rows dequantized on the GPU)
         self.host_pool = options.get("kv", "gpu") == "split"
@@ -1071,6 +1098,7 @@ class TokenSelectPolicy(LayeredPolicy):
 
     def decode_step(self, model, state, tokens):
         if self.extrapolation is not None:
+            self.check_step_tokens(model, tokens)
             return extrapolation.decode_step(model.config, self.extrapolation, model.params, state,
                                              jnp.asarray(tokens, jnp.int32))
         return super().decode_step(model, state, tokens)
