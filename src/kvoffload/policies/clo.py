@@ -963,6 +963,10 @@ class CloPolicy(LayeredPolicy):
             raise CloOptionError(f"gqa_aggregation must be one of {AGGREGATIONS}, got {gqa_aggregation!r}")
         if topk_min is None:  # the floor where retrieval is approximate (`APPROXIMATE_TOPK_MIN`); none for exact keys
             topk_min = APPROXIMATE_TOPK_MIN if retrieval != "exact" and topk is None else 0
+        if retrieval == "quest":
+            warn_accuracy("clo retrieval=quest is not accepted on held-out RULER data: with its 1024-token floor it "
+                          "still lost 1.6-3.3 points against `full` at 4K on the development set (BENCHMARKS.md, "
+                          "Quest's budget floor)")
         if retrieval == "hata" and hata_weights is None:
             warn_accuracy("clo retrieval=hata without hata_weights scores by random projections, which lost "
                           "15-20 RULER points against `full` on held-out data (BENCHMARKS.md, held-out accuracy); "

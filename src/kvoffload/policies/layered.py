@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 
 from kvoffload import ops
+from kvoffload.errors import warn_accuracy
 from kvoffload.offload.pipeline import SCHEDULES, LayerHooks, LayerPipeline, PipelineOptions
 from kvoffload.paths import check_output_file
 from kvoffload.plan.cost import HOST_DTYPES, INT4_K_QUANTS
@@ -96,6 +97,10 @@ class LayeredPolicy(Policy):
                 "(use 'offload', 'kvpr' or 'hybrid')" if not self.host_pool else
                 f"policy {self.name!r} does not support host_dtype={self.options.host_dtype!r} yet (it supports "
                 f"{list(self.host_dtypes)}; int4 host storage runs in 'offload', 'kvpr' and 'hybrid')")
+        if self.options.host_dtype == "int4":
+            warn_accuracy("host_dtype=int4 is not accepted on held-out RULER data: it lost about 2 points against "
+                          "`full` in a held-out check, and the development runs cannot separate its variants "
+                          "(BENCHMARKS.md, Quest's budget floor); measure it on your task (docs/EVALUATION.md)")
         self.pipeline = LayerPipeline(self.make_hooks(**hook_opts), self.options, host_pool=self.host_pool)
 
     def make_hooks(self, **hook_options) -> LayerHooks:
