@@ -151,6 +151,12 @@ TINY_CONFIGS = {
     "llama": dict(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
                   rope_theta=10000.0, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False),
+    # every other layer sliding, a window shorter than most test prompts, query_pre_attn_scalar != head_dim
+    "gemma3": dict(model_type="gemma3_text", vocab_size=258, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                   rope_local_base_freq=10000.0, sliding_window=16, sliding_window_pattern=2,
+                   query_pre_attn_scalar=24, bos_token_id=256, eos_token_id=257, tie_word_embeddings=True),
     "opt": dict(model_type="opt", vocab_size=258, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=512, do_layer_norm_before=True,
                 word_embed_proj_dim=64, activation_function="relu", bos_token_id=256, eos_token_id=257),
