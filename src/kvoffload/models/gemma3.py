@@ -149,8 +149,8 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02) -> Gemma3P
     def rnd(*shape, s=scale):
         return (s * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
-    def norm_w(n=h):
-        return rnd(n, s=0.1)
+    def norm_w(n=h, mean=0.0):
+        return (mean + rnd(n, s=0.1)).astype(dtype)
 
     def bias(n, on):
         return rnd(n) if on else None
@@ -158,8 +158,10 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02) -> Gemma3P
     layers = tuple(
         Gemma3Layer(
             attn_norm=norm_w(), wq=rnd(h, nq), wk=rnd(h, nkv), wv=rnd(h, nkv), wo=rnd(nq, h),
-            q_norm=norm_w(d), k_norm=norm_w(d), post_attn_norm=norm_w(), mlp_norm=norm_w(),
-            post_mlp_norm=norm_w(), w_gate=rnd(h, i), w_up=rnd(h, i), w_down=rnd(i, h),
+            # the post norms scale the branches' outputs ~3x (as trained Gemmas' do): near 1 the sqrt(H)-scaled
+            # embedding outweighs them and a random model mostly repeats its input token
+            q_norm=norm_w(d), k_norm=norm_w(d), post_attn_norm=norm_w(mean=2.0), mlp_norm=norm_w(),
+            post_mlp_norm=norm_w(mean=2.0), w_gate=rnd(h, i), w_up=rnd(h, i), w_down=rnd(i, h),
             bq=bias(nq, cfg.qkv_bias), bk=bias(nkv, cfg.qkv_bias), bv=bias(nkv, cfg.qkv_bias),
             bo=bias(h, cfg.o_bias), sliding=cfg.layer_window(j) is not None,
         )

@@ -58,6 +58,8 @@ import numpy as np
 
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
+from kvoffload.config import UnsupportedModelError
+from kvoffload.models.common import attention_window
 from kvoffload.models.transformer import family, layer_prefill, layer_prefill_chunked
 from kvoffload.offload import memory as M
 from kvoffload.offload import sharding as S
@@ -274,13 +276,15 @@ class PoolSources:
     # recomputes it (static, so a mesh's layer program has no conditional: an XLA conditional reads its
     # predicate on the host, and a multi-device launch waits for that read); () on one device
     token_recompute: tuple = ()
+    # [B] int32: a sliding-window layer's first attended position this step (`layer_body` sets it), or None
+    key_start: Any = None
 
     @property
     def x_by_token(self) -> bool:
         return bool(self.token_recompute)
 
 
-jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"],
+jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute", "key_start"],
                                  meta_fields=["prompt_extents", "token_recompute"])
 
 
@@ -311,7 +315,8 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
                                                                       recompute_impl),
                                 lambda x, kk, vv, f: (native_extent(kk, q.dtype), native_extent(vv, q.dtype)),
                                 src.x[e], src.k[e], src.v[e], tables.first_pos[e])
-        part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl)
+        window = {} if src.key_start is None else dict(first_pos=tables.first_pos[e], start=src.key_start)
+        part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl, **window)
         acc = ops.merge_attention_into(acc, part)
     return acc, slots
 
@@ -398,11 +403,16 @@ def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
             tail_x = put_rows(tail_x, x, tail_len, 0)
         q = q[:, :, 0]
     recompute_impl, attention_impl = options
+    window = attention_window(cfg, lp)
+    if window is not None:  # a sliding layer (pool sources only: `sliding_refusal`): keys at positions > p - window
+        sources = dataclasses.replace(sources, key_start=positions[:, 0] - window + 1)
     with jax.named_scope("pool_attention"):
         acc, slots = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, slots, recompute_impl,
                             attention_impl)
     with jax.named_scope("tail_attention"):
-        o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1,
+        # tail slot j holds position p - tail_len + j (the new token at j = tail_len)
+        tail_start = None if window is None else tail_len - window + 1
+        o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, start=tail_start,
                                                                   impl=attention_impl))
     with jax.named_scope("out_mlp"):
         h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
@@ -738,6 +748,11 @@ class LayerHooks:
 
     def plan_group(self, pipe: "LayerPipeline", model, group: GroupState) -> GroupPlan:
         return GroupPlan(used_extents=group.used_extents)
+
+    def sliding_refusal(self, pipe: "LayerPipeline") -> str | None:
+        """Why this policy cannot run a model with sliding-window layers, or None: the default attention
+        (`attend_pool`) masks each extent's keys older than a sliding layer's window."""
+        return None
 
     def fetch(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int):
         """(early, late) lists of host arrays to move for this layer (empty for a device pool)."""
@@ -1241,6 +1256,8 @@ class LayerPipeline:
         b, t_pad = tokens.shape
         dtype = model.params.layers[0].wk.dtype
         lengths_np = np.asarray(lengths, np.int64)
+        if cfg.has_sliding_layers:
+            self.check_sliding()
         rows, layouts = self.plan(model, lengths_np, t_pad, capacity)
         if o.loop_layers:  # before any work: what the loop cannot take
             self.check_loop(layouts)
@@ -1331,6 +1348,18 @@ class LayerPipeline:
         if o.loop_layers:
             states = [self.stack_group(model, gr) for gr in states]
         return logits, DecodeState(groups=tuple(states), batch=b)
+
+    def check_sliding(self):
+        """One clear UnsupportedModelError where this run cannot give a model with sliding-window layers the right
+        answer (before any work)."""
+        why = self.hooks.sliding_refusal(self)
+        if why is None and self.mesh is not None:
+            why = "the tensor-parallel attention paths have no sliding-window mask yet (tensor_parallel=1)"
+        if why is None and self.opts.loop_layers:
+            why = "loop_layers stacks layers of one kind; sliding and global layers differ (loop_layers=False)"
+        if why:
+            raise UnsupportedModelError(f"policy {self.hooks.name!r} cannot run a model with sliding-window layers: "
+                                        f"{why}")
 
     # -- layers looped in one program (PipelineOptions.loop_layers) ----------------------------
     def check_loop(self, layouts):
