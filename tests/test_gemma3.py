@@ -383,3 +383,98 @@ def test_real_greedy_tokens_match_transformers(real_gguf):
     opts = dict(block_tokens=64)
     assert generate(model, prompts[-1:], n, policy="full", policy_options=opts, stop_on_eos=False) == want[-1:]
     assert generate(model, prompts[-1:], n, policy="offload", policy_options=opts, stop_on_eos=False) == want[-1:]
+
+
+# ------------------------------------------------------------------ GGUF conversion on a tiny written file
+
+SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
+PIECES = ["\u2581", "h", "i", "\u2581h", "hi", "\u2581hi", "e", "l", "o", "he", "ll", "llo", "hello", "\u2581hello"]
+USER = ["  ", "\n\n"]  # llama.cpp writes Gemma's space runs with spaces; matched whole
+
+
+def _write_tiny_gguf(path, model):
+    """A gemma3 GGUF of the tiny model as llama.cpp lays it out: norms stored as 1 + weight (F32), projections
+    Q8_0 / Q5_0, per-layer sliding flags, a SentencePiece vocabulary (special, byte, normal and user-defined
+    pieces with scores)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    cfg, p = model.config, model.params
+    tokens = SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + PIECES + USER
+    types = [3] * 4 + [6] * 256 + [1] * len(PIECES) + [4] * len(USER)
+    scores = [-1000.0] * 4 + [0.0] * 256 + [-float(r) for r in range(len(PIECES))] + [-1000.0] * len(USER)
+    assert len(tokens) == cfg.vocab_size
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    a = "gemma3."
+    for key, val in [("block_count", cfg.num_layers), ("context_length", cfg.max_position_embeddings),
+                     ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                     ("attention.head_count", cfg.num_heads), ("attention.head_count_kv", cfg.num_kv_heads),
+                     ("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
+                     ("attention.sliding_window", cfg.sliding_window)]:
+        w.add_uint32(a + key, val)
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg.norm_eps)
+    w.add_float32(a + "rope.freq_base", cfg.rope_theta)
+    w.add_array(a + "attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", scores)
+    w.add_array("tokenizer.ggml.token_type", types)
+    for key, val in [("bos_token_id", 2), ("eos_token_id", 1), ("unknown_token_id", 3), ("padding_token_id", 0)]:
+        w.add_uint32("tokenizer.ggml." + key, val)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+
+    def put(name, arr, qtype=None):  # arr [out, in] as llama.cpp stores a projection (HF's orientation)
+        arr = np.ascontiguousarray(np.asarray(arr, np.float32))
+        if qtype is None:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
+
+    put("token_embd.weight", p.embed, Q.Q8_0)
+    put("output_norm.weight", np.asarray(p.final_norm) + 1)
+    names = {"attn_norm": "attn_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+             "post_attn_norm": "post_attention_norm", "mlp_norm": "ffn_norm", "post_mlp_norm": "post_ffw_norm"}
+    for i, lp in enumerate(p.layers):
+        for field, name in names.items():
+            put(f"blk.{i}.{name}.weight", np.asarray(getattr(lp, field)) + 1)
+        for field, name, q in [("wq", "attn_q", Q.Q5_0), ("wk", "attn_k", Q.Q5_0), ("wv", "attn_v", Q.Q8_0),
+                               ("wo", "attn_output", Q.Q8_0), ("w_gate", "ffn_gate", Q.Q5_0),
+                               ("w_up", "ffn_up", Q.Q5_0), ("w_down", "ffn_down", Q.Q8_0)]:
+            put(f"blk.{i}.{name}.weight", np.asarray(getattr(lp, field)).T, q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_conversion_and_sentencepiece_tokenizer(tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    src = tiny_random_model("gemma3", vocab_size=len(SPECIAL) + 256 + len(PIECES) + len(USER))
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, src)
+    model = load_model(str(path), quiet=True)
+    cfg = model.config
+    same = ("family", "layer_types", "sliding_window", "rope_theta", "rope_local_theta", "rope_type", "head_dim",
+            "num_heads", "num_kv_heads", "hidden_size", "intermediate_size", "num_layers", "tie_word_embeddings",
+            "activation", "vocab_size")
+    assert {f: getattr(cfg, f) for f in same} == {f: getattr(src.config, f) for f in same}
+    assert cfg.norm_eps == pytest.approx(src.config.norm_eps) and (cfg.bos_token_id, cfg.eos_token_ids) == (2, (1,))
+    assert cfg.query_pre_attn_scalar == cfg.head_dim  # llama.cpp's scale for every size but 27B (no GGUF key)
+    assert [lp.sliding for lp in model.params.layers] == [True, False, True, False]
+    lq, lo = model.params.layers[1], src.params.layers[1]
+    np.testing.assert_allclose(lq.post_mlp_norm, lo.post_mlp_norm, atol=1e-6)  # stored as 1 + w, back to w
+    want_wq = dequantize(quantize(np.asarray(lo.wq).T, Q.Q5_0), Q.Q5_0).T  # no q/k permutation (NEOX RoPE)
+    np.testing.assert_array_equal(np.asarray(lq.wq), want_wq)
+    assert np.abs(np.asarray(lq.wq) - np.asarray(lo.wq)).max() > 0  # it went through the quantizer
+    tok = model.tokenizer
+    piece = {t: i for i, t in enumerate(SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + PIECES + USER)}
+    # SentencePiece merges the best-scoring pair first: ▁h, ▁hi, he, ll, llo, hello
+    assert tok.encode("hello hi") == [2, piece["hello"], piece["\u2581hi"]]
+    # byte fallback for pieces not in the vocabulary; a space run and a newline pair matched whole
+    assert tok.encode("z  hi\n\n") == [2, piece["<0x7A>"], piece["  "], piece["hi"], piece["\n\n"]]
+    assert tok.decode(tok.encode("z  hello hi\n\n")) == "z  hello hi\n\n"
+    assert tok.encode("<eos>hi", add_special_tokens=False) == [1, piece["hi"]]  # control pieces special
