@@ -254,6 +254,37 @@ def test_policies_match_full(tiny, full_ref, policy, opts):
         assert np.array_equal(logits, want_logits)
 
 
+def test_offload_moves_no_extent_outside_every_window(tiny):
+    """A sliding layer fetches no extent whose every block has left its request's window (the extent gets a zero
+    stand-in): fewer bytes than the same weights with every layer global, the same logits as `full`."""
+    from kvoffload.engine import pad_prompts
+    from kvoffload.policies import make_policy
+
+    wide = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, sliding_window=10**6))
+    tokens, lengths = pad_prompts([list(range(3, 43))])  # one request: its old extents leave the window
+    moved, logits_of = {}, {}
+    for name, model, policies in (("window", tiny, ("offload", "full")), ("wide", wide, ("offload",))):
+        for policy in policies:
+            pol = make_policy(policy, **BASE)
+            logits, state = pol.prefill(model, tokens, lengths, 64)
+            out = []
+            for _ in range(2):
+                logits, state = pol.decode_step(model, state, jnp.argmax(logits, -1).astype(jnp.int32))
+                out.append(np.asarray(logits))
+            logits_of[name, policy] = np.stack(out)
+            if policy == "offload":
+                moved[name] = state.records[-1]["bytes_kv"]
+                gr = state.groups[0]
+                extent_bytes = gr.pool_k[0][0].nbytes + gr.pool_v[0][0].nbytes
+                per_extent = gr.layout.extent_blocks
+    # the last step's token is at position 41: its window starts at 26, so blocks 0..5 (positions < 24) are out,
+    # and with 3 blocks an extent, extents 0 and 1 hold no block in the window: two sliding layers skip two each
+    assert per_extent == 3
+    assert moved["wide"] - moved["window"] == 2 * 2 * extent_bytes, moved
+    assert np.array_equal(logits_of["window", "offload"], logits_of["window", "full"])
+    assert np.abs(logits_of["window", "full"] - logits_of["wide", "offload"]).max() > 1e-2
+
+
 @pytest.mark.parametrize("policy,opts", [("clo", {}), ("tokenselect", {}), ("full", dict(loop_layers=True))])
 def test_policies_without_sliding_support_refuse(tiny, policy, opts):
     with pytest.raises(UnsupportedModelError, match="cannot run a model with sliding-window layers: .+") as e:

@@ -709,6 +709,15 @@ class GroupPlan:
     # "skip" no blocks in use (a zero stand-in, empty tables)
     modes: tuple = ()
     groups_info: dict | None = None  # what the policy wants in the step record for this GPU batch
+    # a host pool with sliding-window layers: those layers' modes, "skip" where every block of the extent has
+    # left its request's window (`LayerPipeline.window_plan`; the window mask ignores their keys anyway)
+    sliding_modes: tuple = ()
+
+    def layer_modes(self, pipe: "LayerPipeline", layout: PoolLayout, layer: int) -> tuple:
+        """extent_modes as layer `layer` gets its extents (a sliding layer: sliding_modes, where set)."""
+        if self.sliding_modes and pipe.sliding_layers[layer]:
+            return self.sliding_modes
+        return self.extent_modes(pipe, layout)
 
     def extent_modes(self, pipe: "LayerPipeline", layout: PoolLayout) -> tuple:
         if self.modes:
@@ -756,7 +765,7 @@ class LayerHooks:
 
     def fetch(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int):
         """(early, late) lists of host arrays to move for this layer (empty for a device pool)."""
-        modes = plan.extent_modes(pipe, group.layout)
+        modes = plan.layer_modes(pipe, group.layout, layer)
         early = [group.pool_x[layer][e] for e, m in enumerate(modes) if m == "x"]
         late = []
         for e, m in enumerate(modes):
@@ -854,7 +863,7 @@ class LayerHooks:
         early, late = fetched
         ks, vs, xs = (list(t) for t in pipe.stand_ins(group, layer))
         ie, il = iter(early), iter(late)
-        for e, m in enumerate(plan.extent_modes(pipe, group.layout)):
+        for e, m in enumerate(plan.layer_modes(pipe, group.layout, layer)):
             if m == "dev":
                 ks[e], vs[e], xs[e] = group.pool_k[layer][e], group.pool_v[layer][e], group.pool_x[layer][e]
             elif m == "x":
@@ -1043,6 +1052,7 @@ class LayerPipeline:
         self.hooks = hooks
         self.opts = opts
         self.host_pool = host_pool
+        self.sliding_layers: tuple = ()  # per layer of the model decoding: a sliding window (set each step)
         self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V/X extents are QuantizedInt
         # tensor parallelism: None on one device (the single-device path); else the mesh every array is
         # placed on (self.rep: replicated there) and a device of it that this process drives
@@ -1349,6 +1359,21 @@ class LayerPipeline:
             states = [self.stack_group(model, gr) for gr in states]
         return logits, DecodeState(groups=tuple(states), batch=b)
 
+    def window_plan(self, cfg, gr: GroupState, plan: GroupPlan) -> GroupPlan:
+        """plan with the sliding layers' modes: an extent whose every block ends before its request's window
+        (the new token's position - window + 1) is not fetched for them (a zero stand-in; the window mask
+        drops those blocks from the tables, so the result is the same)."""
+        alloc, lay, blk = gr.alloc, gr.layout, gr.layout.block_tokens
+        pos = np.asarray([len(t) for t in alloc.tables]) * blk + np.asarray(gr.tail_base) + gr.since_flush
+        start = pos - cfg.sliding_window + 1
+        owner = alloc.owner
+        live = (owner >= 0) & (alloc.first_pos + blk > start[np.maximum(owner, 0)])
+        modes = list(plan.extent_modes(self, lay))
+        for e, m in enumerate(modes):
+            if m in ("kv", "x") and not live[lay.start(e):lay.start(e + 1)].any():
+                modes[e] = "skip"
+        return dataclasses.replace(plan, sliding_modes=tuple(modes))
+
     def check_sliding(self):
         """One clear UnsupportedModelError where this run cannot give a model with sliding-window layers the right
         answer (before any work)."""
@@ -1563,6 +1588,9 @@ class LayerPipeline:
         tokens = jnp.asarray(tokens, jnp.int32)
         groups = list(state.groups)
         plans = [self.hooks.plan_group(self, model, gr) for gr in groups]
+        self.sliding_layers = sliding_layers(cfg)
+        if self.host_pool and cfg.has_sliding_layers:
+            plans = [self.window_plan(cfg, gr, plan) for gr, plan in zip(groups, plans)]
         hs = []
         positions = []
         after = []  # per group: (next positions, tail lengths) after this step
@@ -1903,6 +1931,12 @@ class LayerPipeline:
             json.dump({"policy": self.hooks.name, "options": {**dataclasses.asdict(dataclasses.replace(self.opts, mesh=None)),
                                                               "mesh": str(self.opts.mesh), "extent_mb": self.extent_mb},
                        "cost_model": self.cost.to_json(), "steps": list(records)}, f, indent=1, default=str)
+
+
+@functools.lru_cache(maxsize=16)
+def sliding_layers(cfg) -> tuple:
+    """Per layer whether it attends a sliding window."""
+    return tuple(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
 
 
 def attended_tokens(gr: GroupState) -> int:
