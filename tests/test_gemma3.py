@@ -277,6 +277,12 @@ def test_offload_moves_no_extent_outside_every_window(tiny):
                 gr = state.groups[0]
                 extent_bytes = gr.pool_k[0][0].nbytes + gr.pool_v[0][0].nbytes
                 per_extent = gr.layout.extent_blocks
+                if name == "window":  # describe(): what each kind of layer keeps where (K and V, fp32)
+                    kinds = pol.describe(state)["layer_kinds"]
+                    row = 2 * tiny.config.num_kv_heads * tiny.config.head_dim * 4
+                    assert {k: (v["layers"], v["pool_bytes_per_token"]) for k, v in kinds.items()} == {
+                        "sliding": (2, {"host": row, "gpu": 0}), "global": (2, {"host": row, "gpu": 0})}
+                    assert kinds["sliding"]["window"] == WINDOW
     # the last step's token is at position 41: its window starts at 26, so blocks 0..5 (positions < 24) are out,
     # and with 3 blocks an extent, extents 0 and 1 hold no block in the window: two sliding layers skip two each
     assert per_extent == 3

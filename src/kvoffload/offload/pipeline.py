@@ -1053,6 +1053,7 @@ class LayerPipeline:
         self.opts = opts
         self.host_pool = host_pool
         self.sliding_layers: tuple = ()  # per layer of the model decoding: a sliding window (set each step)
+        self.window = 0  # its sliding layers' window
         self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V/X extents are QuantizedInt
         # tensor parallelism: None on one device (the single-device path); else the mesh every array is
         # placed on (self.rep: replicated there) and a device of it that this process drives
@@ -1268,6 +1269,7 @@ class LayerPipeline:
         lengths_np = np.asarray(lengths, np.int64)
         if cfg.has_sliding_layers:
             self.check_sliding()
+        self.sliding_layers, self.window = sliding_layers(cfg), cfg.sliding_window
         rows, layouts = self.plan(model, lengths_np, t_pad, capacity)
         if o.loop_layers:  # before any work: what the loop cannot take
             self.check_loop(layouts)
@@ -1358,6 +1360,35 @@ class LayerPipeline:
         if o.loop_layers:
             states = [self.stack_group(model, gr) for gr in states]
         return logits, DecodeState(groups=tuple(states), batch=b)
+
+    def layer_kinds(self, state: DecodeState, window: int) -> dict:
+        """Per kind of layer (sliding, global): how many, and the bytes per token of pool capacity one such layer
+        keeps in host and in GPU memory (K, V and X extents as stored) and in its GPU tail per tail slot, from the
+        first GPU batch's arrays; and what a step fetches of a host pool for it."""
+        gr = state.groups[0]
+        lay = gr.layout
+        tokens = max(1, lay.num_blocks * lay.block_tokens)
+        out = {}
+        for kind, flag in (("sliding", True), ("global", False)):
+            idx = [i for i, s in enumerate(self.sliding_layers) if s == flag and gr.pool_k[i] is not None]
+            if not idx:
+                continue
+            i = idx[0]
+            where = {"host": 0, "gpu": 0}
+            for a in jax.tree.leaves((gr.pool_k[i], gr.pool_v[i], gr.pool_x[i])):
+                where["host" if getattr(a.sharding, "memory_kind", None) == "pinned_host" else "gpu"] += _nbytes(a)
+            tail = _tree_bytes((gr.tail_k[i], gr.tail_v[i], gr.tail_x[i]))
+            slots = gr.tail_k[i].shape[2] * gr.size if gr.tail_k[i] is not None else 1
+            out[kind] = {"layers": sum(1 for s in self.sliding_layers if s == flag),
+                         "pool_bytes_per_token": {k: v / tokens for k, v in where.items()},
+                         "tail_bytes_per_token": tail / slots}
+            if flag:
+                out[kind].update(window=window, fetched=("extents holding a block of some request's window; all its "
+                                                         "tokens stay in the pool (masked)") if self.host_pool else
+                                 "nothing (device pool; the window's blocks attended)")
+            else:
+                out[kind]["fetched"] = "every extent in use" if self.host_pool else "nothing (device pool)"
+        return out
 
     def window_plan(self, cfg, gr: GroupState, plan: GroupPlan) -> GroupPlan:
         """plan with the sliding layers' modes: an extent whose every block ends before its request's window
