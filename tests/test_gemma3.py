@@ -32,8 +32,11 @@ from kvoffload.models.common import prefill_attention, prefill_attention_chunk
 from kvoffload.models.transformer import dense_cache_from_prefill, dense_decode, prefill
 from kvoffload.pallas import decode_attention as da
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+
+
+def _hf():
+    """(torch, transformers), or the test skipped where they are not installed."""
+    return pytest.importorskip("torch"), pytest.importorskip("transformers")
 
 WINDOW = TINY_CONFIGS["gemma3"]["sliding_window"]
 PROMPTS = [list(range(1, 20)), list(range(5, 45)), [7, 8, 9]]  # 19, 40 and 3 tokens; the window is 16
@@ -43,6 +46,7 @@ BASE = dict(block_tokens=BLOCK, extent_mb=3 * BLOCK * 2 * 16 * 4 / 2**20)  # 3 b
 
 
 def _hf_config(**over):
+    _, transformers = _hf()
     d = {k: v for k, v in TINY_CONFIGS["gemma3"].items() if k != "model_type"}
     return transformers.Gemma3TextConfig(**{**d, **over})
 
@@ -51,6 +55,7 @@ def _hf_config(**over):
 def hf_tiny(tmp_path_factory):
     """(transformers' tiny Gemma3ForCausalLM with random weights, the same model through kvoffload's HF
     conversion of its save_pretrained directory)."""
+    torch, transformers = _hf()
     torch.manual_seed(0)
     m = transformers.Gemma3ForCausalLM(_hf_config()).eval()
     m.config._attn_implementation = "eager"
@@ -66,6 +71,7 @@ def hf_tiny(tmp_path_factory):
 
 
 def _hf_logits(m, ids):
+    torch, _ = _hf()
     with torch.no_grad():
         return m(torch.tensor([ids])).logits[0].numpy()
 
@@ -375,6 +381,7 @@ def test_real_tokenizer_matches_transformers(real_gguf):
     from kvoffload.models.checkpoint import _gguf_reader
     from kvoffload.models.tokenizer import gguf_tokenizer
 
+    _, transformers = _hf()
     try:
         theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(real_gguf),
                                                             gguf_file=os.path.basename(real_gguf))
@@ -404,6 +411,7 @@ REAL_PROMPTS = [
 def test_real_greedy_tokens_match_transformers(real_gguf):
     """20 prompts plus one of ~700 tokens (past the 512-token window): kvoffload's greedy tokens (fp32, `full`
     and `offload`) against transformers' Gemma3ForCausalLM reading the same GGUF."""
+    torch, transformers = _hf()
     model = load_model(real_gguf, quiet=True)
     assert model.config.sliding_window == 512 and model.config.num_layers == 18
     theirs = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(real_gguf),

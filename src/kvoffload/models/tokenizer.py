@@ -130,12 +130,16 @@ def sentencepiece_merges(pieces, scores, types) -> list[tuple[str, str]]:
 
 def _sentencepiece_backend(field, tokens):
     """A `tokenizers` BPE equal to a SentencePiece BPE model given as GGUF metadata (tokenizer.ggml.model ==
-    'llama': pieces, scores, token types): spaces normalized to U+2581 (a dummy prefix only with
-    add_space_prefix), merges from the scores (`sentencepiece_merges`), byte fallback through the <0xNN>
-    pieces, user-defined pieces matched whole in the normalized text (as SentencePiece does), control pieces
-    special. Pieces made of spaces alone are written with spaces in such files; they are U+2581 runs here."""
+    'llama': pieces, scores, token types) without a dummy prefix (Gemma's): spaces normalized to U+2581, merges
+    from the scores (`sentencepiece_merges`), byte fallback through the <0xNN> pieces, user-defined pieces
+    matched whole in the normalized text (as SentencePiece does), control pieces special. Pieces made of spaces
+    alone are written with spaces in such files; they are U+2581 runs here."""
     from tokenizers import AddedToken, decoders, models, normalizers
     from tokenizers import Tokenizer as Backend
+
+    if field("tokenizer.ggml.add_space_prefix", False):  # LLaMA 1/2's: not built (nor checked) yet
+        raise ValueError("GGUF SentencePiece vocabularies with add_space_prefix (a dummy prefix: LLaMA 1/2) are not "
+                         "supported yet; Gemma's (no prefix) are")
 
     pieces = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     types = field("tokenizer.ggml.token_type") or [NORMAL] * len(pieces)
@@ -144,14 +148,8 @@ def _sentencepiece_backend(field, tokens):
     vocab = {p: i for i, p in enumerate(pieces)}
     backend = Backend(models.BPE(vocab=vocab, merges=sentencepiece_merges(pieces, scores, types), byte_fallback=True,
                                  fuse_unk=True, unk_token=pieces[unk_id] if unk_id is not None else None))
-    norm = [normalizers.Replace(" ", SPACE)]
-    if field("tokenizer.ggml.add_space_prefix", False):
-        norm.insert(0, normalizers.Prepend(SPACE))
-    backend.normalizer = normalizers.Sequence(norm)
-    dec = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if field("tokenizer.ggml.add_space_prefix", False):
-        dec.append(decoders.Strip(" ", 1, 0))
-    backend.decoder = decoders.Sequence(dec)
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     backend.add_tokens([AddedToken(p, special=False, normalized=True)
                         for p, ty in zip(pieces, types) if ty == USER_DEFINED])
     return backend, pieces, types
@@ -159,7 +157,7 @@ def _sentencepiece_backend(field, tokens):
 
 def gguf_tokenizer(reader, path: str) -> Tokenizer:
     """Builds the tokenizer GGUF metadata describes: byte-level BPE (tokenizer.ggml.model == 'gpt2') or a
-    SentencePiece BPE vocabulary with scores ('llama': Gemma, LLaMA 1/2)."""
+    SentencePiece BPE vocabulary with scores ('llama', without a dummy prefix: Gemma's)."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
