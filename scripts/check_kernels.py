@@ -165,6 +165,8 @@ def lower_only_checks():
         tag = f"B{B} kv{n_kv} G{G} S{S} d{d} {jnp.dtype(dt).name}"
         cases += [
             (f"decode {tag}", lambda q, k, L: _da.decode_attention_kernel(q, k, k, L), (q, k, L)),
+            (f"decode window start {tag}", lambda q, k, L: _da.decode_attention_kernel(q, k, k, L, start=L // 3),
+             (q, k, L)),
             (f"sparse {tag}", lambda q, k, i: _sa.sparse_attention_kernel(q, k, k, i), (q, k, idx)),
             (f"rows_attention {tag}", lambda q, k, n: _sa.rows_attention_kernel(q, k, k, n, S // 3,
                                                                                 row_offset=jnp.int32(S // 3)),
@@ -189,6 +191,11 @@ def lower_only_checks():
             nb = jnp.asarray(rng.integers(0, M + 1, B), jnp.int32)
             cases.append((f"paged blk{blk} E{E} M{M} {tag}", lambda q, kb, t, n:
                           _pa.paged_decode_attention_kernel(q, kb, kb, t, n, poison=True),
+                          (q, kb, table, nb)))
+            cases.append((f"paged window blk{blk} E{E} M{M} {tag}", lambda q, kb, t, n, blk=blk:
+                          _pa.paged_decode_attention_kernel(q, kb, kb, t, n, poison=True,
+                                                            first_pos=jnp.arange(kb.shape[0], dtype=jnp.int32) * blk,
+                                                            start=n * blk // 2),
                           (q, kb, table, nb)))
         for sh in (False, True):
             cases.append((f"tokenselect shared{int(sh)} {tag}", lambda q, k, L, sh=sh:

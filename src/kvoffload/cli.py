@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text (default model: embedded SmolLM2-135M-Instruct)")
     g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or converted dir (default: embedded)")
+    g.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file, converted dir or a model name "
+                   "(SmolLM2-135M-Instruct, gemma-3-270m; default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

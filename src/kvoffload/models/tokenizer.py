@@ -128,8 +128,58 @@ def load_hf_tokenizer(directory: str, eos_token_ids: Sequence[int] = ()) -> Toke
                      bos_token_id=backend.token_to_id(bos) if bos else None, chat_template=template)
 
 
+# llama.cpp's token types (tokenizer.ggml.token_type)
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+SPACE = "\u2581"  # SentencePiece's space
+
+
+def sentencepiece_merges(pieces, scores, types) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece BPE vocabulary implies: SentencePiece merges, among adjacent pieces, the
+    pair whose joined piece scores highest. So every split of a normal piece into two pieces of the vocabulary
+    is a merge, ranked by the joined piece's score (best first; ties by id)."""
+    index = {p: i for i, p in enumerate(pieces)}
+    ranked = []
+    for i, (piece, ty) in enumerate(zip(pieces, types)):
+        if ty != NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in index and right in index:
+                ranked.append((-float(scores[i]), i, index[left], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _sentencepiece_backend(field, tokens):
+    """A `tokenizers` BPE equal to a SentencePiece BPE model given as GGUF metadata (tokenizer.ggml.model ==
+    'llama': pieces, scores, token types) without a dummy prefix (Gemma's): spaces normalized to U+2581, merges
+    from the scores (`sentencepiece_merges`), byte fallback through the <0xNN> pieces, user-defined pieces
+    matched whole in the normalized text (as SentencePiece does), control pieces special. Pieces made of spaces
+    alone are written with spaces in such files; they are U+2581 runs here."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as Backend
+
+    if field("tokenizer.ggml.add_space_prefix", False):  # LLaMA 1/2's: not built (nor checked) yet
+        raise ValueError("GGUF SentencePiece vocabularies with add_space_prefix (a dummy prefix: LLaMA 1/2) are not "
+                         "supported yet; Gemma's (no prefix) are")
+
+    pieces = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    types = field("tokenizer.ggml.token_type") or [NORMAL] * len(pieces)
+    scores = field("tokenizer.ggml.scores") or [-float(i) for i in range(len(pieces))]
+    unk_id = field("tokenizer.ggml.unknown_token_id")
+    vocab = {p: i for i, p in enumerate(pieces)}
+    backend = Backend(models.BPE(vocab=vocab, merges=sentencepiece_merges(pieces, scores, types), byte_fallback=True,
+                                 fuse_unk=True, unk_token=pieces[unk_id] if unk_id is not None else None))
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_tokens([AddedToken(p, special=False, normalized=True)
+                        for p, ty in zip(pieces, types) if ty == USER_DEFINED])
+    return backend, pieces, types
+
+
 def gguf_tokenizer(reader, path: str) -> Tokenizer:
-    """Builds a byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.model == 'gpt2')."""
+    """Builds the tokenizer GGUF metadata describes: byte-level BPE (tokenizer.ggml.model == 'gpt2') or a
+    SentencePiece BPE vocabulary with scores ('llama', without a dummy prefix: Gemma's)."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
@@ -138,9 +188,13 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
         return default if f is None else f.contents()
 
     kind = field("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (gpt2 byte-level BPE)")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (gpt2 byte-level BPE, llama "
+                         "SentencePiece BPE)")
     tokens = field("tokenizer.ggml.tokens")
+    if kind == "llama":
+        backend, tokens, types = _sentencepiece_backend(field, tokens)
+        return _gguf_finish(field, backend, tokens, types, add_bos_default=True)
     types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -154,21 +208,31 @@ def gguf_tokenizer(reader, path: str) -> Tokenizer:
     else:
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
+    return _gguf_finish(field, backend, tokens, types, add_bos_default=False)
+
+
+def _gguf_finish(field, backend, tokens, types, add_bos_default: bool) -> Tokenizer:
+    """Control pieces special, BOS / EOS and the chat template's stops from GGUF metadata. add_bos_default: where
+    the file has no add_bos_token flag (llama.cpp adds BOS to a SentencePiece vocabulary that does not say)."""
+    from tokenizers import AddedToken
+
     # control tokens (type 3) are special and matched whole in text
-    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3]
+    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
     backend.add_special_tokens(specials)
+    vocab = {t: i for i, t in enumerate(tokens)}
     bos_id = field("tokenizer.ggml.bos_token_id")
     eos_id = field("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos_id)] if eos_id is not None else []
     template = field("tokenizer.chat_template")
-    # chat models end a turn with <|im_end|> / <|eot_id|>: stop there too
-    for stop in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>"):
+    # chat models end a turn with <|im_end|> / <|eot_id|> / <end_of_turn>: stop there too
+    for stop in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>"):
         if stop in vocab and vocab[stop] not in eos_ids and template and stop in template:
             eos_ids.append(vocab[stop])
     return Tokenizer(
         backend, bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[eos_id] if eos_id is not None else None, bos_token_id=bos_id,
-        eos_token_ids=eos_ids, add_bos=bool(field("tokenizer.ggml.add_bos_token", False)), chat_template=template,
+        eos_token_ids=eos_ids, add_bos=bool(field("tokenizer.ggml.add_bos_token", add_bos_default)),
+        chat_template=template,
     )
 
 

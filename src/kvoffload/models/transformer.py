@@ -16,10 +16,16 @@ import jax.numpy as jnp
 
 from kvoffload import ops
 from kvoffload.config import ModelConfig
-from kvoffload.models import llama, opt
-from kvoffload.models.common import PREFILL_KEY_BLOCK, prefill_attention, prefill_attention_chunk, pytree_dataclass
+from kvoffload.models import gemma3, llama, opt
+from kvoffload.models.common import (
+    PREFILL_KEY_BLOCK,
+    attention_window,
+    prefill_attention,
+    prefill_attention_chunk,
+    pytree_dataclass,
+)
 
-_FAMILIES = {"llama": llama, "opt": opt}
+_FAMILIES = {"llama": llama, "opt": opt, "gemma3": gemma3}
 
 
 def family(cfg: ModelConfig):
@@ -36,7 +42,7 @@ def layer_prefill(cfg: ModelConfig, lp, h, positions, lengths):
     fam = family(cfg)
     x = fam.attn_input(cfg, lp, h)
     q, k, v = fam.qkv(cfg, lp, x, positions)
-    o = prefill_attention(q, k, v, lengths)
+    o = prefill_attention(q, k, v, lengths, window=attention_window(cfg, lp))
     return fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o)), k, v, x
 
 
@@ -63,7 +69,8 @@ def layer_prefill_chunked(cfg: ModelConfig, lp, h, positions, lengths, chunk_tok
         v_all = jax.lax.dynamic_update_slice_in_dim(v_all, v_c.astype(v_all.dtype), s, axis=2)
         if x_all is not None:
             x_all = jax.lax.dynamic_update_slice_in_dim(x_all, x_c.astype(x_all.dtype), s, axis=1)
-        o = prefill_attention_chunk(q, k_all, v_all, s, lengths, key_block=key_block, impl=attention_impl)
+        o = prefill_attention_chunk(q, k_all, v_all, s, lengths, key_block=key_block, impl=attention_impl,
+                                    window=attention_window(cfg, lp))
         h_c = fam.post_attention(cfg, lp, h_c, fam.attn_out(cfg, lp, o))
         return jax.lax.dynamic_update_slice_in_dim(h_all, h_c, s, axis=1), k_all, v_all, x_all
 
@@ -177,9 +184,12 @@ def _dense_decode_step(cfg: ModelConfig, params, cache: DenseKVCache, tokens):
         q, k, v = fam.qkv(cfg, lp, x, positions)
         tk = jax.lax.dynamic_update_slice(tk, k.astype(tk.dtype), (0, 0, cache.tail_len, 0))
         tv = jax.lax.dynamic_update_slice(tv, v.astype(tv.dtype), (0, 0, cache.tail_len, 0))
+        window = attention_window(cfg, lp)
+        # a sliding layer: keys at positions > p - window (main cache slot = position; tail slot j = lengths + j)
+        lo = None if window is None else positions[:, 0] - window + 1
         o, _ = ops.merge_attention([
-            ops.decode_attention(q[:, :, 0], kc, vc, cache.lengths),
-            ops.decode_attention(q[:, :, 0], tk, tv, tail_lengths),
+            ops.decode_attention(q[:, :, 0], kc, vc, cache.lengths, start=lo),
+            ops.decode_attention(q[:, :, 0], tk, tv, tail_lengths, start=None if lo is None else lo - cache.lengths),
         ])
         h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o[:, :, None]))
         new_tk.append(tk)

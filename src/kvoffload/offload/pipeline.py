@@ -58,6 +58,8 @@ import numpy as np
 
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
+from kvoffload.config import UnsupportedModelError
+from kvoffload.models.common import attention_window
 from kvoffload.models.transformer import family, layer_prefill, layer_prefill_chunked
 from kvoffload.offload import memory as M
 from kvoffload.offload import sharding as S
@@ -274,13 +276,15 @@ class PoolSources:
     # recomputes it (static, so a mesh's layer program has no conditional: an XLA conditional reads its
     # predicate on the host, and a multi-device launch waits for that read); () on one device
     token_recompute: tuple = ()
+    # [B] int32: a sliding-window layer's first attended position this step (`layer_body` sets it), or None
+    key_start: Any = None
 
     @property
     def x_by_token(self) -> bool:
         return bool(self.token_recompute)
 
 
-jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute"],
+jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute", "key_start"],
                                  meta_fields=["prompt_extents", "token_recompute"])
 
 
@@ -311,7 +315,8 @@ def attend_pool(cfg, lp, q, acc, src: PoolSources, tables, slots, recompute_impl
                                                                       recompute_impl),
                                 lambda x, kk, vv, f: (native_extent(kk, q.dtype), native_extent(vv, q.dtype)),
                                 src.x[e], src.k[e], src.v[e], tables.first_pos[e])
-        part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl)
+        window = {} if src.key_start is None else dict(first_pos=tables.first_pos[e], start=src.key_start)
+        part = ops.paged_decode_attention(q, k, v, tables.table[e], tables.count[e], impl=attention_impl, **window)
         acc = ops.merge_attention_into(acc, part)
     return acc, slots
 
@@ -398,11 +403,16 @@ def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
             tail_x = put_rows(tail_x, x, tail_len, 0)
         q = q[:, :, 0]
     recompute_impl, attention_impl = options
+    window = attention_window(cfg, lp)
+    if window is not None:  # a sliding layer (pool sources only: `sliding_refusal`): keys at positions > p - window
+        sources = dataclasses.replace(sources, key_start=positions[:, 0] - window + 1)
     with jax.named_scope("pool_attention"):
         acc, slots = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, slots, recompute_impl,
                             attention_impl)
     with jax.named_scope("tail_attention"):
-        o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1,
+        # tail slot j holds position p - tail_len + j (the new token at j = tail_len)
+        tail_start = None if window is None else tail_len - window + 1
+        o, _ = ops.merge_attention_into(acc, ops.decode_attention(q, tail_k, tail_v, tail_len + 1, start=tail_start,
                                                                   impl=attention_impl))
     with jax.named_scope("out_mlp"):
         h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o.astype(h.dtype)[:, :, None]))
@@ -699,6 +709,15 @@ class GroupPlan:
     # "skip" no blocks in use (a zero stand-in, empty tables)
     modes: tuple = ()
     groups_info: dict | None = None  # what the policy wants in the step record for this GPU batch
+    # a host pool with sliding-window layers: those layers' modes, "skip" where every block of the extent has
+    # left its request's window (`LayerPipeline.window_plan`; the window mask ignores their keys anyway)
+    sliding_modes: tuple = ()
+
+    def layer_modes(self, pipe: "LayerPipeline", layout: PoolLayout, layer: int) -> tuple:
+        """extent_modes as layer `layer` gets its extents (a sliding layer: sliding_modes, where set)."""
+        if self.sliding_modes and pipe.sliding_layers[layer]:
+            return self.sliding_modes
+        return self.extent_modes(pipe, layout)
 
     def extent_modes(self, pipe: "LayerPipeline", layout: PoolLayout) -> tuple:
         if self.modes:
@@ -739,9 +758,14 @@ class LayerHooks:
     def plan_group(self, pipe: "LayerPipeline", model, group: GroupState) -> GroupPlan:
         return GroupPlan(used_extents=group.used_extents)
 
+    def sliding_refusal(self, pipe: "LayerPipeline") -> str | None:
+        """Why this policy cannot run a model with sliding-window layers, or None: the default attention
+        (`attend_pool`) masks each extent's keys older than a sliding layer's window."""
+        return None
+
     def fetch(self, pipe: "LayerPipeline", group: GroupState, plan: GroupPlan, layer: int):
         """(early, late) lists of host arrays to move for this layer (empty for a device pool)."""
-        modes = plan.extent_modes(pipe, group.layout)
+        modes = plan.layer_modes(pipe, group.layout, layer)
         early = [group.pool_x[layer][e] for e, m in enumerate(modes) if m == "x"]
         late = []
         for e, m in enumerate(modes):
@@ -839,7 +863,7 @@ class LayerHooks:
         early, late = fetched
         ks, vs, xs = (list(t) for t in pipe.stand_ins(group, layer))
         ie, il = iter(early), iter(late)
-        for e, m in enumerate(plan.extent_modes(pipe, group.layout)):
+        for e, m in enumerate(plan.layer_modes(pipe, group.layout, layer)):
             if m == "dev":
                 ks[e], vs[e], xs[e] = group.pool_k[layer][e], group.pool_v[layer][e], group.pool_x[layer][e]
             elif m == "x":
@@ -1028,6 +1052,8 @@ class LayerPipeline:
         self.hooks = hooks
         self.opts = opts
         self.host_pool = host_pool
+        self.sliding_layers: tuple = ()  # per layer of the model decoding: a sliding window (set each step)
+        self.window = 0  # its sliding layers' window
         self.int4 = host_pool and opts.host_dtype == "int4"  # host K/V/X extents are QuantizedInt
         # tensor parallelism: None on one device (the single-device path); else the mesh every array is
         # placed on (self.rep: replicated there) and a device of it that this process drives
@@ -1241,6 +1267,9 @@ class LayerPipeline:
         b, t_pad = tokens.shape
         dtype = model.params.layers[0].wk.dtype
         lengths_np = np.asarray(lengths, np.int64)
+        if cfg.has_sliding_layers:
+            self.check_sliding()
+        self.sliding_layers, self.window = sliding_layers(cfg), cfg.sliding_window
         rows, layouts = self.plan(model, lengths_np, t_pad, capacity)
         if o.loop_layers:  # before any work: what the loop cannot take
             self.check_loop(layouts)
@@ -1331,6 +1360,62 @@ class LayerPipeline:
         if o.loop_layers:
             states = [self.stack_group(model, gr) for gr in states]
         return logits, DecodeState(groups=tuple(states), batch=b)
+
+    def layer_kinds(self, state: DecodeState, window: int) -> dict:
+        """Per kind of layer (sliding, global): how many, and the bytes per token of pool capacity one such layer
+        keeps in host and in GPU memory (K, V and X extents as stored) and in its GPU tail per tail slot, from the
+        first GPU batch's arrays; and what a step fetches of a host pool for it."""
+        gr = state.groups[0]
+        lay = gr.layout
+        tokens = max(1, lay.num_blocks * lay.block_tokens)
+        out = {}
+        for kind, flag in (("sliding", True), ("global", False)):
+            idx = [i for i, s in enumerate(self.sliding_layers) if s == flag and gr.pool_k[i] is not None]
+            if not idx:
+                continue
+            i = idx[0]
+            where = {"host": 0, "gpu": 0}
+            for a in jax.tree.leaves((gr.pool_k[i], gr.pool_v[i], gr.pool_x[i])):
+                where["host" if getattr(a.sharding, "memory_kind", None) == "pinned_host" else "gpu"] += _nbytes(a)
+            tail = _tree_bytes((gr.tail_k[i], gr.tail_v[i], gr.tail_x[i]))
+            slots = gr.tail_k[i].shape[2] * gr.size if gr.tail_k[i] is not None else 1
+            out[kind] = {"layers": sum(1 for s in self.sliding_layers if s == flag),
+                         "pool_bytes_per_token": {k: v / tokens for k, v in where.items()},
+                         "tail_bytes_per_token": tail / slots}
+            if flag:
+                out[kind].update(window=window, fetched=("extents holding a block of some request's window; all its "
+                                                         "tokens stay in the pool (masked)") if self.host_pool else
+                                 "nothing (device pool; the window's blocks attended)")
+            else:
+                out[kind]["fetched"] = "every extent in use" if self.host_pool else "nothing (device pool)"
+        return out
+
+    def window_plan(self, cfg, gr: GroupState, plan: GroupPlan) -> GroupPlan:
+        """plan with the sliding layers' modes: an extent whose every block ends before its request's window
+        (the new token's position - window + 1) is not fetched for them (a zero stand-in; the window mask
+        drops those blocks from the tables, so the result is the same)."""
+        alloc, lay, blk = gr.alloc, gr.layout, gr.layout.block_tokens
+        pos = np.asarray([len(t) for t in alloc.tables]) * blk + np.asarray(gr.tail_base) + gr.since_flush
+        start = pos - cfg.sliding_window + 1
+        owner = alloc.owner
+        live = (owner >= 0) & (alloc.first_pos + blk > start[np.maximum(owner, 0)])
+        modes = list(plan.extent_modes(self, lay))
+        for e, m in enumerate(modes):
+            if m in ("kv", "x") and not live[lay.start(e):lay.start(e + 1)].any():
+                modes[e] = "skip"
+        return dataclasses.replace(plan, sliding_modes=tuple(modes))
+
+    def check_sliding(self):
+        """One clear UnsupportedModelError where this run cannot give a model with sliding-window layers the right
+        answer (before any work)."""
+        why = self.hooks.sliding_refusal(self)
+        if why is None and self.mesh is not None:
+            why = "the tensor-parallel attention paths have no sliding-window mask yet (tensor_parallel=1)"
+        if why is None and self.opts.loop_layers:
+            why = "loop_layers stacks layers of one kind; sliding and global layers differ (loop_layers=False)"
+        if why:
+            raise UnsupportedModelError(f"policy {self.hooks.name!r} cannot run a model with sliding-window layers: "
+                                        f"{why}")
 
     # -- layers looped in one program (PipelineOptions.loop_layers) ----------------------------
     def check_loop(self, layouts):
@@ -1534,6 +1619,9 @@ class LayerPipeline:
         tokens = jnp.asarray(tokens, jnp.int32)
         groups = list(state.groups)
         plans = [self.hooks.plan_group(self, model, gr) for gr in groups]
+        self.sliding_layers = sliding_layers(cfg)
+        if self.host_pool and cfg.has_sliding_layers:
+            plans = [self.window_plan(cfg, gr, plan) for gr, plan in zip(groups, plans)]
         hs = []
         positions = []
         after = []  # per group: (next positions, tail lengths) after this step
@@ -1874,6 +1962,12 @@ class LayerPipeline:
             json.dump({"policy": self.hooks.name, "options": {**dataclasses.asdict(dataclasses.replace(self.opts, mesh=None)),
                                                               "mesh": str(self.opts.mesh), "extent_mb": self.extent_mb},
                        "cost_model": self.cost.to_json(), "steps": list(records)}, f, indent=1, default=str)
+
+
+@functools.lru_cache(maxsize=16)
+def sliding_layers(cfg) -> tuple:
+    """Per layer whether it attends a sliding window."""
+    return tuple(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
 
 
 def attended_tokens(gr: GroupState) -> int:

@@ -145,7 +145,7 @@ def context(mesh: Mesh | None):
 # ---------------------------------------------------------------------------------------------
 
 
-KV_FIELDS = ("wk", "bk", "wv", "bv")  # a layer's W_K / W_V and biases (both families)
+KV_FIELDS = ("wk", "bk", "wv", "bv", "k_norm")  # what recomputing K/V reads: W_K / W_V, biases, gemma3's key norm
 
 
 def field_spec(name: str, ndim: int, replicate_kv: bool = False) -> P:

@@ -63,14 +63,17 @@ def _attend_masked(qg, k, v, valid, scale):
     return softmax_stats_to_out(acc, l, m_safe)
 
 
-def decode_attention_reference(q, k, v, lengths, *, scale=None):
+def decode_attention_reference(q, k, v, lengths, *, scale=None, start=None):
     """Pure-jnp decode attention. See :func:`kvoffload.ops.decode_attention`."""
     B, H, d = q.shape
     _, n_kv, S, _ = k.shape
     G = H // n_kv
     scale = default_scale(d, scale)
     qg = q.reshape(B, n_kv, G, d)
-    valid = jnp.arange(S)[None, None, :] < lengths.astype(jnp.int32)[:, None, None]
+    idx = jnp.arange(S)[None, None, :]
+    valid = idx < lengths.astype(jnp.int32)[:, None, None]
+    if start is not None:  # a sliding window's first key
+        valid = valid & (idx >= start.astype(jnp.int32)[:, None, None])
     out, lse = _attend_masked(qg, k, v, valid, scale)
     return out.reshape(B, H, d).astype(q.dtype), lse.reshape(B, H)
 
@@ -111,17 +114,23 @@ def _merge_stacked(outs, lses, axis, out_dtype):
 
 
 def _decode_kernel(
-    len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-    scale, block_s, blocks_per_split, d, dp, S, G, Gp,
+    len_ref, *refs, scale, block_s, blocks_per_split, d, dp, S, G, Gp, windowed=False,
 ):
-    # len_ref: [1] (block of lengths for this batch element)
+    # len_ref: [1] (block of lengths for this batch element); windowed: then start_ref [1] (the first valid key)
     # q_ref: [G, d] (loaded zero-padded to [Gp, dp]); k_ref, v_ref: [S, d] (full sequence of this (b, h));
     # o_ref: [Gp, dp]; lse_ref: [Gp]
+    if windowed:
+        start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, o_ref, lse_ref), start_ref = refs, None
     split = pl.program_id(2)
     length = jnp.minimum(len_ref[0], S)
     chunk_start = split * (blocks_per_split * block_s)
     # number of blocks of this chunk that hold valid keys
     n_valid = jnp.clip(cdiv_traced(length - chunk_start, block_s), 0, blocks_per_split)
+    first_key = start_ref[0] if windowed else 0
+    # the chunk's blocks wholly before the window's first key are skipped
+    i0 = jnp.clip((first_key - chunk_start) // block_s, 0, n_valid) if windowed else 0
 
     cols = jnp.arange(dp, dtype=jnp.int32)
     col_ok = cols < d
@@ -132,6 +141,8 @@ def _decode_kernel(
         start = chunk_start + i * block_s
         rows = start + jnp.arange(block_s, dtype=jnp.int32)
         row_ok = rows < length
+        if windowed:
+            row_ok = row_ok & (rows >= first_key)
         if dp == d:
             kb = load(k_ref.at[pl.ds(start, block_s), :], mask=row_ok[:, None], other=0.0)
             vb = load(v_ref.at[pl.ds(start, block_s), :], mask=row_ok[:, None], other=0.0)
@@ -144,7 +155,7 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
         return acc, m_new, l_new
 
-    acc, m, l = jax.lax.fori_loop(0, n_valid, body, (jnp.zeros((Gp, dp), jnp.float32), *online_softmax_init(Gp)))
+    acc, m, l = jax.lax.fori_loop(i0, n_valid, body, (jnp.zeros((Gp, dp), jnp.float32), *online_softmax_init(Gp)))
     out, lse = softmax_stats_to_out(acc, l, m)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
@@ -264,9 +275,10 @@ def flash_decode(kernel, args, in_specs, *, q, n_kv, num_splits, Gp, dp, name, i
 
 def decode_attention_kernel(
     q, k, v, lengths, *, scale=None, interpret=False, poison=False, block_s=None, num_splits=None,
-    num_warps=None, num_stages=2, programs_per_sm=2, merge="pallas",
+    num_warps=None, num_stages=2, programs_per_sm=2, merge="pallas", start=None,
 ):
-    """Pallas (Triton) flash-decoding kernel; same semantics as the reference."""
+    """Pallas (Triton) flash-decoding kernel; same semantics as the reference (start: keys before it masked,
+    the blocks wholly before it skipped)."""
     B, H, d = q.shape
     _, n_kv, S, _ = k.shape
     G = H // n_kv
@@ -282,12 +294,13 @@ def decode_attention_kernel(
 
     kernel = functools.partial(
         _decode_kernel, scale=scale, block_s=block_s,
-        blocks_per_split=blocks_per_split, d=d, dp=dp, S=S, G=G, Gp=Gp,
+        blocks_per_split=blocks_per_split, d=d, dp=dp, S=S, G=G, Gp=Gp, windowed=start is not None,
     )
+    window = [] if start is None else [start.astype(jnp.int32)]
     return flash_decode(
-        kernel, (lengths, qg, k, v),
-        [pl.BlockSpec((1,), lambda b, h, s: (b,)),
-         pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
+        kernel, (lengths, *window, qg, k, v),
+        [pl.BlockSpec((1,), lambda b, h, s: (b,))] * (1 + len(window)) +
+        [pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
          pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0)),
          pl.BlockSpec((None, None, S, d), lambda b, h, s: (b, h, 0, 0))],
         q=q, n_kv=n_kv, num_splits=num_splits, Gp=Gp, dp=dp, name="kvo_decode_attention", interpret=interpret,

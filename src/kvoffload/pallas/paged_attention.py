@@ -39,6 +39,7 @@ from kvoffload.pallas.common import (
     split_blocks,
 )
 from kvoffload.pallas.decode_attention import (
+    _attend_masked,
     decode_attention_reference,
     flash_decode,
     load_padded,
@@ -83,7 +84,7 @@ def _no_keys(q):
 
 
 def paged_decode_attention_reference(q, k_blocks, v_blocks, block_table, num_blocks, *,
-                                     scale=None):
+                                     scale=None, first_pos=None, start=None):
     """Pure-jnp paged decode attention. See :func:`kvoffload.ops.paged_decode_attention`."""
     B, H, d, E, n_kv, blk, M, G = check_paged_shapes(q, k_blocks, v_blocks, block_table,
                                                      num_blocks)
@@ -96,7 +97,14 @@ def paged_decode_attention_reference(q, k_blocks, v_blocks, block_table, num_blo
         return g.transpose(0, 2, 1, 3, 4).reshape(B, n_kv, M * blk, d)
 
     lengths = jnp.clip(num_blocks.astype(jnp.int32), 0, M) * blk
-    return decode_attention_reference(q, dense(k_blocks), dense(v_blocks), lengths, scale=scale)
+    if start is None:
+        return decode_attention_reference(q, dense(k_blocks), dense(v_blocks), lengths, scale=scale)
+    # a sliding window: each key's position (its block's first position + its row) against the window's first
+    pos = (first_pos.astype(jnp.int32)[table][:, :, None] + jnp.arange(blk, dtype=jnp.int32)).reshape(B, M * blk)
+    valid = (jnp.arange(M * blk)[None] < lengths[:, None]) & (pos >= start.astype(jnp.int32)[:, None])
+    out, lse = _attend_masked(q.reshape(B, n_kv, G, d), dense(k_blocks), dense(v_blocks), valid[:, None],
+                              default_scale(d, scale))
+    return out.reshape(B, H, d).astype(q.dtype), lse.reshape(B, H)
 
 
 # ----------------------------------------------------------------------------
@@ -143,11 +151,15 @@ def merge_attention_into(acc, part):
 
 
 def _paged_kernel(
-    nb_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-    scale, blocks_per_split, blk, blkp, d, dp, G, Gp, M, E,
+    nb_ref, table_ref, *refs, scale, blocks_per_split, blk, blkp, d, dp, G, Gp, M, E, windowed=False,
 ):
-    # nb_ref [1] (num_blocks of this row); table_ref [M]; q_ref [G, d];
+    # nb_ref [1] (num_blocks of this row); table_ref [M]; windowed: then start_ref [1] (the window's first
+    # position) and fp_ref [E] (each block's first position); q_ref [G, d];
     # k_ref, v_ref [E, blk, d] (this kv head's slice of the pool); o_ref [Gp, dp]; lse_ref [Gp]
+    if windowed:
+        start_ref, fp_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     split = pl.program_id(2)
     first = split * blocks_per_split
     n_here = jnp.clip(jnp.minimum(nb_ref[0], M) - first, 0, blocks_per_split)
@@ -168,7 +180,8 @@ def _paged_kernel(
             kb = load(k_ref.at[e, rows[:, None], cols[None, :]], mask=msk, other=0.0)
             vb = load(v_ref.at[e, rows[:, None], cols[None, :]], mask=msk, other=0.0)
         s = dot(q, kb, trans_b=True) * scale  # [Gp, blkp]
-        m_new, l_new, p, alpha = online_softmax_step(m, l, s, row_ok)
+        ok = row_ok & (load(fp_ref.at[e]) + rows >= start_ref[0]) if windowed else row_ok
+        m_new, l_new, p, alpha = online_softmax_step(m, l, s, ok)
         acc = acc * alpha[:, None] + dot(p.astype(vb.dtype), vb)
         return acc, m_new, l_new
 
@@ -181,9 +194,10 @@ def _paged_kernel(
 
 def paged_decode_attention_kernel(
     q, k_blocks, v_blocks, block_table, num_blocks, *, scale=None, interpret=False, poison=False,
-    num_splits=None, num_warps=4, num_stages=2, programs_per_sm=2,
+    num_splits=None, num_warps=4, num_stages=2, programs_per_sm=2, first_pos=None, start=None,
 ):
-    """Pallas (Triton) paged flash-decoding kernel; same semantics as the reference."""
+    """Pallas (Triton) paged flash-decoding kernel; same semantics as the reference (first_pos and start: a
+    sliding window's mask, keys at positions < start[b] not attended)."""
     B, H, d, E, n_kv, blk, M, G = check_paged_shapes(q, k_blocks, v_blocks, block_table,
                                                      num_blocks)
     if M == 0:
@@ -196,13 +210,17 @@ def paged_decode_attention_kernel(
     qg = q.reshape(B, n_kv, G, d)  # free; padded inside the kernel
     kernel = functools.partial(
         _paged_kernel, scale=scale, blocks_per_split=blocks_per_split, blk=blk, blkp=blkp, d=d,
-        dp=dp, G=G, Gp=Gp, M=M, E=E,
+        dp=dp, G=G, Gp=Gp, M=M, E=E, windowed=start is not None,
     )
+    window, window_specs = [], []
+    if start is not None:
+        window = [start.astype(jnp.int32), first_pos.astype(jnp.int32)]
+        window_specs = [pl.BlockSpec((1,), lambda b, h, s: (b,)), pl.BlockSpec((E,), lambda b, h, s: (0,))]
     return flash_decode(
-        kernel, (num_blocks.astype(jnp.int32), block_table.astype(jnp.int32), qg, k_blocks, v_blocks),
+        kernel, (num_blocks.astype(jnp.int32), block_table.astype(jnp.int32), *window, qg, k_blocks, v_blocks),
         [pl.BlockSpec((1,), lambda b, h, s: (b,)),
-         pl.BlockSpec((None, M), lambda b, h, s: (b, 0)),
-         pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
+         pl.BlockSpec((None, M), lambda b, h, s: (b, 0))] + window_specs +
+        [pl.BlockSpec((None, None, G, d), lambda b, h, s: (b, h, 0, 0)),
          pl.BlockSpec((E, None, blk, d), lambda b, h, s: (0, h, 0, 0)),
          pl.BlockSpec((E, None, blk, d), lambda b, h, s: (0, h, 0, 0))],
         q=q, n_kv=n_kv, num_splits=num_splits, Gp=Gp, dp=dp, name="kvo_paged_decode_attention",

@@ -147,6 +147,8 @@ class LayeredPolicy(Policy):
             lay = state.groups[0].layout
             d["layout"] = {"extent_blocks": lay.extent_blocks, "num_extents": lay.num_extents,
                            "kv_extents": lay.kv_extents, "act_extents": lay.act_extents}
+            if any(self.pipeline.sliding_layers):  # what each kind of layer keeps where
+                d["layer_kinds"] = self.pipeline.layer_kinds(state, self.pipeline.window)
             stk = state.groups[0].stack
             if stk is not None:  # layers [first, L) run as one program a step
                 d["looped_layers"] = [stk.first, stk.first + stk.layers]

@@ -812,6 +812,11 @@ class TokenSelectHooks(LayerHooks):
         self.x_row_bytes = 0.0  # one token's X as the host pool stores it
         self.replay_hit_rate = replay_hit_rate  # checked values (a number or one per layer), or None
 
+    def sliding_refusal(self, pipe) -> str | None:
+        return (f"{self.name}'s selection scores and gathers rows of the whole context, so a sliding layer would "
+                "attend keys older than its window (a local layer as full attention over its window is not built "
+                "yet); use 'full', 'offload', 'kvpr' or 'hybrid'")
+
     def replay_rates(self, cfg) -> np.ndarray | None:
         """[L] the replayed reuse probability per layer, or None (the similarity rule decides)."""
         return replay_rates(self.replay_hit_rate, cfg.num_layers, self.option_error)
