@@ -33,8 +33,7 @@ class CheckpointError(KVOffloadError, ValueError):
 
 # ----------------------------------------------------------------------------- key maps
 # Each entry: HF suffix pattern -> (field, transform). Layer entries use "layers.{i}." prefixes.
-_LLAMA_LAYER = {
-    "input_layernorm.weight": ("attn_norm", "id"),
+_ATTENTION_PROJ = {  # the LLaMA family's and Gemma 3's attention projections
     "self_attn.q_proj.weight": ("wq", "T"),
     "self_attn.k_proj.weight": ("wk", "T"),
     "self_attn.v_proj.weight": ("wv", "T"),
@@ -43,10 +42,17 @@ _LLAMA_LAYER = {
     "self_attn.k_proj.bias": ("bk", "id"),
     "self_attn.v_proj.bias": ("bv", "id"),
     "self_attn.o_proj.bias": ("bo", "id"),
-    "post_attention_layernorm.weight": ("mlp_norm", "id"),
+}
+_GATED_MLP = {
     "mlp.gate_proj.weight": ("w_gate", "T"),
     "mlp.up_proj.weight": ("w_up", "T"),
     "mlp.down_proj.weight": ("w_down", "T"),
+}
+_LLAMA_LAYER = {
+    "input_layernorm.weight": ("attn_norm", "id"),
+    **_ATTENTION_PROJ,
+    "post_attention_layernorm.weight": ("mlp_norm", "id"),
+    **_GATED_MLP,
     "mlp.gate_proj.bias": ("b_gate", "id"),
     "mlp.up_proj.bias": ("b_up", "id"),
     "mlp.down_proj.bias": ("b_down", "id"),
@@ -84,22 +90,13 @@ _OPT_TOP = {
 }
 _GEMMA3_LAYER = {
     "input_layernorm.weight": ("attn_norm", "id"),
-    "self_attn.q_proj.weight": ("wq", "T"),
-    "self_attn.k_proj.weight": ("wk", "T"),
-    "self_attn.v_proj.weight": ("wv", "T"),
-    "self_attn.o_proj.weight": ("wo", "T"),
-    "self_attn.q_proj.bias": ("bq", "id"),
-    "self_attn.k_proj.bias": ("bk", "id"),
-    "self_attn.v_proj.bias": ("bv", "id"),
-    "self_attn.o_proj.bias": ("bo", "id"),
+    **_ATTENTION_PROJ,
     "self_attn.q_norm.weight": ("q_norm", "id"),
     "self_attn.k_norm.weight": ("k_norm", "id"),
     "post_attention_layernorm.weight": ("post_attn_norm", "id"),
     "pre_feedforward_layernorm.weight": ("mlp_norm", "id"),
     "post_feedforward_layernorm.weight": ("post_mlp_norm", "id"),
-    "mlp.gate_proj.weight": ("w_gate", "T"),
-    "mlp.up_proj.weight": ("w_up", "T"),
-    "mlp.down_proj.weight": ("w_down", "T"),
+    **_GATED_MLP,
 }
 _KEY_MAPS = {"llama": (_LLAMA_LAYER, _LLAMA_TOP), "opt": (_OPT_LAYER, _OPT_TOP), "gemma3": (_GEMMA3_LAYER, _LLAMA_TOP)}
 _PREFIXES = ("model.decoder.", "decoder.", "model.", "")

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 
 from kvoffload import ops
 from kvoffload.config import ModelConfig
+from kvoffload.models import llama
 from kvoffload.models.common import (
     apply_rope,
     linear,
-    merge_heads,
     pytree_dataclass,
     rms_norm,
     rope_cos_sin,
@@ -111,9 +111,7 @@ def qkv(cfg: ModelConfig, lp: Gemma3Layer, x, positions):
     return q, k, v
 
 
-def attn_out(cfg: ModelConfig, lp: Gemma3Layer, o):
-    del cfg
-    return linear(merge_heads(o), lp.wo, lp.bo)
+attn_out = llama.attn_out  # the output projection of the merged heads, as in the LLaMA family
 
 
 def mlp(cfg: ModelConfig, lp: Gemma3Layer, x):
