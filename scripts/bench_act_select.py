@@ -77,7 +77,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.offload.bench import make_model, parse_options
 
     out_path = args.out or os.path.join(os.environ.get("OUT") or ".", "bench_act_select.json")

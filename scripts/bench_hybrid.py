@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.offload.bench import make_model
     from kvoffload.plan.profiler import model_shape, run_profile, write_profile
     from kvoffload.policies import make_policy

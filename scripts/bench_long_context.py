@@ -62,7 +62,7 @@ def main(argv=None):
     logging.getLogger("kvoffload").setLevel(logging.INFO)
 
     from kvoffload.models import Model
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.offload.bench import make_model, parse_options, timed_decode
     from kvoffload.plan.memory import MemoryPlanError
     from kvoffload.models.transformer import init_params

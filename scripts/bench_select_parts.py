@@ -91,7 +91,8 @@ def parts(ctx: int, batch: int, budget: int, extent_tokens=32768, blk=64, n_kv=8
 
     from kvoffload import ops
     from kvoffload.policies.clo import exact_scores
-    from kvoffload.policies.tokenselect import choose_tokens, gather_rows, soft_vote, token_space
+    from kvoffload.policies.selection import choose_tokens
+    from kvoffload.policies.tokenselect import gather_rows, soft_vote, token_space
 
     dt = jnp.bfloat16
     blocks = batch * ctx // blk
@@ -190,10 +191,11 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
     import numpy as np
 
     from kvoffload import ops
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.offload.pipeline import PoolSources, attend_pool
     from kvoffload.policies.clo import aggregate_similarity, exact_scores, hata_token_scores, key_metadata
-    from kvoffload.policies.tokenselect import HostRows, choose_tokens, query_cosines, token_space
+    from kvoffload.policies.selection import choose_tokens
+    from kvoffload.policies.tokenselect import HostRows, query_cosines, token_space
 
     dt = jnp.bfloat16
     item = jnp.dtype(dt).itemsize

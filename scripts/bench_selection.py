@@ -161,7 +161,7 @@ def bandwidth_probes(smoke: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     n = (16 if smoke else 512) << 20  # bytes
     out = {}
@@ -203,7 +203,7 @@ def bandwidth_probes(smoke: bool) -> dict:
 
 
 def memory_stats() -> dict:
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     try:
         s = M.default_device().memory_stats() or {}
@@ -216,7 +216,7 @@ def state_bytes(state) -> dict:
     """Bytes of the decode state's arrays by part and memory kind ('device' or the host kind)."""
     import jax
 
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     out: dict = {}
 
@@ -350,7 +350,7 @@ def attention_bench(pol, model, state, layer: int, reps: int, extremes: bool, ti
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     pipe, hooks = pol.pipeline, pol.pipeline.hooks
     cfg = model.config
@@ -565,7 +565,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     del logits
     layer = cfg.num_layers // 2
     try:
-        from kvoffload.offload import sharding as S
+        from kvoffload.device import sharding as S
 
         stk = state.groups[0].stack
         if stk is not None and layer >= stk.first:  # its pool and slots live stacked inside the loop's state
@@ -777,7 +777,7 @@ def main(argv=None) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from kvoffload.config import ModelConfig
     from kvoffload.models import TINY_CONFIGS, Model, family
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.offload.bench import make_model
 
     dev = M.default_device()
@@ -790,7 +790,7 @@ def main(argv=None) -> int:
         model = make_model(args.shape, jnp.dtype(args.dtype), offload_weights=False)
         shape = args.shape
     if args.tensor_parallel > 1:  # the weights split over the mesh once (each device holds its shard only)
-        from kvoffload.offload import sharding as S
+        from kvoffload.device import sharding as S
 
         S.check_divisible(model.config, args.tensor_parallel)
         model = Model(model.config, S.shard_params(model.params, S.make_mesh(args.tensor_parallel)))

@@ -65,7 +65,7 @@ def bandwidth(n: int, size_mb: float, repeats: int) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from kvoffload.offload import sharding as S
+    from kvoffload.device import sharding as S
 
     mesh = S.make_mesh(n)
     elems = int(size_mb * 2**20) // 2

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload import ops
-from kvoffload.pallas import checks as C
+from kvoffload.testing import checks as C
 
 
 def pinned_host_check():

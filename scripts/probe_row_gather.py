@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from kvoffload import ops
 from kvoffload.offload.bench import median_time
-from kvoffload.offload.memory import host_sharding
+from kvoffload.device.memory import host_sharding
 from kvoffload.pallas import gather as ga
 
 GIB = 2**30

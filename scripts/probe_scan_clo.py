@@ -20,7 +20,7 @@ Weights (`--linear`): `einsum`, the model's (the loop slices each layer's: XLA w
 in the loop and in the calls alike, so the bits compare, with a third variant `calls_einsum` timing the calls as
 the pipeline runs them; `mulsum`, a multiply and sum in both (reads in place; too slow for a long prefill).
 Row buffers (`--buffers`): `in-place`, every layer's along the rows of one array a kind, refilled and attended
-in place (`tokenselect.LayerRows`); `sliced`, stacked [n, ...] and sliced like the other slots.
+in place (`pipeline.LayerRows`); `sliced`, stacked [n, ...] and sliced like the other slots.
 
 `--policy full` runs `full`'s layers the same way (its pool's device extents concatenated, the block tables
 shifted by j x E in the loop): the exactness reference of the selection policies, on the same loop.
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="blocks per variant, interleaved")
     ap.add_argument("--buffers", default="in-place", choices=("in-place", "sliced"),
                     help="the selection's row buffers: all layers' along the rows of one array a kind, each layer's "
-                         "refilled and read in place at its row offset (tokenselect.LayerRows), or stacked [n, ...] "
+                         "refilled and read in place at its row offset (pipeline.LayerRows), or stacked [n, ...] "
                          "and sliced per layer like the other slots (XLA copies the slice out and back)")
     ap.add_argument("--list-min-kib", type=int, default=1024, help="list the loop's writes of at least this size")
     ap.add_argument("--list-opcodes", default=None,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.offload.bench import median_time
-from kvoffload.offload.memory import host_sharding
+from kvoffload.device.memory import host_sharding
 from kvoffload.pallas import stacked_linear as sl
 from kvoffload.pallas.common import cdiv, load, next_pow2, on_gpu, pallas_call, triton_params
 

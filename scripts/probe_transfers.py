@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.offload.bench import median_time
-from kvoffload.offload.memory import device_sharding, host_sharding, memory_kind_of, to_device, to_host
+from kvoffload.device.memory import device_sharding, host_sharding, memory_kind_of, to_device, to_host
 from kvoffload.pallas.common import triton_params
 
 KIB = 1024

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from kvoffload.eval.ruler import essays_text
-    from kvoffload.importance.train import load_scores
+    from kvoffload.plan.deploy import load_scores
     from kvoffload.models import load_model
     from kvoffload.plan.clo import profile_query_similarity, save_clo_profile
 

@@ -10,7 +10,7 @@ import numpy as np
 from kvoffload import ops
 from kvoffload.models import tiny_random_model
 from kvoffload.models.transformer import family
-from kvoffload.offload import memory as M
+from kvoffload.device import memory as M
 from kvoffload.pallas import gather as _ga
 from kvoffload.policies.tokenselect import act_rows, union_tiers
 

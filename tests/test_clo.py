@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvoffload import ops
-from kvoffload.importance.deploy import group_similarity
+from kvoffload.plan.deploy import group_similarity
 from kvoffload.models import tiny_random_model
 from kvoffload.offload.pipeline import PoolSources
 from kvoffload.plan.clo import CloProfile, kv_thresholds, plan_persistent_heads, save_clo_profile
@@ -243,8 +243,9 @@ def test_exact_scores_max_over_the_group():
 @functools.partial(jax.jit, static_argnames=("scoring", "K", "page"))
 def _selection(scoring, q, keys, tables, space, context, n_select, K, w, page):
     """(indices, num_valid) of one scoring over a token space (the whole pool's where space is None)."""
-    from kvoffload.importance.hata import encode_keys
-    from kvoffload.policies.tokenselect import choose_tokens, soft_vote, token_positions, token_space
+    from kvoffload.plan.deploy import encode_keys
+    from kvoffload.policies.selection import choose_tokens
+    from kvoffload.policies.tokenselect import soft_vote, token_positions, token_space
 
     blk = keys[0].shape[2]
     space = token_space(tables, blk) if space is None else space
@@ -454,7 +455,7 @@ def test_gpu_host_values_gather_under_cond():
     """On the GPU: V extents in pinned_host memory, gathered inside the layer program under a lax.cond
     (skipped when every head of the layer hits). Must compile and give `full`'s tokens when everything is
     selected, and run with hits (fixed_threshold=-1: reuse until each flush) at a small top-k."""
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     model = tiny_random_model("llama", seed=1)
     _, want, _ = _decode(model, "full", NEW)
@@ -475,7 +476,7 @@ def test_gpu_host_values_gather_under_cond():
 def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval, quest_dtype):
     """Everything selected: the retrieval ranks but cannot change what is attended. K lives on the host
     (as V), the plan counts no pool bytes on the GPU, the metadata was written at prefill and the flush."""
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     arch, model, want = ref
     pol, got, state = _decode(model, "clo", NEW, retrieval=retrieval, topk_ratio=1.0, fixed_threshold=2.0,
@@ -527,7 +528,7 @@ def test_quest_int4_v_rows_with_native_or_int8_keys(k_quant):
     quest's V is int4; with groups of 2 (exact codes) the logits are the native-host run's, and the K bytes
     gathered are the V rows' count times a K row as stored (d x 4 here, or d int8 codes + scales), the V bytes
     times an int4 row (codes + scales)."""
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     model = tiny_random_model("llama", seed=1)
     d = model.config.head_dim
@@ -614,7 +615,7 @@ def test_quest_bounds_equal_numpy_upper_bound():
 def test_hata_selection_overlaps_exact_topk():
     """Random keys and queries, 1024-bit seeded projections: the codes' top 10% holds at least 60% of the
     exact top 10% (chance: 10%); 64 bits hold less (the bound depends on the code length)."""
-    from kvoffload.importance.hata import encode_keys
+    from kvoffload.plan.deploy import encode_keys
 
     rng = np.random.default_rng(4)
     owners = [0] * 16 + [1] * 16
@@ -821,7 +822,7 @@ def test_guess_of_a_layer_equals_numpy_reference(monkeypatch):
 def test_miss_fetch_is_exactly_the_true_selection_minus_the_guess():
     """refill_rows: rows of the wanted tokens held in the buffer come from it, only the others are gathered
     from the host extents, and the gathered set is exactly want minus held (per request and KV head)."""
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     rng = np.random.default_rng(5)
     B, n_kv, K, d, blk = 2, 2, 12, 8, 4
@@ -865,7 +866,7 @@ def test_gpu_speculative_prefetch_and_int4_rows():
     """On the GPU: the speculative program (a guess gathered from pinned_host V before the previous layer's
     program) and the int4 row gathers compile and run; speculation attends what the plain run attends, and
     int4 with groups of 2 (exact codes) gives the native run's logits."""
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     model = tiny_random_model("llama", seed=1)
     opts = dict(topk=12, num_recent=4, eta=0.5)
@@ -905,7 +906,7 @@ def _profile(tmp_path, intercepts=True):
 def test_store_act_everything_selected_equals_full(ref):
     """Everything selected, never reused, exact keys on the GPU: V recomputed from the X rows of the host pool
     (LLaMA: RoPE at each token's own position for K where K is recomputed; OPT's X carries its positions)."""
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     arch, model, want = ref
     pol, got, state = _decode(model, "clo", NEW, topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False, store="act",
@@ -1038,7 +1039,7 @@ def test_gpu_store_act_matches_store_kv():
     """On the GPU: X extents in pinned_host memory, their selected rows read by the headless zero-copy gather
     kernel inside the layer program (and the speculative program), K/V recomputed; store=act attends what
     store=kv attends (whole context and a small top-k with reuse, MHA, quest and exact)."""
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     model = tiny_random_model("opt", seed=1)
     for opts in (dict(topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False), dict(topk=12, num_recent=4, eta=0.5)):

@@ -246,8 +246,7 @@ def test_shipped_profile_of_the_embedded_model():
     import os
 
     import kvoffload.importance as imp
-    from kvoffload.importance.deploy import group_similarity
-    from kvoffload.importance.train import load_scores
+    from kvoffload.plan.deploy import group_similarity, load_scores
     from kvoffload.plan.clo import load_clo_profile
 
     here = os.path.join(os.path.dirname(imp.__file__), "pretrained")

@@ -1,6 +1,6 @@
 """ops.gather_block_rows: rows of one block extent (device or host memory) into device memory, and its
 use by ops.gather_pool_rows (kv=split's V rows, clo's K/V rows). The kernel-vs-NumPy sweep is
-pallas/checks.py's check_gather (tests/test_kernels.py, scripts/check_kernels.py on the GPU)."""
+testing/checks.py's check_gather (tests/test_kernels.py, scripts/check_kernels.py on the GPU)."""
 
 import re
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload import ops
-from kvoffload.offload import memory as M
+from kvoffload.device import memory as M
 from kvoffload.pallas import common as _c
 from kvoffload.pallas import gather as _ga
 

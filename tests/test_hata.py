@@ -8,6 +8,7 @@ import pytest
 from kvoffload import ops
 from kvoffload.importance import hata
 from kvoffload.models import tiny_random_model
+from kvoffload.plan import deploy
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_resume_and_outputs(model, qk, tmp_path):
     np.testing.assert_allclose(a.w, b.w, rtol=1e-6, atol=1e-7)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7),
                  a.state.opt_state, b.state.opt_state)
-    w = hata.load_projections(b_dir)
+    w = deploy.load_projections(b_dir)
     np.testing.assert_allclose(w, b.w)
     import json, os
 
@@ -124,8 +125,8 @@ def test_codes_feed_hata_scores(model, qk):
     k = jnp.asarray(qk.k[0, 0])[None]  # [1, n_kv, T, d]
     q = jnp.asarray(qk.q[0, 0, :, :1]).reshape(1, cfg.num_kv_heads, cfg.head_dim)
     q = jnp.repeat(q, cfg.group_size, axis=1)  # [1, n_heads, d]
-    kc = hata.encode_keys(w, k)
-    qc = hata.encode_queries(w, q, cfg.group_size)
+    kc = deploy.encode_keys(w, k)
+    qc = deploy.encode_queries(w, q, cfg.group_size)
     assert kc.shape == (1, cfg.num_kv_heads, 192, 2) and kc.dtype == jnp.uint32
     assert qc.shape == (1, cfg.num_heads, 2)
     s = ops.hata_scores(qc, kc, jnp.array([192]), group_reduce="sum")
@@ -262,9 +263,9 @@ def test_wide_codes_through_the_hamming_kernel(model, qk, bits):
     reference."""
     cfg = model.config
     w = jnp.asarray(hata.init_projection(cfg, bits, 1)[0])
-    kc = hata.encode_keys(w, jnp.asarray(qk.k[0, 0])[None])
+    kc = deploy.encode_keys(w, jnp.asarray(qk.k[0, 0])[None])
     q = jnp.asarray(qk.q[0, 0, :, :1]).reshape(1, cfg.num_kv_heads, -1).repeat(cfg.group_size, 1)
-    qc = hata.encode_queries(w, q, cfg.group_size)
+    qc = deploy.encode_queries(w, q, cfg.group_size)
     assert kc.shape[-1] == qc.shape[-1] == bits // 32
     lengths = jnp.array([150])
     want = ops.hata_scores(qc, kc, lengths, group_reduce="max", impl="reference")

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from kvoffload.importance import data as kdata
-from kvoffload.importance import deploy, gating
+from kvoffload.importance import gating
 from kvoffload.importance import train as ktrain
 from kvoffload.models import tiny_random_model
 from kvoffload.models.common import prefill_attention
+from kvoffload.plan import deploy
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +169,8 @@ def test_checkpoint_resume_reproduces_state(model, pdata, tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7),
                  full.state.opt_state, resumed.state.opt_state)
     # scores files: readable JSON and orbax agree
-    js = ktrain.load_scores(os.path.join(b_dir, ktrain.SCORES_JSON))
-    ob = ktrain.load_scores(os.path.join(b_dir, "scores"))
+    js = deploy.load_scores(os.path.join(b_dir, ktrain.SCORES_JSON))
+    ob = deploy.load_scores(os.path.join(b_dir, "scores"))
     np.testing.assert_allclose(js, ob, atol=1e-6)
     doc = json.load(open(os.path.join(b_dir, ktrain.SCORES_JSON)))
     assert doc["num_layers"] == 2 and len(doc["alpha"][0]) == 2

@@ -15,7 +15,7 @@ from kvoffload import ops
 from kvoffload.compile_count import count_compilations
 from kvoffload.engine import pad_prompts
 from kvoffload.models import tiny_random_model
-from kvoffload.offload import memory as M
+from kvoffload.device import memory as M
 from kvoffload.plan.cost import LayerShape, stored_kv_bytes_per_token
 from kvoffload.plan.split import no_recompute_reason
 from kvoffload.policies import make_policy

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload import ops
-from kvoffload.pallas import checks as C
+from kvoffload.testing import checks as C
 
 _run = C.run_case  # kernel checks take a mode; reference-only checks do not
 

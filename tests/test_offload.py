@@ -13,7 +13,7 @@ from ref_cache import reference_for
 
 from kvoffload.engine import generate, pad_prompts
 from kvoffload.models import tiny_random_model
-from kvoffload.offload import memory as M
+from kvoffload.device import memory as M
 from kvoffload.offload.pool import (
     BlockAllocator,
     PoolExhausted,
@@ -93,7 +93,7 @@ def test_prefill_in_row_chunks_equals_one_program(ref, policy, opts):
         np.testing.assert_array_equal(logits, want_logits)
     cfg = model.config
     t_pad, b = 48, len(PROMPTS)
-    from kvoffload.offload.pipeline import prefill_workspace_per_row
+    from kvoffload.plan.memory import prefill_workspace_per_row
 
     layouts = plan_pool(cfg, jnp.float32, [np.asarray([19, 40, 3])], 60, block_tokens=BLOCK).layouts
     whole, chunked = (pool_memory(cfg, jnp.float32, layouts, b, t_pad, host_pool=False, offload_weights=False,
@@ -614,7 +614,7 @@ def test_recompute_workspace_by_token_holds_every_extent_at_once():
     along H it is the largest single extent's K/V plus that extent's X gathered whole."""
     import dataclasses
 
-    from kvoffload.offload.sharding import device_config
+    from kvoffload.device.sharding import device_config
 
     cfg = model_shape("opt-6.7b")
     dev = device_config(cfg, 4)

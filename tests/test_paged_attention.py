@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
-from kvoffload.pallas import checks as C
+from kvoffload.testing import checks as C
 from kvoffload.pallas.paged_attention import PagedLayoutError
 
 # (kwargs of checks.check_paged); every case has a row with M blocks and a row with none

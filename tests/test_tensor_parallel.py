@@ -1,4 +1,4 @@
-"""Tensor parallelism over heads (offload/sharding.py): tokens and logits on 2- and 4-way meshes equal
+"""Tensor parallelism over heads (device/sharding.py): tokens and logits on 2- and 4-way meshes equal
 the single-device run (fp32; logits to all-reduce rounding), the pool and tails live split by head, and
 settings that cannot run are refused. The mesh cases need several devices, which XLA_FLAGS must give
 before jax starts: they run in a subprocess (tests/tp_cases.py) with 4 virtual CPU devices."""
@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from kvoffload.models import tiny_random_model
-from kvoffload.offload import sharding as S
+from kvoffload.device import sharding as S
+from kvoffload.plan.memory import weight_bytes_per_device
 from kvoffload.policies import make_policy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -287,7 +288,7 @@ def test_hybrid_block_rates_price_one_device_of_the_mesh():
     cfg, cost, blk, batch = model.config, CostModel.default("gpu"), 16, 4
     rates = {}
     for n in (1, 2):
-        wb = S.weight_bytes_per_device(cfg, jnp.float32, model.params, n)
+        wb = weight_bytes_per_device(cfg, jnp.float32, model.params, n)
         shape = LayerShape.of(cfg, 4, wb.per_layer, wb.kv_per_layer, tensor_parallel=n)
         rates[n] = BlockRates.of(cost, shape, blk, offload_weights=True, batch=batch)
     one, two = rates[1], rates[2]
@@ -304,8 +305,8 @@ def test_hybrid_block_rates_price_one_device_of_the_mesh():
     assert abs(two.kv_gen.slope - (one.kv_gen.slope / 2 + two.x_gather.slope)) <= 1e-12 * one.kv_gen.slope
     assert two.to_json()["x_gather"] == two.x_gather.to_json() and two.to_json()["tensor_parallel"] == 2
     # the weights: each device streams its shard (the split matrices halved, norms and output biases whole)
-    w1 = S.weight_bytes_per_device(cfg, jnp.float32, model.params, 1).per_layer
-    w2 = S.weight_bytes_per_device(cfg, jnp.float32, model.params, 2).per_layer
+    w1 = weight_bytes_per_device(cfg, jnp.float32, model.params, 1).per_layer
+    w2 = weight_bytes_per_device(cfg, jnp.float32, model.params, 2).per_layer
     assert w1 / 2 < w2 < w1 * 0.55 and two.load_w == cost.h2d(w2) < one.load_w
     allreduce = 2 * cost.all_gather(batch * 2 * h * 4 / 2)
     dense_flops = LayerShape.of(cfg, 4, tensor_parallel=2).dense_flops_tok
@@ -313,7 +314,7 @@ def test_hybrid_block_rates_price_one_device_of_the_mesh():
     assert one.dense_s == max(cost.dense(batch * 2 * dense_flops), w1 / cost.hbm_bw)
     # X split by token (the pipeline's layout for hybrid): an ACT block regenerates at half the flops with no
     # gather; the layer's dense time adds the exchange of partial softmaxes and the streamed W_K / W_V's gather
-    wb2 = S.weight_bytes_per_device(cfg, jnp.float32, model.params, 2)
+    wb2 = weight_bytes_per_device(cfg, jnp.float32, model.params, 2)
     tok = BlockRates.of(cost, LayerShape.of(cfg, 4, wb2.per_layer, wb2.kv_per_layer, tensor_parallel=2, x_split="token"),
                         blk, offload_weights=True, batch=batch)
     assert tok.x_gather == Linear(0.0, 0.0) and tok.kv_gen == Linear(cost.recompute.intercept, one.kv_gen.slope / 2)

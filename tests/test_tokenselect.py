@@ -15,7 +15,7 @@ from kvoffload import ops
 from kvoffload.compile_count import count_compilations
 from kvoffload.engine import pad_prompts
 from kvoffload.models import tiny_random_model
-from kvoffload.offload import memory as M
+from kvoffload.device import memory as M
 from kvoffload.offload.pipeline import PoolSources
 from kvoffload.offload.pool import BlockAllocator, PoolLayout
 from kvoffload.policies import make_policy
@@ -575,7 +575,8 @@ def test_layer_rows_refill_and_attend_one_layers_rows_of_a_stacked_buffer_in_pla
     every other layer's rows as they were; sparse attention over them equals attention over the layer's own
     buffers; the kernel (interpret) and the reference agree."""
     from kvoffload import ops
-    from kvoffload.policies.tokenselect import LayerRows, rows_attention
+    from kvoffload.offload.pipeline import LayerRows
+    from kvoffload.policies.tokenselect import rows_attention
 
     rng = np.random.default_rng(4)
     E, n_kv, blk, d, K, n, G = 3, 2, 16, 64, 5, 3, 2

@@ -15,7 +15,7 @@ import pytest
 
 from kvoffload.offload.pipeline import extent_work
 from kvoffload.offload.pool import PoolLayout
-from kvoffload.offload.sharding import TensorParallelError
+from kvoffload.device.sharding import TensorParallelError
 from kvoffload.plan.cost import (
     DEFAULT_ALL_GATHER,
     CostModel,

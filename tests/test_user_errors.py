@@ -379,7 +379,8 @@ def test_settings_that_give_garbage_are_refused_before_work(capsys, tmp_path, mo
 
 def test_non_finite_scores_are_neither_written_nor_read(tiny, tmp_path):
     from kvoffload.errors import InvalidResultError
-    from kvoffload.importance.train import SCORES_JSON, TrainConfig, load_scores, save_scores
+    from kvoffload.importance.train import TrainConfig, save_scores
+    from kvoffload.plan.deploy import SCORES_JSON, load_scores
     from kvoffload.policies.clo import load_importance
 
     alpha = np.full((tiny.config.num_layers, tiny.config.num_kv_heads), np.nan, np.float32)

@@ -48,7 +48,7 @@ def run_case(case, refs):
                              policy_options={**BASE, **opts} if lossy else BASE, return_logits=True)
     want, want_logits = refs[key]
     out = dict(case=case)
-    from kvoffload.offload import sharding as S
+    from kvoffload.device import sharding as S
 
     seen, real_gather = {}, S.gather_whole
 
@@ -157,7 +157,7 @@ def kernel_case(case):
     from jax.sharding import NamedSharding
 
     from kvoffload import ops
-    from kvoffload.offload import sharding as S
+    from kvoffload.device import sharding as S
 
     mesh = S.make_mesh(case["tp"])
     r = np.random.default_rng(0)
@@ -232,8 +232,8 @@ def transfer_case(case):
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from kvoffload.offload import memory as M
-    from kvoffload.offload import sharding as S
+    from kvoffload.device import memory as M
+    from kvoffload.device import sharding as S
 
     mesh = S.make_mesh(jax.device_count())
     n = mesh.size

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import USER_ERRORS, one_line
 from kvoffload.policies.options import PolicyOptionError  # noqa: F401  (raised for the CLI's options; re-exported)
 
 
@@ -179,22 +179,6 @@ def cmd_policies(args) -> int:
 
     print("\n".join(available_policies()))
     return 0
-
-
-# The errors a user can cause (bad input, a missing or unwritable file, a damaged checkpoint, a plan that
-# does not fit): printed as one line with exit code 2; anything else is a bug and keeps its traceback.
-USER_ERRORS = (KVOffloadError, ValueError, OSError)
-_MAX_MESSAGE = 600
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (storage layers put dumps in theirs), cut to a readable length."""
-    msg = " ".join(str(e).split()) or type(e).__name__
-    if isinstance(e, KeyError) and e.args:
-        msg = str(e.args[0])
-    if len(msg) > _MAX_MESSAGE:
-        msg = msg[:_MAX_MESSAGE] + " ... (--debug shows all)"
-    return msg
 
 
 def _split_debug(argv: list[str]) -> tuple[list[str], bool]:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import GenerationInputError, KVOffloadError
 from kvoffload.models.common import pytree_dataclass
 from kvoffload.models.sampling import check_sampling, sample
 from kvoffload.models.transformer import family, layer_prefill
@@ -32,10 +32,6 @@ CAPACITY_BUCKET = 128
 LONG = 1024  # past this length buckets are 4x coarser: fewer compilations for long-context eval
 TOKEN_BUCKET = 64
 SYNC_EVERY = 16  # decode steps between two reads of the device's done flags
-
-
-class GenerationInputError(KVOffloadError, ValueError):
-    """Prompts, token ids or lengths that generation cannot take."""
 
 
 class NonFiniteLogitsError(KVOffloadError, FloatingPointError):
@@ -289,8 +285,8 @@ def _committed(model, arrays):
 
 
 def _put(values, where):
-    """Host values committed to a device or a sharding (one spanning processes too: offload/sharding.put)."""
-    from kvoffload.offload.sharding import put
+    """Host values committed to a device or a sharding (one spanning processes too: device/sharding.put)."""
+    from kvoffload.device.sharding import put
 
     return put(values, where)
 

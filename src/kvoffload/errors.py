@@ -18,6 +18,10 @@ def warn_accuracy(message: str):
     warnings.warn(message, AccuracyWarning, stacklevel=3)
 
 
+class GenerationInputError(KVOffloadError, ValueError):
+    """Prompts, token ids or lengths that generation cannot take."""
+
+
 class InvalidResultError(KVOffloadError, ValueError):
     """A run's output that would be garbage (non-finite numbers, nothing evaluated): refused before it is
     written, so no file ever holds a result that looks like one and is not."""
@@ -55,3 +59,19 @@ def check_finite_result(what: str, values, then: str = "nothing written") -> Non
     bad = int(arr.size - np.isfinite(arr).sum())
     if bad:
         raise InvalidResultError(f"{what} holds {bad} non-finite value(s) of {arr.size}; {then}")
+
+
+# The errors a user can cause (bad input, a missing or unwritable file, a damaged checkpoint, a plan that
+# does not fit): printed as one line with exit code 2; anything else is a bug and keeps its traceback.
+USER_ERRORS = (KVOffloadError, ValueError, OSError)
+_MAX_MESSAGE = 600
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (storage layers put dumps in theirs), cut to a readable length."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, KeyError) and e.args:
+        msg = str(e.args[0])
+    if len(msg) > _MAX_MESSAGE:
+        msg = msg[:_MAX_MESSAGE] + " ... (--debug shows all)"
+    return msg

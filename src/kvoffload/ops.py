@@ -41,7 +41,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from kvoffload.offload import sharding as _sh
+from kvoffload.device import sharding as _sh
 from kvoffload.pallas import common as _c
 from kvoffload.pallas import decode_attention as _da
 from kvoffload.pallas import gather as _ga

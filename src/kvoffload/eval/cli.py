@@ -101,7 +101,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def compare_from_args(args: argparse.Namespace) -> int:
     """``kvoffload eval compare``: reads the results files and prints the comparison table."""
-    from kvoffload.cli import USER_ERRORS, one_line
+    from kvoffload.errors import USER_ERRORS, one_line
 
     from .compare import compare_records, format_comparison, write_comparison
     from .report import load_records
@@ -139,7 +139,7 @@ def load_eval_model(spec: str | None, dtype: str = "float32"):
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Runs the benchmark a parsed namespace asks for; prints the summary table. Returns an exit code."""
-    from kvoffload.cli import USER_ERRORS, one_line
+    from kvoffload.errors import USER_ERRORS, one_line
 
     from . import runner
 

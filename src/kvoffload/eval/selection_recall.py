@@ -4,7 +4,7 @@ of the exact attention that falls on the tokens each retrieval selects, at the p
 The model runs its full prompt once (no selection anywhere), so every retrieval is judged on the same queries
 and keys: those of the last prompt token, which generates the answer's first token. Each retrieval scores
 the prompt's keys with clo's own functions (`clo.key_metadata`, `clo.quest_bounds`, `clo.hata_token_scores`'
-codes, `tokenselect.soft_vote`'s exact q.k) and selects with `tokenselect.choose_tokens` at the size
+codes, `tokenselect.soft_vote`'s exact q.k) and selects with `selection.choose_tokens` at the size
 `tokenselect.selection_size` gives (sinks and recent tokens forced in, whole pages for Quest), so what is
 measured is what the policy would attend. ``mass`` is the mean over the query heads of the exact attention
 probability on the selected tokens: 1.0 keeps everything; the exact top-k by max over the group of q.k is
@@ -75,7 +75,8 @@ def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
     """[n_kv]: the exact attention mass on one layer's selection. q [H, d], k [n_kv, T, d] (T a multiple of blk,
     tokens past the context padded), w [n_kv, d, r] or None."""
     from kvoffload.policies import clo
-    from kvoffload.policies.tokenselect import choose_tokens, selection_size
+    from kvoffload.policies.selection import choose_tokens
+    from kvoffload.policies.tokenselect import selection_size
 
     H, d = q.shape
     n_kv, T, _ = k.shape
@@ -92,7 +93,7 @@ def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
         scores = jnp.repeat(bounds, spec.page, axis=-1).transpose(1, 0, 2).reshape(n_kv, T)
     elif spec.retrieval == "hata":
         from kvoffload import ops
-        from kvoffload.importance.hata import encode_keys, encode_queries
+        from kvoffload.plan.deploy import encode_keys, encode_queries
 
         codes = encode_keys(w, blocks)  # [E, n_kv, blk, r/32]
         qc = encode_queries(w, q[None], G).reshape(n_kv, G, 1, 1, -1)
@@ -113,7 +114,7 @@ def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
 def selection_mass(spec: RetrievalSpec, q, k, hata_w=None, blk: int = 64) -> np.ndarray:
     """[L, n_kv] exact attention mass on each layer's selection (`_layer_mass`) for captured q [L, H, d] and
     k [L, n_kv, T, d]. The context is cut to whole blocks of blk tokens (the pool holds whole blocks)."""
-    from kvoffload.importance.hata import init_projection
+    from kvoffload.plan.deploy import init_projection
 
     L, n_kv, T, d = k.shape
     T = T // blk * blk

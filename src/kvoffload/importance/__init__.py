@@ -19,13 +19,19 @@ CLI: ``kvoffload train-importance`` / ``kvoffload train-hata`` (:mod:`kvoffload.
 """
 
 from kvoffload.importance.data import PasskeyBatch, PasskeyData, PasskeySample, collate
-from kvoffload.importance.deploy import (
+# the deployment side (reading the trained files, thresholds, codes) lives in kvoffload.plan.deploy (below the
+# policies that use it); re-exported here as this package's documented API
+from kvoffload.plan.deploy import (
     binarize,
     clo_lambda,
     clo_thresholds,
+    encode_keys,
+    encode_queries,
     group_scores,
     group_similarity,
     highest_mask,
+    load_projections,
+    load_scores,
     lowest_mask,
     query_scores,
 )
@@ -42,9 +48,6 @@ from kvoffload.importance.hata import (
     HataConfig,
     HataResult,
     collect_qk,
-    encode_keys,
-    encode_queries,
-    load_projections,
     recall_per_layer,
     save_projections,
     train_hata,
@@ -52,7 +55,6 @@ from kvoffload.importance.hata import (
 from kvoffload.importance.train import (
     TrainConfig,
     TrainResult,
-    load_scores,
     lr_schedule,
     save_scores,
     train_importance,

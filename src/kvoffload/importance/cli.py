@@ -89,12 +89,12 @@ def _load(args):
 def run_importance_check(model, alpha, *, data, samples: int, length: int, sink: int, recent: int,
                          fraction: float = 0.5, quiet: bool = False) -> dict:
     """Passkey accuracy: full / lowest `fraction` heads streaming / highest `fraction` streaming."""
-    from kvoffload.importance.deploy import highest_mask, lowest_mask
+    from kvoffload.plan.deploy import highest_mask, lowest_mask
     from kvoffload.importance.evaluate import passkey_accuracy
 
     cfg = model.config
     if alpha.shape[-1] == cfg.num_heads and cfg.num_heads != cfg.num_kv_heads:
-        from kvoffload.importance.deploy import group_scores
+        from kvoffload.plan.deploy import group_scores
 
         alpha = group_scores(alpha, cfg.group_size)
     out = {}
@@ -113,7 +113,8 @@ def run_importance_check(model, alpha, *, data, samples: int, length: int, sink:
 def train_importance_main(argv=None) -> int:
     args = importance_parser().parse_args(argv)
     from kvoffload.importance.data import PasskeyData, text_from_file
-    from kvoffload.importance.train import SCORES_JSON, TrainConfig, train_importance
+    from kvoffload.importance.train import TrainConfig, train_importance
+    from kvoffload.plan.deploy import SCORES_JSON
 
     if args.steps is None or args.steps < 1:
         print("train-importance: --steps (>= 1) is required", file=sys.stderr)

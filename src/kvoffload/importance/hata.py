@@ -60,6 +60,7 @@ from kvoffload.errors import check_finite_result, check_range
 from kvoffload.importance import gating
 from kvoffload.models.common import prefill_attention
 from kvoffload.models.transformer import family
+from kvoffload.plan.deploy import init_projection
 
 HATA_JSON = "hata.json"
 DATA_SOURCES = ("essays", "ruler", "mixed")
@@ -361,15 +362,6 @@ def _hata_step(top_frac, scale, balance, ortho):
     return step
 
 
-def init_projection(cfg, bits: int, seed: int):
-    """Gaussian W [L, n_kv, d, r] with entries N(0, 1/d) (SimHash; the untrained baseline)."""
-    if bits % 32:
-        raise ValueError(f"bits must be a multiple of 32 (packed uint32 words), got {bits}")
-    d = cfg.head_dim
-    shape = (cfg.num_layers, cfg.num_kv_heads, d, bits)
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32) / np.sqrt(d)
-
-
 @functools.lru_cache(maxsize=16)
 def _sgd(lr: float, momentum: float):
     return optax.sgd(lr, momentum=momentum)
@@ -464,27 +456,6 @@ def save_projections(out_dir: str, w, cfg, hcfg: HataConfig, extra: dict | None 
         doc.update(extra)
     with open(os.path.join(out_dir, HATA_JSON), "w") as f:
         json.dump(doc, f, indent=1)
-
-
-def load_projections(path: str) -> np.ndarray:
-    """W [L, n_kv, d, r] from an output directory (or its `hata` orbax directory)."""
-    import orbax.checkpoint as ocp
-
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.isdir(os.path.join(path, "hata")):
-        path = os.path.join(path, "hata")
-    return np.asarray(ocp.StandardCheckpointer().restore(path)["w"], np.float32)
-
-
-def encode_keys(w_layer, k):
-    """Packed codes of k [B, n_kv, S, d] with w_layer [n_kv, d, r] -> uint32 [B, n_kv, S, r // 32]."""
-    return jax.vmap(ops.hata_encode, in_axes=(1, 0), out_axes=1)(k, w_layer)
-
-
-def encode_queries(w_layer, q, group_size: int):
-    """Packed codes of q [B, n_heads, d] (query head h uses W of KV head h // G) -> [B, n_heads, r // 32]."""
-    w_q = jnp.repeat(w_layer, group_size, axis=0)  # [n_heads, d, r]
-    return jax.vmap(ops.hata_encode, in_axes=(1, 0), out_axes=1)(q, w_q)
 
 
 # ------------------------------------------------------------------------------------ loop

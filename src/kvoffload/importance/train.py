@@ -36,8 +36,8 @@ from flax.training import train_state
 from kvoffload.errors import check_finite_result, check_range
 from kvoffload.importance import gating
 from kvoffload.importance.data import PasskeyData, bucket
+from kvoffload.plan.deploy import SCORES_JSON
 
-SCORES_JSON = "head_scores.json"
 
 
 @dataclasses.dataclass
@@ -219,22 +219,6 @@ def save_scores(out_dir: str, alpha, model_cfg, tcfg: TrainConfig, extra: dict |
         doc.update(extra)
     with open(os.path.join(out_dir, SCORES_JSON), "w") as f:
         json.dump(doc, f, indent=1)
-
-
-def load_scores(path: str) -> np.ndarray:
-    """alpha [L, n] from a head_scores.json file, its directory, or an orbax `scores` directory."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, SCORES_JSON)):
-        path = os.path.join(path, SCORES_JSON)
-    if path.endswith(".json"):
-        with open(path) as f:
-            alpha = np.asarray(json.load(f)["alpha"], np.float32)
-    else:
-        import orbax.checkpoint as ocp
-
-        alpha = np.asarray(ocp.StandardCheckpointer().restore(path)["alpha"], np.float32)
-    check_finite_result(f"head scores file {path}", alpha, "not used (train the scores again)")  # NaN scores would rank heads at random
-    return alpha
 
 
 # ------------------------------------------------------------------------------------ loop

@@ -410,7 +410,7 @@ def make_model(shape_name: str, dtype, offload_weights: bool, seed=0):
 
     from kvoffload.models import Model
     from kvoffload.models.transformer import init_params
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.plan.profiler import model_shape
 
     cfg = model_shape(shape_name)
@@ -430,7 +430,7 @@ def run(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.plan.cost import LayerShape, predict_step
     from kvoffload.plan.profiler import MODEL_SHAPES, model_shape, run_profile, write_profile
     from kvoffload.plan.memory import weight_bytes
@@ -666,7 +666,7 @@ def random_kv_prefill(mesh=None):
     tensor-parallel mesh the outputs are placed as the real program's are (K/V by head, X along H, h replicated)."""
     import jax
 
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.offload import pipeline
 
     layer = _random_kv_layer()
@@ -679,7 +679,7 @@ def random_kv_prefill(mesh=None):
         out = layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens)
         if mesh is None:
             return jax.device_put(out, dev)
-        from kvoffload.offload import sharding as S
+        from kvoffload.device import sharding as S
 
         h, k, v, x = out
         return (jax.device_put(h, S.replicated(mesh)), *jax.device_put((k, v), S.kv_sharding(mesh)),

@@ -42,7 +42,7 @@ def profile_main(argv=None) -> int:
             check_range("each size / count", v, 0, low_open=True)
         return vals
 
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.plan.profiler import model_shape, run_profile, write_profile
 
     cpu = M.default_device().platform == "cpu"
@@ -99,7 +99,7 @@ def check_bench_workloads(argv, platform: str):
 
 
 def bench_main(argv=None) -> int:
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
     from kvoffload.offload.bench import main
 
     check_bench_workloads(argv, M.default_device().platform)

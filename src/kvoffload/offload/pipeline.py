@@ -61,8 +61,9 @@ from kvoffload.errors import KVOffloadError
 from kvoffload.config import UnsupportedModelError
 from kvoffload.models.common import attention_window
 from kvoffload.models.transformer import family, layer_prefill, layer_prefill_chunked
-from kvoffload.offload import memory as M
-from kvoffload.offload import sharding as S
+from kvoffload.device import memory as M
+from kvoffload.device import sharding as S
+from kvoffload.plan.memory import prefill_chunk_rows, weight_bytes_per_device
 from kvoffload.offload.pool import (
     BlockAllocator,
     BlockTables,
@@ -527,10 +528,38 @@ class LayerStack:
 _register(LayerStack, ("first", "blocks", "by_rows", "attend"))
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerRows:
+    """One layer's row buffer [B, n_kv, K, d] held inside `stacked` [B, n_kv, R, d], the buffers of several layers
+    along the rows, the layer's at rows [offset, offset + K): what a step looping over stacked layers gives a
+    layer for its selection's buffers, so the refill kernel writes them in place (tokenselect's `HostRows.refill`) and sparse
+    attention reads them in place (at slot ids + offset). A dynamic slice of a stacked [n, ...] buffer would be
+    copied out and back by XLA every layer (2 x 25.6 MiB a layer at 128K: H200, 2026-11-28).
+    Anything reading it as an array (`__jax_array__`) gets the layer's rows."""
+
+    stacked: jax.Array
+    offset: jax.Array  # [] int32
+    rows: int  # K (static)
+
+    shape = property(lambda self: tuple(self.stacked.shape[:2]) + (self.rows, self.stacked.shape[3]))
+    dtype = property(lambda self: self.stacked.dtype)
+    ndim = 4
+
+    def __jax_array__(self):
+        return jax.lax.dynamic_slice_in_dim(self.stacked, self.offset, self.rows, axis=2)
+
+    def astype(self, dtype):
+        return self if jnp.dtype(dtype) == self.dtype else self.__jax_array__().astype(dtype)
+
+    def with_stacked(self, stacked) -> "LayerRows":
+        return LayerRows(stacked=stacked, offset=self.offset, rows=self.rows)
+
+
+jax.tree_util.register_dataclass(LayerRows, data_fields=["stacked", "offset"], meta_fields=["rows"])
+
+
 def layer_slots(st: StackedLayers, j):
     """Layer j's moving slots (j traced inside the loop): sliced leaves, row buffers as `LayerRows` (in place)."""
-    from kvoffload.policies.tokenselect import LayerRows
-
     fields = _buffers(st.moving) if st.rows else []
     sliced = jax.tree.map(lambda a: a[j], _without_buffers(st.moving) if fields else st.moving)
     if not fields:
@@ -551,8 +580,6 @@ def with_layer_slots(st: StackedLayers, j, slots):
 
 def unstack_layer(st: StackedLayers, j: int):
     """(tail_k, tail_v, moving slots) of layer j as arrays of its own (statistics readers, checks)."""
-    from kvoffload.policies.tokenselect import LayerRows
-
     slots = jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, LayerRows) else a, layer_slots(st, j),
                          is_leaf=lambda a: isinstance(a, LayerRows))
     return st.tail_k[j], st.tail_v[j], slots
@@ -975,7 +1002,7 @@ class PipelineOptions:
     # or "int8" (int8 codes in per-token groups: where single rows are gathered, K at ~2x int4's bytes; per-token
     # int4 K loses accuracy there, per-channel scales come per block) or "native" (K in the model's dtype)
     int4_k_quant: str = "token"
-    # tensor parallelism over heads (offload/sharding.py): N devices (the first N of jax.devices()), or a
+    # tensor parallelism over heads (device/sharding.py): N devices (the first N of jax.devices()), or a
     # jax.sharding.Mesh with a 'model' axis; weights, K/V and the host pool split by head over it
     tensor_parallel: int = 1
     mesh: Any = None
@@ -1133,7 +1160,7 @@ class LayerPipeline:
 
     def params(self, model):
         """The model's parameters as this run places them: as they are on one device; on a mesh sharded
-        Megatron-style (offload/sharding.py; a no-op for parameters already placed so)."""
+        Megatron-style (device/sharding.py; a no-op for parameters already placed so)."""
         if self.mesh is None:
             return model.params
         key = id(model.params)
@@ -1226,7 +1253,7 @@ class LayerPipeline:
 
         cfg, o = self.device_config(model), self.opts
         dtype = model.params.layers[0].wk.dtype
-        wb = S.weight_bytes_per_device(model.config, dtype, model.params, self.tp, self.replicate_kv(model))
+        wb = weight_bytes_per_device(model.config, dtype, model.params, self.tp, self.replicate_kv(model))
         gathered = self.x_by_token and o.offload_weights and self.hooks.recomputes(self, model)
         slot_parts = self.hooks.slot_memory(self, model, layouts, len(lengths))
         mem = pool_memory(cfg, dtype, layouts, len(lengths), t_pad, host_pool=self.host_pool,
@@ -1572,7 +1599,7 @@ class LayerPipeline:
             host = M.to_host(pick(True), self.dev) if any(on_host) else pick(True)
             dev = jax.device_put(pick(False), M.device_sharding(self.dev))
         else:  # K/V by KV head (each device stores and moves its heads' blocks), X by token or along H
-            kv_s, tok = S.kv_sharding(self.mesh), self.x_by_token  # (offload/sharding.py)
+            kv_s, tok = S.kv_sharding(self.mesh), self.x_by_token  # (device/sharding.py)
             hp, dp = pick(True), pick(False)
             host = (M.to_host(hp[:2 * n], kv_s) + M.transfer(hp[2 * n:], S.x_shardings(hp[2 * n:], self.mesh,
                                                                                          self.host_kind, tok))
@@ -1921,7 +1948,7 @@ class LayerPipeline:
         from kvoffload.plan.cost import LayerShape
 
         lp = model.params.layers[0]
-        wb = S.weight_bytes_per_device(model.config, lp.wk.dtype, model.params, self.tp, replicate_kv)
+        wb = weight_bytes_per_device(model.config, lp.wk.dtype, model.params, self.tp, replicate_kv)
         return LayerShape.of(model.config, jnp.dtype(lp.wk.dtype).itemsize, wb.per_layer, wb.kv_per_layer,
                              host_dtype="int4" if self.int4 else "native", int4_group_size=self.opts.int4_group_size,
                              tensor_parallel=self.tp, int4_k_quant=self.opts.int4_k_quant,
@@ -2020,24 +2047,6 @@ def tail_slots(lengths, capacity: int, blk: int) -> int:
     lengths = np.asarray(lengths, np.int64)
     need = int((lengths % blk).max(initial=0)) + min(blk, max(1, int(capacity) - int(lengths.max(initial=0))))
     return min(2 * blk, 1 << max(0, need - 1).bit_length())
-
-
-def prefill_workspace_per_row(cfg, dtype, t_pad: int, chunk_tokens: int | None = None) -> float:
-    """Bytes of one prompt row's layer prefill: hidden states, q/k/v, MLP and one score chunk; token-
-    chunked (chunk_tokens), a chunk's: its hidden states, q/k/v and MLP, the scores of one key block
-    (and their exponentials) and the online softmax's fp32 accumulator (prefill_attention_chunk)."""
-    from kvoffload.models.common import PREFILL_KEY_BLOCK
-
-    p = jnp.dtype(dtype).itemsize
-    if chunk_tokens:
-        tc = min(int(chunk_tokens), t_pad)
-        return (tc * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p
-                + cfg.num_heads * tc * (2 * min(PREFILL_KEY_BLOCK, t_pad) + cfg.head_dim) * 4)
-    return t_pad * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p + cfg.num_heads * min(t_pad, 512) * t_pad * 4
-
-
-def prefill_chunk_rows(cfg, dtype, t_pad: int, workspace_gb: float, chunk_tokens: int | None = None) -> int:
-    return max(1, int(workspace_gb * 1e9 // prefill_workspace_per_row(cfg, dtype, t_pad, chunk_tokens)))
 
 
 def _nbytes(a) -> int:

@@ -285,7 +285,7 @@ class BlockAllocator:
         firsts = [pos[layout.start(e):layout.start(e) + layout.size(e)] for e in range(n_ext)]
         owned = self.owner[:layout.num_blocks]
         owner = np.where(owned >= 0, owned, -1).astype(np.int32)
-        from kvoffload.offload.sharding import put
+        from kvoffload.device.sharding import put
 
         table, cnt, first, owner = put((tables, list(count), firsts, owner), where)  # one transfer
         return BlockTables(table=tuple(table), count=tuple(cnt), first_pos=tuple(first), owner=owner)
@@ -486,7 +486,7 @@ def write_blocks(ext, blocks, slots):
                                                                                           a())[0])
         if out is not None:
             return out
-    from kvoffload.offload import memory as M
+    from kvoffload.device import memory as M
 
     dev = jax.device_put(ext, M.device_sharding())
     return jax.device_put(_scatter_blocks(dev, blocks, jnp.asarray(slots, jnp.int32)), ext.sharding)

@@ -36,7 +36,7 @@ import numpy as np
 
 from kvoffload.config import ModelConfig
 from kvoffload.errors import KVOffloadError
-from kvoffload.importance.deploy import clo_thresholds, group_scores, group_similarity
+from kvoffload.plan.deploy import clo_thresholds, group_scores, group_similarity
 from kvoffload.models.transformer import family, layer_prefill
 from kvoffload.plan.cost import CostModel, LayerShape, LayerWork, predict_layers
 

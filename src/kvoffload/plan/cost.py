@@ -5,7 +5,7 @@ Per layer, with layer i+1's transfers overlapping layer i's compute, a decode st
 max(PCIe time, GPU time): PCIe = weights (if offloaded) + activations X fetched + K/V fetched, GPU =
 recomputation + attention + projections and MLP. A step is num_layers such layers plus the head.
 
-Tensor parallelism over N devices (offload/sharding.py) is priced per device: `LayerShape.of(...,
+Tensor parallelism over N devices (device/sharding.py) is priced per device: `LayerShape.of(...,
 tensor_parallel=N)` counts one device's heads (its K/V bytes, recompute and attention are 1/N), its 1/N
 of each activation (each device fetches its share over its own link), the layer's two all-reduces of
 [batch, h] (mostly latency at decode; the same for every split), and what recomputing costs between the
@@ -232,12 +232,12 @@ class LayerShape:
            host_dtype: str = "native", int4_group_size: int = 64, tensor_parallel: int = 1,
            int4_k_quant: str = "token", block_tokens: int = 64, x_split: str = "hidden") -> "LayerShape":
         """cfg: the whole model's config; w_layer, w_kv: one device's weight bytes. With tensor_parallel=N
-        the shape is one device's (offload/sharding.py): its n_kv / N heads' K/V (stored, fetched over its
+        the shape is one device's (device/sharding.py): its n_kv / N heads' K/V (stored, fetched over its
         own link, attended, recomputed: 1/N of the flops), 1/N of each activation X, and what recomputing
         costs between devices: x_split "hidden" (X along H) the (N-1)/N of X each device receives before
         recomputing; "token" the merge of the partial softmaxes and the W_K / W_V shards' all-gather (the
         latter paid only where weights stream)."""
-        from kvoffload.offload.sharding import device_config
+        from kvoffload.device.sharding import device_config
 
         if x_split not in ("hidden", "token"):
             raise ValueError(f"x_split must be 'hidden' or 'token', got {x_split!r}")

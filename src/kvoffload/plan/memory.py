@@ -18,7 +18,8 @@ import numpy as np
 
 from kvoffload.config import ModelConfig
 from kvoffload.errors import KVOffloadError
-from kvoffload.offload import memory as M
+from kvoffload.device import memory as M
+from kvoffload.device import sharding as S
 
 GB = 1e9
 
@@ -98,6 +99,45 @@ class PoolPlan:
     flushes: int  # blocks each request appends while generating
 
 
+def weight_bytes_per_device(cfg, dtype, params, n: int, replicate_kv: bool = False):
+    """WeightBytes of one device's shard (split fields / n, replicated ones whole;
+    replicate_kv: W_K / W_V whole, as `device.sharding.shard_params` places them for token-split activations)."""
+    if n == 1:
+        return weight_bytes(cfg, dtype, params)
+
+    def nbytes(lp, fields=None):
+        total = 0
+        for f in dataclasses.fields(lp):
+            a = getattr(lp, f.name)
+            if a is None or (fields is not None and f.name not in fields):
+                continue
+            split = S.field_spec(f.name, a.ndim, replicate_kv) != S.REPLICATED
+            total += a.size * jnp.dtype(a.dtype).itemsize // (n if split else 1)
+        return int(total)
+
+    whole = weight_bytes(cfg, dtype, params)
+    lp = params.layers[0]
+    return WeightBytes(per_layer=nbytes(lp), kv_per_layer=nbytes(lp, ("wk", "bk", "wv", "bv")), other=whole.other)
+
+
+def prefill_workspace_per_row(cfg, dtype, t_pad: int, chunk_tokens: int | None = None) -> float:
+    """Bytes of one prompt row's layer prefill: hidden states, q/k/v, MLP and one score chunk; token-
+    chunked (chunk_tokens), a chunk's: its hidden states, q/k/v and MLP, the scores of one key block
+    (and their exponentials) and the online softmax's fp32 accumulator (prefill_attention_chunk)."""
+    from kvoffload.models.common import PREFILL_KEY_BLOCK
+
+    p = jnp.dtype(dtype).itemsize
+    if chunk_tokens:
+        tc = min(int(chunk_tokens), t_pad)
+        return (tc * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p
+                + cfg.num_heads * tc * (2 * min(PREFILL_KEY_BLOCK, t_pad) + cfg.head_dim) * 4)
+    return t_pad * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * p + cfg.num_heads * min(t_pad, 512) * t_pad * 4
+
+
+def prefill_chunk_rows(cfg, dtype, t_pad: int, workspace_gb: float, chunk_tokens: int | None = None) -> int:
+    return max(1, int(workspace_gb * 1e9 // prefill_workspace_per_row(cfg, dtype, t_pad, chunk_tokens)))
+
+
 def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_tokens: int = 64,
               extent_mb: float = 64.0, host_dtype: str = "native") -> PoolPlan:
     """The pool of each GPU batch: its prompts' full blocks plus one block per request for every
@@ -172,12 +212,11 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     programs (streamed weights, activations split by token: `sharding.gather_whole`), per layer in flight.
     prefill_chunk_tokens: the prefill runs each layer in token chunks (the workspace is a chunk's) and
     one layer at a time (its K/V, X and their gathered extents are counted once).
-    Tensor parallelism (offload/sharding.py) plans one device: cfg is the config that device sees (its
+    Tensor parallelism (device/sharding.py) plans one device: cfg is the config that device sees (its
     heads and MLP width), weights its shard, and activation_split = N: stored activations (pool and tails)
     are split along H over N devices (a recompute workspace holds a whole gathered X extent); with
     x_by_token they are split by token instead (`pipeline.attend_act_by_token`: each device recomputes all
     its tokens' extents at once, their X slices joined, nothing gathered)."""
-    from kvoffload.offload.pipeline import prefill_chunk_rows, prefill_workspace_per_row
     from kvoffload.plan.cost import stored_bytes, stored_x_bytes_per_token
 
     p = jnp.dtype(dtype).itemsize

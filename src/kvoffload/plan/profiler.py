@@ -5,7 +5,7 @@ time of K/V recomputation at the recompute shapes (X [B, T, H] @ [W_K W_V]), dec
 per layer over context lengths, and the per-layer projections + MLP time at the planned batch. Each
 is fitted with a line t = a + b * x (x = bytes or flops); the fits (and the raw points) go to JSON.
 
-With tensor_parallel=N (a mesh of N devices, offload/sharding.py) the profile is one device's as a
+With tensor_parallel=N (a mesh of N devices, device/sharding.py) the profile is one device's as a
 tensor-parallel run sees it: transfers with all N links busy at once (each device moving its own shard),
 compute (per flop and byte, measured at the whole model's shapes on one device), and the all-gather of an activation split along H
 (fitted as `all_gather`, seconds vs bytes received per device: the cost model prices every collective between
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvoffload.config import ModelConfig
-from kvoffload.offload import memory as M
-from kvoffload.offload import sharding as S
+from kvoffload.device import memory as M
+from kvoffload.device import sharding as S
 from kvoffload.plan.cost import (DEFAULT_ALL_GATHER, CostModel, Linear, _platform_kind, dense_flops_per_token,
                                  recompute_flops_per_token)
 

@@ -32,7 +32,7 @@ class Policy:
         sync the host every step, and the engine's own tokens are sampled in range."""
         import numpy as np
 
-        from kvoffload.engine import GenerationInputError
+        from kvoffload.errors import GenerationInputError
 
         on_device = type(tokens).__module__.startswith("jax")
         arr = tokens if on_device else np.asarray(tokens)
@@ -110,10 +110,9 @@ def make_policy(name: str, **options) -> Policy:
 
 def _load_builtin():
     import importlib
+    import os
     import pkgutil
 
-    import kvoffload.policies as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
+    for mod in pkgutil.iter_modules([os.path.dirname(os.path.abspath(__file__))]):  # this package's modules
         if mod.name != "base":
             importlib.import_module(f"kvoffload.policies.{mod.name}")

@@ -45,7 +45,7 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    * ``hata``: per token a ``hata_bits``-bit sign code of the key (default: the trained weights' width, or 128
      for random projections) (``ops.hata_encode`` with a per-KV-head
      projection W [d, r]: trained from ``kvoffload train-hata``'s output when ``hata_weights`` is given,
-     else seeded Gaussian projections, ``importance.hata.init_projection``, i.e. SimHash). Score per KV
+     else seeded Gaussian projections, ``plan.deploy.init_projection``, i.e. SimHash). Score per KV
      head: max over the group of r - hamming(code(q), code(k)) (``hata_token_scores``).
    The metadata is computed on the GPU when blocks enter the pool, from the blocks' K while they are
    still in device memory: prefill (every extent) and each flush (`LayerHooks.keys_written`), and kept
@@ -104,17 +104,24 @@ import numpy as np
 
 from kvoffload import ops
 from kvoffload.errors import warn_accuracy
-from kvoffload.importance.deploy import group_similarity
 from kvoffload.models.transformer import family
-from kvoffload.offload import sharding as S
+from kvoffload.device import sharding as S
 from kvoffload.offload.pipeline import attend_pool, native_extent
 from kvoffload.offload.pool import write_blocks_many, write_blocks_stacked
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
+from kvoffload.plan.deploy import (
+    encode_keys,
+    encode_queries,
+    group_similarity,
+    init_projection,
+    load_projections,
+    load_scores,
+)
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.options import Option, PolicyOptionError
+from kvoffload.policies.selection import NEG_INF, choose_tokens
 from kvoffload.policies.tokenselect import (
-    NEG_INF,
     HostRows,
     SelectionCache,
     SELECTION_RUN_OPTIONS,
@@ -123,7 +130,6 @@ from kvoffload.policies.tokenselect import (
     TokenSpace,
     cache_decision,
     empty_selection,
-    choose_tokens,
     constrain_slots,
     hit_rates,
     pool_block_tokens,
@@ -311,7 +317,6 @@ def hata_token_scores(q, meta, w, tables, space: TokenSpace | None = None):
     r - hamming(code(q), code(k)) (codes by ``ops.hata_encode`` with the head's W [n_kv, d, r]), each block
     against its owner's query; -inf where the request owns no token. meta: per extent (codes [E, n_kv, blk,
     r/32],)."""
-    from kvoffload.importance.hata import encode_queries
 
     B, H, d = q.shape
     n_kv, r = w.shape[0], w.shape[-1]
@@ -337,7 +342,6 @@ def key_metadata(k_blocks, w, retrieval, page, quest_dtype="keys"):
         if quest_dtype == "int8":
             return quest_int8(kmin, kmax)
         return kmin.astype(k_blocks.dtype), kmax.astype(k_blocks.dtype)
-    from kvoffload.importance.hata import encode_keys
 
     return (encode_keys(w, k_blocks),)
 
@@ -668,7 +672,6 @@ def load_importance(path):
             if "alpha" not in z.files and len(z.files) != 1:
                 raise CloOptionError(f"{path}: expected an array 'alpha' (or a single array), found {z.files}")
             return np.asarray(z["alpha"] if "alpha" in z.files else z[z.files[0]], np.float64)
-    from kvoffload.importance.train import load_scores
 
     return np.asarray(load_scores(path), np.float64)
 
@@ -739,7 +742,6 @@ class CloHooks(TokenSelectHooks):
 
     def hata_projections(self, cfg):
         """(W [L, n_kv, d, r] f32, source): trained from hata_weights, else seeded Gaussian (SimHash)."""
-        from kvoffload.importance.hata import init_projection, load_projections
 
         L, n_kv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         if self.hata_weights is None:

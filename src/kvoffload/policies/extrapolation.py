@@ -46,6 +46,7 @@ from kvoffload.errors import KVOffloadError
 from kvoffload.models.common import apply_rope, pytree_dataclass, rope_cos_sin
 from kvoffload.models.transformer import family
 from kvoffload.offload.pipeline import put_rows
+from kvoffload.policies.selection import choose_tokens
 
 
 class ExtrapolationError(KVOffloadError, ValueError):
@@ -95,7 +96,6 @@ def select_and_gather(cfg, conf: Extrapolation, q_vote, kc, vc, context, n_selec
     """Selection over the first `context` [B] cached tokens by the soft vote of q_vote [B, H, d]
     (already rotated), sinks and the newest num_recent forced in; returns (k rotated at its ranks
     0..n-1, v, num_valid [B, n_kv]) with n_select (static) slots."""
-    from kvoffload.policies.tokenselect import choose_tokens  # (tokenselect imports this module)
 
     B, S = kc.shape[0], kc.shape[2]
     scores = ops.tokenselect_scores(q_vote, kc, context)

@@ -47,6 +47,7 @@ from kvoffload.plan.hybrid import (
     pack_mini_batches,
     request_blocks,
 )
+from kvoffload.plan.memory import weight_bytes_per_device
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.options import Option
@@ -108,12 +109,12 @@ class HybridHooks(LayerHooks):
         """(host, GPU) bytes one device's blocks may use: the machine's host memory (less the streamed
         weights) split over its devices, and one device's GPU memory (`sharding.device_budgets`; the
         budgets as given on one device)."""
-        from kvoffload.offload import memory as M
-        from kvoffload.offload import sharding as S
+        from kvoffload.device import memory as M
+        from kvoffload.device import sharding as S
 
         o = pipe.opts
         # the weight shards of every device this process drives (replicated fields once per device)
-        wb = S.weight_bytes_per_device(model.config, dtype, model.params, pipe.tp, pipe.replicate_kv(model))
+        wb = weight_bytes_per_device(model.config, dtype, model.params, pipe.tp, pipe.replicate_kv(model))
         shards = S.local_size(pipe.mesh)
         if self.host_budget_gb is not None:
             host = self.host_budget_gb * GB

@@ -60,18 +60,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvoffload import ops
-from kvoffload.offload import sharding as S
-from kvoffload.offload.pipeline import LayerHooks, PoolSources, native_extent
-from kvoffload.pallas.sparse_attention import expand_indices
+from kvoffload.device import sharding as S
+from kvoffload.offload.pipeline import LayerHooks, LayerRows, PoolSources, native_extent
 from kvoffload.policies import extrapolation
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.options import Option, PolicyOptionError
+from kvoffload.policies.selection import NEG_INF, choose_tokens
 
 PLACEMENTS = ("gpu", "split")
 IN_PLACE_EXTENT_MB = 1024.0  # the default extent of a pool read in place (`TokenSelectHooks.extent_mb_per_device`)
 DEFAULT_BUDGET = 2048  # the paper's top-k (pzs19/TokenSelect config: top_k 2048)
-NEG_INF = float("-inf")
 
 
 class TokenSelectOptionError(PolicyOptionError):
@@ -406,37 +405,6 @@ def token_positions(tables, blk):
     return (first[:, None] + jnp.arange(blk, dtype=jnp.int32)[None]).reshape(-1)
 
 
-def choose_tokens(scores, positions, pool_tokens, context, n_select, K, num_sink, num_recent, page_size,
-                  token_ids=None, method="sort"):
-    """The selection from a vote: (indices [B, n_kv, K] ascending, num_valid [B, n_kv]).
-
-    scores [B, n_kv, T] (-inf: not the request's) over a token space: the pool's (T = N), or each request's
-    own (`TokenSpace`: then token_ids [B, T] gives each slot's pool token, ascending in the request's valid
-    slots, and the indices returned are those pool tokens); positions [T] or [B, T]; pool_tokens, context
-    [B] (the context counts the tail and the new token); n_select [B] or per head [B, n_kv]: tokens to select
-    (<= K, a multiple of page_size). Forced in: positions < num_sink, and positions >= context - num_recent
-    (pool tokens only where the tail is shorter than num_recent). With page_size > 1 the vote is summed
-    over pages (page_size tokens inside one block) and whole pages are selected. The top n_select of each
-    (request, head) by `ops.select_topk` with its own count (method "sort", "radix" or "kernel": the same
-    indices)."""
-    B, n_kv, N = scores.shape
-    positions = positions if positions.ndim == 2 else positions[None]
-    forced = (positions < num_sink) | (positions >= (context - num_recent)[:, None])  # [B, N]
-    pri = jnp.where(forced[:, None] & (scores > NEG_INF), jnp.inf, scores)
-    if page_size > 1:
-        pri = jnp.sum(pri.reshape(B, n_kv, N // page_size, page_size), axis=-1)  # a forced token forces its page
-    n_select = n_select if n_select.ndim == 2 else n_select[:, None]
-    counts = jnp.broadcast_to(n_select // page_size, (B, n_kv))
-    idx, nv = ops.select_topk(pri, K // page_size, counts=counts, method=method)  # ascending, valid first
-    if page_size > 1:
-        idx, _ = expand_indices(idx, nv, page_size, N)
-        nv = nv * page_size
-    if token_ids is not None:  # slots of the requests' own spaces -> pool tokens (monotone: order kept)
-        kept = jnp.arange(idx.shape[-1])[None, None] < nv[..., None]
-        idx = jnp.where(kept, jnp.take_along_axis(token_ids[:, None], idx, axis=-1), 0)
-    return idx, nv
-
-
 def sorted_positions(sorted_rows, values):
     """[R, V] int32: per row, jnp.searchsorted(sorted_rows[r], values[r]) (side left). Unrolled: the default
     'scan' method is an XLA while loop, which on the GPU runs its ~log2(n) iterations from the host, each
@@ -539,36 +507,6 @@ def pool_block_tokens(pool) -> int:
         if ext[0] is not None:
             return jax.tree.leaves(ext[0])[0].shape[axis]
     raise ValueError("a layer with no extents")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRows:
-    """One layer's row buffer [B, n_kv, K, d] held inside `stacked` [B, n_kv, R, d], the buffers of several layers
-    along the rows, the layer's at rows [offset, offset + K): what a step looping over stacked layers gives a
-    layer for its selection's buffers, so the refill kernel writes them in place (`HostRows.refill`) and sparse
-    attention reads them in place (at slot ids + offset). A dynamic slice of a stacked [n, ...] buffer would be
-    copied out and back by XLA every layer (2 x 25.6 MiB a layer at 128K: H200, 2026-11-28).
-    Anything reading it as an array (`__jax_array__`) gets the layer's rows."""
-
-    stacked: jax.Array
-    offset: jax.Array  # [] int32
-    rows: int  # K (static)
-
-    shape = property(lambda self: tuple(self.stacked.shape[:2]) + (self.rows, self.stacked.shape[3]))
-    dtype = property(lambda self: self.stacked.dtype)
-    ndim = 4
-
-    def __jax_array__(self):
-        return jax.lax.dynamic_slice_in_dim(self.stacked, self.offset, self.rows, axis=2)
-
-    def astype(self, dtype):
-        return self if jnp.dtype(dtype) == self.dtype else self.__jax_array__().astype(dtype)
-
-    def with_stacked(self, stacked) -> "LayerRows":
-        return LayerRows(stacked=stacked, offset=self.offset, rows=self.rows)
-
-
-jax.tree_util.register_dataclass(LayerRows, data_fields=["stacked", "offset"], meta_fields=["rows"])
 
 
 def rows_attention(q, k_rows, v_rows, num_valid, impl):

@@ -1,5 +1,8 @@
-"""Deployment helpers: learned head-importance scores -> what the runtime uses.
+"""Deployment: the trained components (head-importance scores, HATA projections; trained by
+`kvoffload.importance`) -> what the planners and policies use.
 
+* :func:`load_scores` / :func:`load_projections` read the trained files; :func:`init_projection` is the untrained
+  (SimHash) baseline; :func:`encode_keys` / :func:`encode_queries` give the HATA codes of keys / queries.
 * :func:`binarize` — full/streaming head mask keeping a target fraction of heads full (a global
   quantile over all layers and heads).
 * :func:`clo_thresholds` — CLO's per-head cache-reuse thresholds: with an upper bound eta on the
@@ -16,9 +19,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-import jax.numpy as jnp
+from kvoffload import ops
+from kvoffload.errors import check_finite_result
+
+SCORES_JSON = "head_scores.json"
 
 
 def binarize(scores, full_fraction: float):
@@ -93,3 +104,49 @@ def group_scores(scores_q, group_size: int):
 def query_scores(scores_kv, group_size: int):
     """[L, n_kv] -> [L, n_heads]: each query head takes its group's score."""
     return jnp.repeat(jnp.asarray(scores_kv), group_size, axis=-1)
+
+
+def load_scores(path: str) -> np.ndarray:
+    """alpha [L, n] from a head_scores.json file, its directory, or an orbax `scores` directory."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, SCORES_JSON)):
+        path = os.path.join(path, SCORES_JSON)
+    if path.endswith(".json"):
+        with open(path) as f:
+            alpha = np.asarray(json.load(f)["alpha"], np.float32)
+    else:
+        import orbax.checkpoint as ocp
+
+        alpha = np.asarray(ocp.StandardCheckpointer().restore(path)["alpha"], np.float32)
+    check_finite_result(f"head scores file {path}", alpha, "not used (train the scores again)")  # NaN scores would rank heads at random
+    return alpha
+
+
+def init_projection(cfg, bits: int, seed: int):
+    """Gaussian W [L, n_kv, d, r] with entries N(0, 1/d) (SimHash; the untrained baseline)."""
+    if bits % 32:
+        raise ValueError(f"bits must be a multiple of 32 (packed uint32 words), got {bits}")
+    d = cfg.head_dim
+    shape = (cfg.num_layers, cfg.num_kv_heads, d, bits)
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32) / np.sqrt(d)
+
+
+def load_projections(path: str) -> np.ndarray:
+    """W [L, n_kv, d, r] from an output directory (or its `hata` orbax directory)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(os.path.join(path, "hata")):
+        path = os.path.join(path, "hata")
+    return np.asarray(ocp.StandardCheckpointer().restore(path)["w"], np.float32)
+
+
+def encode_keys(w_layer, k):
+    """Packed codes of k [B, n_kv, S, d] with w_layer [n_kv, d, r] -> uint32 [B, n_kv, S, r // 32]."""
+    return jax.vmap(ops.hata_encode, in_axes=(1, 0), out_axes=1)(k, w_layer)
+
+
+def encode_queries(w_layer, q, group_size: int):
+    """Packed codes of q [B, n_heads, d] (query head h uses W of KV head h // G) -> [B, n_heads, r // 32]."""
+    w_q = jnp.repeat(w_layer, group_size, axis=0)  # [n_heads, d, r]
+    return jax.vmap(ops.hata_encode, in_axes=(1, 0), out_axes=1)(q, w_q)

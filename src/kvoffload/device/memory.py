@@ -6,7 +6,7 @@ numpy only at a fraction. Where a backend lacks ``pinned_host`` the store falls 
 ``unpinned_host`` and, failing that, to device memory, and `host_memory_kind` says so in its note.
 
 XLA caps its pinned host pool at ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` (64 GB by default): the
-planner (planner.py) refuses a store that would not fit under it.
+memory plan (plan/memory.py) refuses a store that would not fit under it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -185,29 +184,6 @@ def shard_params(params, mesh: Mesh, memory_kind: str | None = None, layers_kind
                  replicate_kv: bool = False):
     """params placed on the mesh (a no-op for arrays already placed so)."""
     return jax.device_put(params, param_shardings(params, mesh, memory_kind, layers_kind, replicate_kv))
-
-
-def weight_bytes_per_device(cfg, dtype, params, n: int, replicate_kv: bool = False):
-    """plan.memory.WeightBytes of one device's shard (split fields / n, replicated ones whole;
-    replicate_kv: W_K / W_V whole, as `shard_params` places them for token-split activations)."""
-    from kvoffload.plan.memory import WeightBytes, weight_bytes
-
-    if n == 1:
-        return weight_bytes(cfg, dtype, params)
-
-    def nbytes(lp, fields=None):
-        total = 0
-        for f in dataclasses.fields(lp):
-            a = getattr(lp, f.name)
-            if a is None or (fields is not None and f.name not in fields):
-                continue
-            split = field_spec(f.name, a.ndim, replicate_kv) != REPLICATED
-            total += a.size * jnp.dtype(a.dtype).itemsize // (n if split else 1)
-        return int(total)
-
-    whole = weight_bytes(cfg, dtype, params)
-    lp = params.layers[0]
-    return WeightBytes(per_layer=nbytes(lp), kv_per_layer=nbytes(lp, ("wk", "bk", "wv", "bv")), other=whole.other)
 
 
 def device_config(cfg, n: int):
