@@ -17,6 +17,7 @@ from kvoffload.models import tiny_random_model
 from kvoffload.device import sharding as S
 from kvoffload.plan.memory import weight_bytes_per_device
 from kvoffload.policies import make_policy
+from kvoffload.policies.options import PolicyOptionError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADS = "P(None, 'model')"
@@ -139,8 +140,8 @@ def test_refusals_without_devices():
         make_policy("tokenselect", extrapolate=True, tensor_parallel=2)
     with pytest.raises(S.TensorParallelError, match="needs 64 devices"):
         make_policy("full", tensor_parallel=64)
-    with pytest.raises(S.TensorParallelError, match="integer >= 1"):
-        make_policy("offload", tensor_parallel=0)
+    with pytest.raises(PolicyOptionError, match="option tensor_parallel must be an integer >= 1, got 0"):
+        make_policy("offload", tensor_parallel=0)  # the options' schema refuses it before any mesh is built
 
 
 def test_weight_specs_are_megatron_style():
