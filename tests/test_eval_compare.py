@@ -97,7 +97,8 @@ def test_plot_labels_keep_what_tells_the_policies_apart():
 def test_seeds_and_templates_pair_apart_and_the_protocol_verdict():
     """Samples pair only within their template and seed (the same index of another seed is another prompt);
     rows are per template and name the seeds pooled; the verdict fails a length whose average is more than
-    1 point down and a task more than 10 down, and names them."""
+    1 point down and a task more than 10 down with its interval below 0, and names them; one changed answer
+    in nine (-11 points, its interval reaching 0) is not a failure."""
     recs = []
     for template in ("chat", "plain"):
         for seed in (1, 2):
@@ -113,6 +114,15 @@ def test_seeds_and_templates_pair_apart_and_the_protocol_verdict():
     assert avg["chat"]["delta"] == pytest.approx(-0.5) and avg["plain"]["delta"] == pytest.approx(-6.0)
     verdict = {v["template"]: v for v in acceptance(rows)}
     assert verdict["chat"]["accepted"] and not verdict["plain"]["accepted"]
-    assert verdict["plain"]["failures"] == ["average -6.00 at 2048", "a -12.00 at 2048"]
+    assert verdict["plain"]["failures"][0] == "average -6.00 at 2048"
+    assert verdict["plain"]["failures"][1].startswith("a -12.00 [-12.00, -12.00] at 2048")
     table = format_acceptance(acceptance(rows))
     assert "| p | ruler | chat | 1,2 | -0.50 | yes |" in table and "| p | ruler | plain | 1,2 | -6.00 | no: " in table
+    flip = []
+    for i in range(9):
+        for task in ("a",) + tuple(f"t{j}" for j in range(11)):  # 12 tasks: one lost answer is -0.93 on average
+            flip.append(_rec("full", task, 2048, i, 100.0, sha=f"{task}-{i}"))
+            flip.append(_rec("p", task, 2048, i, 0.0 if (task, i) == ("a", 0) else 100.0, sha=f"{task}-{i}"))
+    rows = compare_records(flip, draws=200)
+    assert [r["delta"] for r in rows if r["task"] == "a"] == [pytest.approx(-100 / 9)]
+    assert acceptance(rows)[0]["accepted"]

@@ -146,3 +146,26 @@ def test_niah_key_list_is_rulers_full():
     nouns = ww._get_words_from_text_file("nounlist.txt")
     adjs = ww._get_words_from_text_file("adjectivelist.txt")
     assert ruler.niah_words(adjs, nouns) == sorted(set(f"{a}-{n}" for a in adjs for n in nouns))
+
+
+def test_a_sample_rulers_retry_loop_cannot_fit_is_built_with_a_finer_step(tok, monkeypatch):
+    # With this tokenizer qa_1's smallest RULER sample (10 documents) exceeds 1024 tokens: RULER's loop would spin
+    # for ever; the next attempt steps 5 documents at a time, and its samples fit and hold their gold documents.
+    steps = []
+    run = ruler._generate_rows
+
+    def spy(*a, **k):
+        rows, infeasible, need = run(*a, **k)
+        steps.append((a[-1], infeasible))
+        return rows, infeasible, need
+
+    monkeypatch.setattr(ruler, "_generate_rows", spy)
+    samples = ruler.generate_samples(tok, "qa_1", 1024, 2, seed=3)
+    assert steps == [(10, True), (5, False)]
+    for s in samples:
+        assert len(s.prompt_ids) + s.max_new_tokens <= 1024 and s.outputs
+    steps.clear()
+    ruler.generate_samples(tok, "qa_1", 2048, 2, seed=3)  # where RULER's own attempt fits, it alone runs
+    assert steps == [(10, False)]
+    with pytest.raises(ValueError, match="too short"):  # no step fits: the error, not a generator's exception
+        ruler.generate_samples(tok, "qa_2", 1024, 2, seed=3)

@@ -464,6 +464,78 @@ def _stuck_sample_tokens(generate_io, stuck, adapter) -> int | None:
         np.random.set_state(np_state)
 
 
+# the attempts of `generate_samples`: RULER's own first (qa: its document step of 10; the others: the full length),
+# then qa with finer document steps, the others with their length search aimed 2 / 4 / 8% lower.
+_RETRY_STEPS = {"qa": (10, 5, 2, 1), "search": (1.0, 0.98, 0.96, 0.92)}
+
+
+def _generate_rows(family, targs, template, ttg, length, num_samples, seed, adapter, task, step):
+    """One run of RULER's generator: (rows, whether its retry guard gave up, the stuck sample's tokens or None).
+    ``step``: qa's document increment, else the share of ``length`` its search aims at."""
+    target = length if family == "qa" else int(length * step)
+    with _LOCK:
+        mod = _generator(family, _import_key(family, targs, seed))
+        if family == "niah" and not hasattr(mod, "_kvo_essay_haystack"):
+            mod._kvo_essay_haystack = mod.haystack
+        if not hasattr(mod, "_kvo_args0"):
+            mod._kvo_args0 = mod.args  # the import-time defaults; later calls start from them again
+        ns = argparse.Namespace(**vars(mod._kvo_args0))
+        ns.__dict__.update(targs)
+        ns.max_seq_length = int(target)
+        ns.tokens_to_generate = ttg
+        ns.num_samples = int(num_samples)
+        ns.random_seed = int(seed)
+        ns.template = template
+        ns.remove_newline_tab = False
+        if family == "niah":
+            ns.num_needle_k = max(ns.num_needle_k, ns.num_needle_q)
+            mod.haystack = _niah_haystack(mod, ns.type_haystack)
+        if family == "qa":
+            ns.pre_samples = 0
+        mod.args = ns
+        mod.TOKENIZER = adapter
+        guarded = family != "freq_words_extraction"  # fwe has no retry loop (and returns 3 values)
+        original, guard = _guard_generator(mod, num_samples) if guarded else (None, {"infeasible": False})
+        py_state, np_state = random.getstate(), np.random.get_state()
+        random.seed(seed)  # as at the scripts' import, in RULER's one-process-per-task runs
+        np.random.seed(seed)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                if family == "niah":
+                    rows = mod.generate_samples(num_samples=num_samples, max_seq_length=target, save_dir=None)
+                elif family == "qa":
+                    rows = mod.generate_samples(num_samples=num_samples, max_seq_length=length, save_dir=None,
+                                                incremental=step)
+                elif family == "common_words_extraction":
+                    rows = mod.sys_word_pair_random(num_samples=num_samples, max_seq_length=target, save_dir=None)
+                elif family == "freq_words_extraction":
+                    # RULER's fwe sizes the text alone to max_seq_length (its samples run up to
+                    # tokens_to_generate over); ask for length - ttg so prompt + answer fit, as elsewhere.
+                    rows = mod.sys_kwext(num_samples=num_samples, max_seq_length=target - ttg, incremental=10)
+                elif family == "variable_tracking":
+                    icl = mod.sys_vartrack_w_noise_random(num_samples=1, max_seq_length=500, incremental=5,
+                                                          num_chains=ns.num_chains, num_hops=ns.num_hops)[0]
+                    _check_vt_fits(task, original, adapter, icl, ns, length, ttg)
+                    rows = mod.sys_vartrack_w_noise_random(num_samples=num_samples, max_seq_length=target,
+                                                           num_chains=ns.num_chains, num_hops=ns.num_hops,
+                                                           icl_example=icl)
+                else:  # pragma: no cover
+                    raise NotImplementedError(family)
+        except RulerLengthError:
+            raise
+        except Exception:
+            if not guard["infeasible"]:
+                raise
+            rows = []
+        finally:
+            if guarded:
+                mod.generate_input_output = original
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+        need = _stuck_sample_tokens(original, guard.get("stuck"), adapter)  # under the lock: it calls the module
+    return rows, guard["infeasible"], need
+
+
 # ------------------------------------------------------------------- public API
 
 
@@ -518,66 +590,27 @@ def generate_samples(tokenizer, task: str, length: int, num_samples: int, seed: 
         raise ValueError(f"RULER {task}: length {length} is too short (template {bare} tokens "
                          f"+ {ttg} answer tokens, before any context); use a context length above {bare + ttg}")
 
-    with _LOCK:
-        mod = _generator(family, _import_key(family, targs, seed))
-        if family == "niah" and not hasattr(mod, "_kvo_essay_haystack"):
-            mod._kvo_essay_haystack = mod.haystack
-        if not hasattr(mod, "_kvo_args0"):
-            mod._kvo_args0 = mod.args  # the import-time defaults; later calls start from them again
-        ns = argparse.Namespace(**vars(mod._kvo_args0))
-        ns.__dict__.update(targs)
-        ns.max_seq_length = int(length)
-        ns.tokens_to_generate = ttg
-        ns.num_samples = int(num_samples)
-        ns.random_seed = int(seed)
-        ns.template = template
-        ns.remove_newline_tab = False
-        if family == "niah":
-            ns.num_needle_k = max(ns.num_needle_k, ns.num_needle_q)
-            mod.haystack = _niah_haystack(mod, ns.type_haystack)
-        if family == "qa":
-            ns.pre_samples = 0
-        mod.args = ns
-        mod.TOKENIZER = adapter
-        guarded = family != "freq_words_extraction"  # fwe has no retry loop (and returns 3 values)
-        original, guard = _guard_generator(mod, num_samples) if guarded else (None, {"infeasible": False})
-        py_state, np_state = random.getstate(), np.random.get_state()
-        random.seed(seed)  # as at the scripts' import, in RULER's one-process-per-task runs
-        np.random.seed(seed)
+    # RULER's per-sample retry loops can spin forever for some seeds (qa: the sample's documents exceed the length
+    # at its smallest count of `incremental` documents; vt: its retries keep the searched noise count, so a count
+    # the search accepted on a short draw, or on a draw exactly at the length, never fits again). The first attempt
+    # is RULER's own, so every sample it can build is RULER's; only where it gives up does the next attempt run:
+    # qa with a finer document step, the others with the search aimed a little below the length.
+    attempts = _RETRY_STEPS["qa"] if family == "qa" else _RETRY_STEPS["search"]
+    need, rows, infeasible = None, [], True
+    for i, step in enumerate(attempts):
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                if family == "niah":
-                    rows = mod.generate_samples(num_samples=num_samples, max_seq_length=length, save_dir=None)
-                elif family == "qa":
-                    rows = mod.generate_samples(num_samples=num_samples, max_seq_length=length, save_dir=None)
-                elif family == "common_words_extraction":
-                    rows = mod.sys_word_pair_random(num_samples=num_samples, max_seq_length=length, save_dir=None)
-                elif family == "freq_words_extraction":
-                    # RULER's fwe sizes the text alone to max_seq_length (its samples run up to
-                    # tokens_to_generate over); ask for length - ttg so prompt + answer fit, as elsewhere.
-                    rows = mod.sys_kwext(num_samples=num_samples, max_seq_length=length - ttg, incremental=10)
-                elif family == "variable_tracking":
-                    icl = mod.sys_vartrack_w_noise_random(num_samples=1, max_seq_length=500, incremental=5,
-                                                          num_chains=ns.num_chains, num_hops=ns.num_hops)[0]
-                    _check_vt_fits(task, original, adapter, icl, ns, length, ttg)
-                    rows = mod.sys_vartrack_w_noise_random(num_samples=num_samples, max_seq_length=length,
-                                                           num_chains=ns.num_chains, num_hops=ns.num_hops,
-                                                           icl_example=icl)
-                else:  # pragma: no cover
-                    raise NotImplementedError(family)
+            rows, infeasible, got = _generate_rows(family, targs, template, ttg, length, num_samples, seed, adapter,
+                                                   task, step)
         except RulerLengthError:
             raise
-        except Exception:
-            if not guard["infeasible"]:
+        except Exception:  # a finer step RULER's scripts never take can fail inside them: that attempt failed
+            if i == 0:
                 raise
-            rows = []
-        finally:
-            if guarded:
-                mod.generate_input_output = original
-            random.setstate(py_state)
-            np.random.set_state(np_state)
-        need = _stuck_sample_tokens(original, guard.get("stuck"), adapter)  # under the lock: it calls the module
-    if guard["infeasible"] or any(not r["input"] for r in rows):
+            continue
+        need = got if i == 0 else need  # RULER's own attempt names the length its smallest sample needs
+        if not infeasible:
+            break
+    if infeasible or any(not r["input"] for r in rows):
         raise ValueError(f"RULER {task}: length {length} is too short to build a sample (RULER's generator could "
                          "not fit its minimal context)" + (f"; its smallest sample needs about {need + ttg} tokens: "
                                                            f"use a context length of at least {need + ttg}"
