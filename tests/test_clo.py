@@ -329,7 +329,8 @@ def test_buffers_sized_per_request_and_counted_by_the_plan():
     capacity, steps = 128, 128 - max(map(len, PROMPTS))  # the longest prompt reaches the capacity
     bound = BLOCK * (max(map(len, PROMPTS)) // BLOCK + (capacity - max(map(len, PROMPTS))) // BLOCK)
     # one persistent head in layer 0 (not all: a device layer keeps no buffers)
-    pol, _, state = _decode(model, "clo", 0, topk_ratio=0.5, layer0_full=False, persistent_heads=[(0, 0)])
+    pol, _, state = _decode(model, "clo", 0, topk_ratio=0.5, topk_min=0, layer0_full=False,
+                            persistent_heads=[(0, 0)])
     gr = state.groups[0]
     assert gr.layout.request_blocks * BLOCK == bound == 112
     assert gr.layout.num_blocks * BLOCK > 2 * bound  # the batch's pool: what the buffers were sized by
@@ -341,8 +342,8 @@ def test_buffers_sized_per_request_and_counted_by_the_plan():
     assert all(s.k_rows is not None and s.k_rows.shape == s.v_rows.shape for s in gr.slots)
     assert plan.gpu["row buffers (selected K/V rows)"] == 2 * row * (k0 + k1) == sum(
         s.v_rows.nbytes + s.k_rows.nbytes for s in gr.slots)
-    pol_s, _, state_s = _decode(model, "clo", 0, topk_ratio=0.5, speculative_prefetch=True, layer0_full=False,
-                                persistent_heads=[(0, 0)])
+    pol_s, _, state_s = _decode(model, "clo", 0, topk_ratio=0.5, topk_min=0, speculative_prefetch=True,
+                                layer0_full=False, persistent_heads=[(0, 0)])
     assert all(s.k_rows is None for s in state_s.groups[0].slots)  # speculating: K rows read from the K extents
     assert pol_s.pipeline.memory_plan.gpu["row buffers (selected K/V rows)"] == row * (k0 + k1)
     _, want, _ = _decode(model, "full", steps)

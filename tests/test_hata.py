@@ -148,8 +148,8 @@ def test_ruler_prompt_tokens_end_with_the_answer():
     from kvoffload.eval import ruler
 
     tok = WordTokenizer()
-    tasks = ("niah_single_1", "niah_multikey_1", "qa_1")  # qa's minimal context does not fit 600 tokens
-    with pytest.warns(UserWarning, match="qa_1"):
+    tasks = ("niah_single_1", "niah_multikey_1", "qa_2")  # qa_2's gold documents alone exceed 600 tokens
+    with pytest.warns(UserWarning, match="qa_2"):
         toks, ends = hata.ruler_prompt_tokens(tok, "train", 3, 600, 0, tasks)
     assert toks.shape == (3, 600) and toks.dtype == np.int32 and ends.shape == (3,)
     want = {t: ruler.generate_samples(tok, t, 600, 2, seed=1000) for t in tasks[:2]}
@@ -163,7 +163,7 @@ def test_ruler_prompt_tokens_end_with_the_answer():
     with pytest.raises(ValueError, match="split"):
         hata.ruler_prompt_tokens(tok, "test", 1, 600, 0, tasks[:1])
     with pytest.raises(ValueError, match="no RULER task"):
-        hata.ruler_prompt_tokens(tok, "train", 1, 600, 0, ("qa_1",))
+        hata.ruler_prompt_tokens(tok, "train", 1, 600, 0, ("qa_2",))
 
 
 def test_end_positions_and_explicit_query_positions(model, qk):

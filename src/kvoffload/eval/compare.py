@@ -165,9 +165,9 @@ def short_labels(policies: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def plot_comparison(rows: Sequence[dict], path: str | os.PathLike, band: float | None = 2.0) -> str:
+def plot_comparison(rows: Sequence[dict], path: str | os.PathLike, band: float | None = 1.0) -> str:
     """Each policy's average delta per benchmark and length with its interval (a forest plot), 0 marked, and
-    +-band shaded (the issues' "within 2 points")."""
+    +-band shaded (the protocol's "within 1 point", docs/EVALUATION.md)."""
     import matplotlib
 
     matplotlib.use("Agg")
