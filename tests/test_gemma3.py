@@ -523,3 +523,13 @@ def test_gguf_conversion_and_sentencepiece_tokenizer(tmp_path):
     assert tok.encode("z  hi\n\n") == [2, piece["<0x7A>"], piece["  "], piece["hi"], piece["\n\n"]]
     assert tok.decode(tok.encode("z  hello hi\n\n")) == "z  hello hi\n\n"
     assert tok.encode("<eos>hi", add_special_tokens=False) == [1, piece["hi"]]  # control pieces special
+
+
+def test_importance_and_hata_training_refuse_the_family_before_any_work(tiny):
+    from kvoffload.importance import hata
+    from kvoffload.importance.train import TrainConfig, train_importance
+
+    with pytest.raises(UnsupportedModelError, match="train-importance: the gemma3 family is not supported"):
+        train_importance(tiny, TrainConfig(out_dir="/nonexistent"), quiet=True)
+    with pytest.raises(UnsupportedModelError, match="train-hata: the gemma3 family is not supported"):
+        hata.collect_data(tiny, hata.HataConfig(), "train", 1)

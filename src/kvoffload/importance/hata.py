@@ -260,6 +260,7 @@ def collect_data(model, hcfg: HataConfig, split: str, count: int, source: str | 
     """The queries / keys of `count` prompts of hcfg's (or `source`'s) data, train or eval split."""
     from kvoffload.importance.data import PasskeyData, text_from_file
 
+    gating.check_trainable(model.config, "train-hata")
     source = source or hcfg.data
     length = min(hcfg.prompt_length, model.config.max_position_embeddings)
     qseed = hcfg.seed + (0 if split == "train" else 1)

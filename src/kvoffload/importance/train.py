@@ -249,6 +249,7 @@ def train_importance(model, tcfg: TrainConfig, *, data: PasskeyData | None = Non
     """Trains the gates; resumes from tcfg.out_dir's latest checkpoint when there is one.
     stop_after: stop (with a checkpoint) once this global step is reached (tests, time-boxed runs)."""
     mcfg = model.config
+    gating.check_trainable(mcfg, "train-importance")
     max_length = min(int(tcfg.max_length), int(mcfg.max_position_embeddings))
     if tcfg.min_length > max_length:
         raise ValueError(f"min_length {tcfg.min_length} > max_length {max_length}")
