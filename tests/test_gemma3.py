@@ -533,3 +533,35 @@ def test_importance_and_hata_training_refuse_the_family_before_any_work(tiny):
         train_importance(tiny, TrainConfig(out_dir="/nonexistent"), quiet=True)
     with pytest.raises(UnsupportedModelError, match="train-hata: the gemma3 family is not supported"):
         hata.collect_data(tiny, hata.HataConfig(), "train", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_window_start_kernels_compiled_match_reference_on_the_gpu(dtype):
+    """The window start through the compiled (Triton) decode and paged kernels, real head sizes, bf16 too."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(5)
+    b, nh, nkv, s, d = 4, 8, 2, 1000, 64
+    q = jnp.asarray(rng.normal(size=(b, nh, d)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(b, nkv, s, d)), dtype) for _ in range(2))
+    lengths, start = jnp.asarray([1000, 700, 9, 513]), jnp.asarray([488, -5, 3, 0])
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    ref = da.decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                        lengths, start=start)
+    ker = da.decode_attention_kernel(q, k, v, lengths, start=start)
+    assert np.abs(np.asarray(ref[0]) - np.asarray(ker[0], np.float32)).max() < tol
+    e, blk = 40, 64
+    kb, vb = (jnp.asarray(rng.normal(size=(e, nkv, blk, d)), dtype) for _ in range(2))
+    perm = rng.permutation(e)
+    table = jnp.asarray(np.stack([perm[i * 10:(i + 1) * 10] for i in range(b)]), jnp.int32)
+    count = jnp.asarray([10, 7, 2, 9])
+    first_pos = np.zeros(e, np.int32)
+    for row in np.asarray(table):
+        first_pos[row] = np.arange(len(row)) * blk  # each row's blocks in position order
+    first_pos = jnp.asarray(first_pos)
+    start = jnp.asarray([300, 17, -3, 64])
+    r = ops.paged_decode_attention(q.astype(jnp.float32), kb.astype(jnp.float32), vb.astype(jnp.float32), table,
+                                   count, first_pos=first_pos, start=start, impl="reference")
+    kk = ops.paged_decode_attention(q, kb, vb, table, count, first_pos=first_pos, start=start, impl="kernel")
+    assert np.abs(np.asarray(r[0]) - np.asarray(kk[0], np.float32)).max() < tol
