@@ -1,4 +1,4 @@
-"""The host-cost probes on the CPU: scripts/host_time.py (slow: the whole decode path on a tiny shape, ~10-20 s
+"""The host-cost probes on the CPU: experiments/host_time.py (slow: the whole decode path on a tiny shape, ~10-20 s
 of compilation), probe_launch_cost.py, probe_layer_call.py (slow), probe_scan_layers.py (slow) and
 probe_stacked_linear.py, probe_decode_linear.py, probe_scan_clo.py (slow): the records they write."""
 

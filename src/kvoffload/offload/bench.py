@@ -1,6 +1,6 @@
 """Decode benchmark: full, offload, kvpr, the cost model's prediction for each, and HF transformers'
 offloaded / on-GPU caches on the same shapes (random weights in real shapes). `kvoffload bench` and
-scripts/bench_decode.py run it; one call prints a table last and writes JSON.
+benchmarks/bench_decode.py run it; one call prints a table last and writes JSON.
 
 Method. A step's time is affine in the context length s (attention and K/V transfer grow with s,
 the rest is constant), so for each policy and batch the benchmark prefills at a few contexts s,
@@ -635,7 +635,7 @@ def main(argv=None) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# a prefill stand-in for decode benchmarks (scripts/bench_selection.py, scripts/bench_long_context.py)
+# a prefill stand-in for decode benchmarks (benchmarks/bench_selection.py, benchmarks/bench_long_context.py)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -2,9 +2,9 @@
 """HybridServe benchmark: `hybrid` vs KV-only and ACT-only, a KV:ACT ratio sweep, `kvpr`
 and FlexGen, one model shape per call (random weights in the real shapes, weights in host memory).
 
-    PYTHONPATH=src python scripts/bench_hybrid.py --model opt-13b --flexgen --out $OUT
-    PYTHONPATH=src python scripts/bench_hybrid.py --model opt-30b --ratios 0,1 --flexgen --out $OUT
-    python scripts/plot_hybrid.py $OUT/bench_hybrid_opt-13b.json      # the plot (here, no GPU needed)
+    PYTHONPATH=src python benchmarks/bench_hybrid.py --model opt-13b --flexgen --out $OUT
+    PYTHONPATH=src python benchmarks/bench_hybrid.py --model opt-30b --ratios 0,1 --flexgen --out $OUT
+    python benchmarks/plot_hybrid.py $OUT/bench_hybrid_opt-13b.json      # the plot (here, no GPU needed)
 
 Method. Every configuration runs under the same budgets: GPU memory `--gpu-budget-gb` (24: the
 paper's card; the planner counts weights in flight, transfer buffers, GPU tails, GPU-resident
@@ -15,7 +15,7 @@ runs `--warmup` decode steps and times `--steps` more (each ends with its tokens
 decode throughput = batch / median step. The configurations: `hybrid` (the balanced split of the
 cost model, GPU-resident ACT blocks in the GPU budget), the host ACT share forced to each of
 `--ratios` (0 = KV-only, 1 = ACT-only; the same runtime), `kvpr` (split store) and FlexGen (its own
-code in a subprocess before JAX starts, scripts/bench_flexgen.py, its own policy search's config for
+code in a subprocess before JAX starts, benchmarks/bench_flexgen.py, its own policy search's config for
 the budget and a GPU-attention variant). Per configuration the cost model's prediction of the step
 is recorded beside the measurement.
 """
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-FLEXGEN = {  # FlexGen's own policy search for the 24 GB budget (scripts/bench_flexgen.py), and attention on the GPU
+FLEXGEN = {  # FlexGen's own policy search for the 24 GB budget (benchmarks/bench_flexgen.py), and attention on the GPU
     "opt-13b": ["opt-13b:68,32,0,100,0,100:32x5:cpu", "opt-13b:68,32,0,100,0,100:32x4"],
     "opt-30b": ["opt-30b:31,69,0,100,0,100:4x15:cpu", "opt-30b:31,69,0,100,0,100:16x4"],
 }

@@ -4,9 +4,9 @@ MHA model's shape (default OPT-6.7B, random weights, bf16) at a long context, pe
 time and the bytes each step reads from the host pool (V / K rows, or the X rows of the union of the heads'
 selections), the per-layer choice auto makes and why, the memory plans. JSON to --out.
 
-    python scripts/bench_act_select.py --out $OUT/act_select.json
-    python scripts/bench_act_select.py --batches 1,4 --retrievals quest --stores kv,act,auto --out $OUT/a.json
-    python scripts/bench_act_select.py --option topk_ratio=1.0 --option fixed_threshold=2.0 ...
+    python experiments/bench_act_select.py --out $OUT/act_select.json
+    python experiments/bench_act_select.py --batches 1,4 --retrievals quest --stores kv,act,auto --out $OUT/a.json
+    python experiments/bench_act_select.py --option topk_ratio=1.0 --option fixed_threshold=2.0 ...
 
 Defaults: --tokens 32768, --batches 1, --retrievals quest,exact (quest: K and V on the host, where X is half
 their bytes; exact: K on the GPU, only V crosses, the size of X for MHA), --stores kv,act, clo's defaults

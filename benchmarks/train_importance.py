@@ -2,8 +2,8 @@
 """The recorded learned-components experiment: head-importance training + the 50/50 streaming check,
 then HATA training + held-out recall. Each part resumes from its output directory.
 
-    python scripts/train_importance.py --out runs/learned --preset cpu     # the BENCHMARKS.md CPU run
-    python scripts/train_importance.py --out runs/learned --preset gpu     # longer, the library defaults
+    python benchmarks/train_importance.py --out runs/learned --preset cpu     # the BENCHMARKS.md CPU run
+    python benchmarks/train_importance.py --out runs/learned --preset gpu     # longer, the library defaults
 
 Presets (anything can be overridden by passing the option through after `--imp` / `--hata`):
   cpu: 40 steps, lengths 768-1024, window 64 sink + 128 recent; check on 24 held-out samples of 1024;

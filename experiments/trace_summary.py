@@ -2,7 +2,7 @@
 """Summarise a jax.profiler trace (.xplane.pb): per GPU stream, busy time and what ran; the gaps of the
 host->GPU copy stream and what the compute stream and the Python thread did meanwhile.
 
-    python scripts/trace_summary.py trace_act-only.xplane.pb [--events events.json]
+    python experiments/trace_summary.py trace_act-only.xplane.pb [--events events.json]
 
 Why: a step that moves B bytes over PCIe should take B / bandwidth when transfers overlap compute; the
 copy stream's idle gaps say where they did not, and the other lines say why (compute not yet issued,

@@ -9,7 +9,7 @@ logits may round differently; each must keep `full`'s greedy tokens in >= 95% of
 (kv=split) select every token and never reuse, so they attend the whole context through their
 gather and sparse-attention path.
 
-    python scripts/check_bf16_exact.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+    python benchmarks/check_bf16_exact.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
 
 Prompts: natural English text (this repository's own documents, concatenated) cut at lengths from 2K
 to 7K tokens, one ragged batch; each policy decodes --new greedy tokens. Writes bf16_exact.json.

@@ -6,7 +6,7 @@ microseconds per layer. Marks on each bar: `full`'s attention of the same pool (
 sum of the parts' floors (black: bytes over the bandwidths measured in the same run). With every head hitting
 retrieval and transfer are 0 by construction (the library's lax.cond skips them), said in that panel's title.
 
-    python scripts/plot_clo_breakdown.py $OUT/clo_breakdown.json --out $OUT/clo_breakdown.png
+    python experiments/plot_clo_breakdown.py $OUT/clo_breakdown.json --out $OUT/clo_breakdown.png
 """
 
 import argparse

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Decode benchmark of full / offload / kvpr vs the cost model and HF transformers (GPU, one call).
 
-    python scripts/bench_decode.py            # all workloads
-    python scripts/bench_decode.py --quick    # OPT-6.7B b64 ctx 512 + Llama-3-8B b32 ctx 1024
+    python benchmarks/bench_decode.py            # all workloads
+    python benchmarks/bench_decode.py --quick    # OPT-6.7B b64 ctx 512 + Llama-3-8B b32 ctx 1024
 
 Prints a table last and writes bench_decode.json (and profiles) under $OUT (or --out). See
 kvoffload/offload/bench.py for the method (per-step times at a few contexts, affine fit).

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Plot of scripts/bench_hybrid.py's JSON: decode throughput against the host ACT share (0 = KV-only,
+"""Plot of benchmarks/bench_hybrid.py's JSON: decode throughput against the host ACT share (0 = KV-only,
 1 = ACT-only), measured and predicted by the cost model, the `hybrid` policy's chosen point and
 FlexGen's best decode throughput.
 
-    python scripts/plot_hybrid.py results/bench_hybrid_opt-13b.json [--out plot.png]
+    python benchmarks/plot_hybrid.py results/bench_hybrid_opt-13b.json [--out plot.png]
 """
 
 import argparse

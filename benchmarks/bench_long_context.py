@@ -5,9 +5,9 @@ Reports prefill time, decode step time, host and GPU memory (planned and measure
 when the run does not fit, the planner's refusal (MemoryPlanError: what is needed, what is there, what
 to change) is the result, before anything large is allocated.
 
-    python scripts/bench_long_context.py --tokens 131072 --out $OUT/long_128k.json
-    python scripts/bench_long_context.py --tokens 1048576 --layers 2 --out $OUT/long_1m_2layers.json
-    python scripts/bench_long_context.py --policy clo --option host_dtype=int4 --tokens 1048576 ...
+    python benchmarks/bench_long_context.py --tokens 131072 --out $OUT/long_128k.json
+    python benchmarks/bench_long_context.py --tokens 1048576 --layers 2 --out $OUT/long_1m_2layers.json
+    python benchmarks/bench_long_context.py --policy clo --option host_dtype=int4 --tokens 1048576 ...
 
 Default policy `offload` with host_dtype=int4 and prefill_chunk_tokens=8192; --policy takes any
 registered policy and --option key=value any of its options (values parsed as JSON, else strings; an

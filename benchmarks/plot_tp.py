@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Plot of scripts/bench_tp.py's JSON (one or several files, e.g. calls that ran different workloads or GPU
+"""Plot of benchmarks/bench_tp.py's JSON (one or several files, e.g. calls that ran different workloads or GPU
 counts): decode speed-up against GPUs per (workload, policy), the ideal line, and the cap the measured host->GPU
 bandwidth puts on a PCIe-bound policy (N x per-GPU GB/s with N links busy / one link's GB/s).
 
-    python scripts/plot_tp.py results/b67/bench_tp.json results/b13/bench_tp.json --out docs/tp_scaling.png
+    python benchmarks/plot_tp.py results/b67/bench_tp.json results/b13/bench_tp.json --out docs/tp_scaling.png
 
 A row's speed-up is against the 1-GPU row of the same workload and policy found in any of the files (the
 scheduler's own split: forced-split sweep rows are left out); say in the caption when those came from different

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Timeline plot of a per-step trace dumped by the `offload` / `kvpr` policies (option trace=PATH).
 
-    python scripts/plot_trace.py trace.json --out trace.png
+    python benchmarks/plot_trace.py trace.json --out trace.png
 
 Top: per decode step, measured wall time beside the cost model's PCIe and GPU terms (the step costs
 about their max). Bottom: bytes moved host->GPU per step (activations X, K/V, weights) and the split

@@ -2,7 +2,7 @@
 step with parts swapped out (attention by its XLA reference, attention removed), plus the decode-attention op alone at the step's shape. Random bf16 weights in a real
 shape. Prints a table; writes JSON to $OUT (or ./results).
 
-    python scripts/profile_full_step.py --shape opt-6.7b --batch 64 --context 512
+    python experiments/profile_full_step.py --shape opt-6.7b --batch 64 --context 512
 """
 
 from __future__ import annotations

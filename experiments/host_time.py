@@ -3,8 +3,8 @@ transfers (`LayerPipeline.to_device`), dispatching the layer programs (`pipeline
 device (`jax.block_until_ready`), for any layered policy, shape and tensor-parallel size. Where a step is
 host-bound (kvpr on 4 GPUs, clo at b1), these say which part to cut; the step time alone cannot.
 
-    PYTHONPATH=src python scripts/host_time.py --policy kvpr --tp 4 --option split_point=512 --out $OUT/host.json
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=" PYTHONPATH=src python scripts/host_time.py --policy kvpr --tp 4
+    PYTHONPATH=src python experiments/host_time.py --policy kvpr --tp 4 --option split_point=512 --out $OUT/host.json
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" PYTHONPATH=src python experiments/host_time.py --policy kvpr --tp 4
 
 Random weights in the named shape (`offload.bench.make_model`; timing only), a random prompt of --prompt
 tokens for --batch requests, --warmup steps, then --steps timed steps each ending when its tokens are on the

@@ -5,8 +5,8 @@ for every block at batch 1; f32 products summed without a matmul) against the Pa
 (`pallas.topk.quest_block_bounds_kernel`, over its rows a program; one setting, interpreted, off the GPU), for bf16
 pages and int8 pages.
 
-    PYTHONPATH=src python scripts/bench_quest_bounds.py                     # Llama-3-8B at 128K, page 32
-    PYTHONPATH=src python scripts/bench_quest_bounds.py --layers 2 --blocks 64 --repeats 2   # a CPU smoke run
+    PYTHONPATH=src python experiments/bench_quest_bounds.py                     # Llama-3-8B at 128K, page 32
+    PYTHONPATH=src python experiments/bench_quest_bounds.py --layers 2 --blocks 64 --repeats 2   # a CPU smoke run
 
 One jit per form runs every layer's scoring (separate pages per layer); the median of --repeats calls. Each
 form's layer-0 bounds are compared with the f32 form's (max_rel_diff: bf16 operands round the query)."""

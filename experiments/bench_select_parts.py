@@ -22,9 +22,9 @@ With ``--clo-breakdown`` (the CLO paper's Fig. 11): clo's attention of one layer
 patterns (every head, one KV head per request, none), the parts' floors over bandwidths measured in the same
 run, and `full`'s attention of the same pool; plotted by plot_clo_breakdown.py (``--smoke``: tiny, CPU).
 
-    PYTHONPATH=src python scripts/bench_select_parts.py --out $OUT/select_parts.json
-    PYTHONPATH=src python scripts/bench_select_parts.py --clo-breakdown --out $OUT/clo_breakdown.json
-    python scripts/plot_clo_breakdown.py $OUT/clo_breakdown.json --out $OUT/clo_breakdown.png
+    PYTHONPATH=src python experiments/bench_select_parts.py --out $OUT/select_parts.json
+    PYTHONPATH=src python experiments/bench_select_parts.py --clo-breakdown --out $OUT/clo_breakdown.json
+    python experiments/plot_clo_breakdown.py $OUT/clo_breakdown.json --out $OUT/clo_breakdown.png
 """
 
 import argparse
@@ -34,7 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_selection's bandwidth probes
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # bench_selection's bandwidth probes
 
 
 def timed(fn, *args, reps=20):

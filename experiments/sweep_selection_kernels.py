@@ -12,8 +12,8 @@ alone from Python mostly times its dispatch).
               one and three heads missing, over its launch parameters. Every call reads its own extents (1.3 GB
               in all): calls that reread one 33.5 MB set are served by the GPU's 50 MB L2, not PCIe.
 
-    PYTHONPATH=src python scripts/sweep_selection_kernels.py --out $OUT/sweep.json [--only select,scores,refill]
-    PYTHONPATH=src python scripts/sweep_selection_kernels.py --smoke    # tiny shapes, interpret mode (CPU)
+    PYTHONPATH=src python experiments/sweep_selection_kernels.py --out $OUT/sweep.json [--only select,scores,refill]
+    PYTHONPATH=src python experiments/sweep_selection_kernels.py --smoke    # tiny shapes, interpret mode (CPU)
 """
 
 import argparse

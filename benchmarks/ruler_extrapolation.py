@@ -2,7 +2,7 @@
 The eval runner refuses lengths over max_position_embeddings (rightly, for every other policy),
 so this script builds the samples with kvoffload.eval.ruler and generates through the engine itself.
 
-  python scripts/ruler_extrapolation.py --lengths 16384,32768 --num-samples 20 --out ruler_extrapolation.json
+  python benchmarks/ruler_extrapolation.py --lengths 16384,32768 --num-samples 20 --out ruler_extrapolation.json
 (embedded SmolLM2, 8K positions; a GPU run). --model picks another checkpoint.
 """
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Run every kernel-vs-float64 check on this machine (GPU: compiled Triton kernels).
 
-    PYTHONPATH=src python3 scripts/check_kernels.py [--full] [--out DIR] [--only SUBSTR,...]
-    PYTHONPATH=src python3 scripts/check_kernels.py --interpret   # CPU: Pallas interpret mode
-    PYTHONPATH=src python3 scripts/check_kernels.py --lower-only  # CPU: Triton lowering only
+    PYTHONPATH=src python3 benchmarks/check_kernels.py [--full] [--out DIR] [--only SUBSTR,...]
+    PYTHONPATH=src python3 benchmarks/check_kernels.py --interpret   # CPU: Pallas interpret mode
+    PYTHONPATH=src python3 benchmarks/check_kernels.py --lower-only  # CPU: Triton lowering only
 
 Prints a table, writes check_kernels.json / .md to --out (default $OUT or .), exits
 non-zero if any check fails or errors. Also checks the ops dispatch (impl="auto" must

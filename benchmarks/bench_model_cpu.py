@@ -1,7 +1,7 @@
 """Embedded model on this machine: conversion time and peak host memory (fresh process), load
 time, prefill and decode tokens per second (after compilation). Prints a markdown table.
 
-    python scripts/bench_model_cpu.py [--prompt-lengths 128 1024] [--decode-steps 32]
+    python benchmarks/bench_model_cpu.py [--prompt-lengths 128 1024] [--decode-steps 32]
 """
 
 from __future__ import annotations

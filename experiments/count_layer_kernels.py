@@ -10,10 +10,10 @@ lists every launch with its result shape and the source lines it came from (the 
 fusion, those of every op fused into it): which lines of the code to change to cut a launch (`--list`).
 
     # run a benchmark under the dump flags, then count (GPU: the counts the host pays for)
-    PYTHONPATH=src python scripts/count_layer_kernels.py --out $OUT/kernels.json --run \\
-        "python scripts/bench_selection.py --only clo_hata:32k:1 --steps 1 --warmup 1 --no-extremes"
+    PYTHONPATH=src python experiments/count_layer_kernels.py --out $OUT/kernels.json --run \\
+        "python benchmarks/bench_selection.py --only clo_hata:32k:1 --steps 1 --warmup 1 --no-extremes"
     # or count an existing dump
-    python scripts/count_layer_kernels.py DUMP_DIR
+    python experiments/count_layer_kernels.py DUMP_DIR
 
 On the CPU the same dump counts XLA:CPU's fusions, which differ from the GPU's: compare counts on one backend.
 """

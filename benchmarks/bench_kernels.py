@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the kvoffload Pallas kernels against their XLA references (GPU).
 
-    PYTHONPATH=src python3 scripts/bench_kernels.py [--quick] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/bench_kernels.py [--quick] [--out DIR]
 
 Measures the card's ceilings first (HBM bandwidth from a large device copy counting bytes
 read + written; bf16 matmul rate from an 8192^3 product; pinned_host -> GPU bandwidth
@@ -460,7 +460,7 @@ def bench_scores(ceil, quick):
         Le = jnp.broadcast_to(jnp.where(jnp.arange(n_kv) < heads, blk, 0).astype(jnp.int32), (E, n_kv))
         mk = lambda **kw: jax.jit(lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L, group_reduce="max", **kw))
         kern, r = mk(), jax.jit(lambda q, k, L: _tk.topk_scores_exact_reference(q, k, L, group_reduce="max"))
-        got = kern(qe, ke, Le)  # launch sweeps, timed inside a jit: scripts/sweep_selection_kernels.py
+        got = kern(qe, ke, Le)  # launch sweeps, timed inside a jit: experiments/sweep_selection_kernels.py
         record("topk_scores_exact", f"E{E} x blk{blk} (one extent) {pattern} h32/kv8 d128 bf16", timeit(kern, qe, ke, Le),
                timeit(r, qe, ke, Le), heads * E * blk * d * 2 + E * n_kv * blk * 4, 2 * E * 4 * heads * blk * d,
                ceil, extra=dict(equal_per_block=bool(np.array_equal(np.asarray(got),
@@ -537,7 +537,7 @@ def bench_topk(ceil, quick):
                 same = bool(np.array_equal(np.asarray(f(sc, counts)[0]), want))
                 label = f"rows{rows} S{S} k=10% {pattern} {method}" + (
                     f" digits{kw['digit_bits']}" if method == "radix" else "")
-                # the kernel's launch sweeps, timed inside a jit: scripts/sweep_selection_kernels.py
+                # the kernel's launch sweeps, timed inside a jit: experiments/sweep_selection_kernels.py
                 record("top_count_ascending", label, t, t_sort[pattern], sc.nbytes, 0, ceil,
                        extra=dict(equals_sort=same))
         counts = jnp.full((rows,), k, jnp.int32)

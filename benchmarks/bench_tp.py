@@ -2,11 +2,11 @@
 throughput on 1, 2 and 4 GPUs of one host (random weights in OPT-6.7B b64 P512 and OPT-13B shapes), and each GPU's host->GPU bandwidth
 alone and with every link active at once. One call; JSON to --out.
 
-    PYTHONPATH=src python scripts/bench_tp.py --out $OUT            # 1, 2 and 4 GPUs where present
-    PYTHONPATH=src python scripts/bench_tp.py --tp 1,2 --workloads opt67b --out $OUT
-    PYTHONPATH=src python scripts/bench_tp.py --tp 2,4 --workloads opt67b --policies kvpr --sweep-splits --out $OUT
-    PYTHONPATH=src python scripts/bench_tp.py --workloads opt13b_col --policies offload,kvpr,hybrid --out $OUT
-    PYTHONPATH=src python scripts/bench_tp.py --processes --profile $OUT --tp 1,2,4 --policies kvpr --out $OUT/proc
+    PYTHONPATH=src python benchmarks/bench_tp.py --out $OUT            # 1, 2 and 4 GPUs where present
+    PYTHONPATH=src python benchmarks/bench_tp.py --tp 1,2 --workloads opt67b --out $OUT
+    PYTHONPATH=src python benchmarks/bench_tp.py --tp 2,4 --workloads opt67b --policies kvpr --sweep-splits --out $OUT
+    PYTHONPATH=src python benchmarks/bench_tp.py --workloads opt13b_col --policies offload,kvpr,hybrid --out $OUT
+    PYTHONPATH=src python benchmarks/bench_tp.py --processes --profile $OUT --tp 1,2,4 --policies kvpr --out $OUT/proc
 
 Each (workload, policy, N) is `kvoffload.offload.bench.measure` (prefill, warm-up steps, timed steps each
 ending when its tokens are on the host) with tensor_parallel=N: heads, weights and the pinned host pool

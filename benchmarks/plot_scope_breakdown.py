@@ -6,8 +6,8 @@ attention, projections and MLP, other (the loop's bookkeeping, copies). One stac
 the mean layer (every layer program's time over the model's layers) and, where layers loop, the looped layer
 alone. Also prints the table.
 
-    python scripts/bench_selection.py ... --trace $OUT/tr --out $OUT/sel.json
-    python scripts/plot_scope_breakdown.py $OUT/sel.json --out docs/step_breakdown.png
+    python benchmarks/bench_selection.py ... --trace $OUT/tr --out $OUT/sel.json
+    python benchmarks/plot_scope_breakdown.py $OUT/sel.json --out docs/step_breakdown.png
 """
 
 import argparse

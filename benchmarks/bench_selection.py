@@ -3,10 +3,10 @@
 `offload`, `clo` (exact keys, HATA codes) in the Llama-3-8B shape (32 layers, 32/8 heads, d 128), bf16 random
 weights, contexts 32K and 128K, batch 1 and 8; one call, JSON after every run, a markdown table last.
 
-    PYTHONPATH=src python scripts/bench_selection.py --out $OUT/bench_selection.json --budget-s 540
-    PYTHONPATH=src python scripts/bench_selection.py --only clo_exact:128k:1,full:128k:1 --step-extremes
-    PYTHONPATH=src python scripts/bench_selection.py --cpu-smoke --out /tmp/sel.json   # CPU, tiny, < 20 s
-    PYTHONPATH=src python scripts/bench_selection.py --tensor-parallel 2 --only full:32k:1,clo_exact:32k:1
+    PYTHONPATH=src python benchmarks/bench_selection.py --out $OUT/bench_selection.json --budget-s 540
+    PYTHONPATH=src python benchmarks/bench_selection.py --only clo_exact:128k:1,full:128k:1 --step-extremes
+    PYTHONPATH=src python benchmarks/bench_selection.py --cpu-smoke --out /tmp/sel.json   # CPU, tiny, < 20 s
+    PYTHONPATH=src python benchmarks/bench_selection.py --tensor-parallel 2 --only full:32k:1,clo_exact:32k:1
 
 ``--tensor-parallel N``: every run on an N-device mesh (policies' tensor_parallel; weights placed Megatron-style
 once, before the runs; the memory check per device). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N.
@@ -142,7 +142,7 @@ def parse_options(pairs):
 
 
 from kvoffload import ops  # noqa: E402
-# random K/V instead of the prefill's layer programs (shared with scripts/bench_long_context.py)
+# random K/V instead of the prefill's layer programs (shared with benchmarks/bench_long_context.py)
 from kvoffload.offload.bench import random_kv_prefill  # noqa: E402
 from kvoffload.profile import scope_breakdown  # noqa: E402
 
@@ -548,7 +548,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
         if "speculative_prefetch" in sel:
             r["speculative_prefetch"] = {k: v for k, v in sel["speculative_prefetch"].items()
                                          if k != "guess_hit_rate_per_layer"}
-    if args.trace:  # one more step under the profiler (scripts/trace_summary.py reads it)
+    if args.trace:  # one more step under the profiler (experiments/trace_summary.py reads it)
         path = fresh_dir(os.path.join(args.trace, f"{variant}_{ctx}_{batch}"))
         with jax.profiler.trace(path):
             _, _, state, nxt = decode_steps(pol, model, state, nxt, 1)
@@ -742,7 +742,7 @@ def build_parser():
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no run after this many seconds")
     ap.add_argument("--host-limit-gb", type=float, default=None, help="host memory the planner may use (default: the machine's)")
     ap.add_argument("--trace", default=None, help="a folder: one extra decode step of each run is captured with "
-                    "jax.profiler into FOLDER/VARIANT_CTX_BATCH (summarise with scripts/trace_summary.py)")
+                    "jax.profiler into FOLDER/VARIANT_CTX_BATCH (summarise with experiments/trace_summary.py)")
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="run every policy on an N-device mesh (tensor parallelism over heads)")
     ap.add_argument("--compile-cache", default=None, help="a folder for JAX's persistent compilation cache")
