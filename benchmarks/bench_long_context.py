@@ -14,7 +14,7 @@ registered policy and --option key=value any of its options (values parsed as JS
 option the policy does not take is refused with the policy's own message). --layers N keeps the
 first N layers of the shape: prefill and step times scale with the layers (a 1M-token prefill of all 32
 is minutes per layer of attention), memory per layer too; the JSON says how many ran. --random-prefill
-replaces each prefill layer program by random K/V of its shapes (`offload.bench.random_kv_prefill`; the rest is
+replaces each prefill layer program by random K/V of its shapes (`_common.random_kv_prefill`; the rest is
 the runtime's own prefill: plan, pool, extents, metadata): every layer's decode step and memory at a context
 whose real prefill would not fit one run; the JSON's prefill_s is then not a prefill time (prefill = "random
 K/V"). Measure the prefill rate on a few real layers beside it.
@@ -63,7 +63,8 @@ def main(argv=None):
 
     from kvoffload.models import Model
     from kvoffload.device import memory as M
-    from kvoffload.offload.bench import make_model, parse_options, timed_decode
+    from _common import parse_options
+    from kvoffload.offload.bench import make_model, timed_decode
     from kvoffload.plan.memory import MemoryPlanError
     from kvoffload.models.transformer import init_params
     from kvoffload.plan.profiler import model_shape
@@ -112,7 +113,7 @@ def main(argv=None):
     if layers < cfg.num_layers:
         model = Model(dataclasses.replace(model.config, num_layers=layers),
                       dataclasses.replace(model.params, layers=model.params.layers[:layers]))
-    from kvoffload.offload.bench import random_kv_prefill
+    from _common import random_kv_prefill
 
     try:
         with random_kv_prefill(getattr(getattr(pol, "pipeline", None), "mesh", None)) if args.random_prefill \

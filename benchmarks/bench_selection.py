@@ -143,7 +143,7 @@ def parse_options(pairs):
 
 from kvoffload import ops  # noqa: E402
 # random K/V instead of the prefill's layer programs (shared with benchmarks/bench_long_context.py)
-from kvoffload.offload.bench import random_kv_prefill  # noqa: E402
+from _common import random_kv_prefill  # noqa: E402
 from kvoffload.profile import scope_breakdown  # noqa: E402
 
 
@@ -156,7 +156,7 @@ def bandwidth_probes(smoke: bool) -> dict:
     """GPU memory bandwidth (a jitted x * 2 reading and writing an array), host->GPU bandwidth (an eager
     device_put of one pinned_host array) and, on a GPU, the zero-copy row gather's rate out of a 2 GiB pool,
     measured here."""
-    from kvoffload.offload.bench import median_time
+    from _common import median_time
 
     import jax
     import jax.numpy as jnp
@@ -320,7 +320,7 @@ def time_attend(method, cfg, attend, impls, lp, qs, src, tables, slot, timing_re
     attend carrying the slots: "scan" one program (a lax.scan: GPU time, no dispatch), "calls" one jitted call
     per query dispatched back to back and waited for once (as the decode step's layer programs: arrays in host
     memory stay plain arguments of the program, never operands of a loop)."""
-    from kvoffload.offload.bench import median_time
+    from _common import median_time
 
     import jax
 
@@ -457,7 +457,8 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     import jax.numpy as jnp
 
     from kvoffload.engine import SYNC_EVERY
-    from kvoffload.offload.bench import decode_steps, decode_windows, host_gauge, timed_decode
+    from _common import decode_windows, host_gauge
+    from kvoffload.offload.bench import decode_steps, timed_decode
     from kvoffload.plan.memory import MemoryPlanError
     from kvoffload.policies import make_policy
 

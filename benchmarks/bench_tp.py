@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-processes", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from kvoffload.offload.bench import parse_options
+    from _common import parse_options
 
     options = parse_options(args.option)
     if args.processes:

@@ -20,6 +20,7 @@ import sys
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # as bench_long_context (it set it on import)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # _common
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -78,7 +79,8 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from kvoffload.device import memory as M
-    from kvoffload.offload.bench import make_model, parse_options
+    from _common import parse_options
+    from kvoffload.offload.bench import make_model
 
     out_path = args.out or os.path.join(os.environ.get("OUT") or ".", "bench_act_select.json")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)

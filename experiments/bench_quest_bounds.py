@@ -17,6 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # _common
 
 
 def main(argv=None) -> dict:
@@ -33,7 +34,7 @@ def main(argv=None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from kvoffload.offload.bench import write_json
+    from _common import write_json
     from kvoffload.pallas.common import on_gpu
     from kvoffload.pallas.topk import quest_block_bounds_kernel, quest_block_bounds_reference
     from kvoffload.policies.clo import quest_int8

@@ -21,10 +21,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # _common
 
 
 def main(argv=None) -> dict:
-    from kvoffload.offload.bench import add_random_prompt_args, parse_options, write_json
+    from _common import add_random_prompt_args, parse_options, write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_random_prompt_args(ap, policy="kvpr", shape="opt-6.7b", batch=64, prompt=512)
@@ -39,7 +40,8 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from kvoffload.offload import pipeline as PL
-    from kvoffload.offload.bench import decode_steps, host_gauge, random_prompt_state
+    from _common import host_gauge, random_prompt_state
+    from kvoffload.offload.bench import decode_steps
 
     spent, calls = collections.Counter(), collections.Counter()  # host seconds and calls by part
 
@@ -88,7 +90,7 @@ def main(argv=None) -> dict:
                # wall is barely above it is host-bound) and the layer programs' dispatch within it
                step_ms_each=[1e3 * x for x in times], issued_ms_each=[1e3 * x for x in issued],
                dispatch_ms_each=[1e3 * x for x in dispatch],
-               host_gauge=gauge,  # the host's speed before and after the timed steps (`offload.bench.host_gauge`)
+               host_gauge=gauge,  # the host's speed before and after the timed steps (`_common.host_gauge`)
                calls_per_step={k: v / args.steps for k, v in calls.items()},
                recompute_extents=last.get("recompute_extents"), used_extents=last.get("used_extents"))
     print("HOST_TIME", json.dumps(rec), flush=True)

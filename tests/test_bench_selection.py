@@ -168,7 +168,7 @@ def test_random_kv_prefill_takes_the_pipelines_layer_prefill_arguments():
     import inspect
 
     from kvoffload.offload import pipeline
-    from kvoffload.offload.bench import random_kv_prefill
+    from _common import random_kv_prefill
 
     want = list(inspect.signature(pipeline._layer_prefill).parameters)
     with random_kv_prefill():
