@@ -1,4 +1,4 @@
-"""scripts/bench_flexgen.py: config parsing, FlexGen's own parser takes our arguments, the offline patch,
+"""benchmarks/bench_flexgen.py: config parsing, FlexGen's own parser takes our arguments, the offline patch,
 --dry-run, and a config that cannot run (no CUDA here) recorded in the JSON instead of crashing.
 
 The FlexGen peer lives git-ignored in peers/FlexLLMGen; tests that need it skip where it is absent."""

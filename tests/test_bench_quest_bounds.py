@@ -1,10 +1,10 @@
-"""scripts/bench_quest_bounds.py on a small shape: every form timed for bf16 and int8 pages, and every form's
+"""experiments/bench_quest_bounds.py on a small shape: every form timed for bf16 and int8 pages, and every form's
 bounds equal the f32 form's to the bf16 query's rounding."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
 
 
 def test_quest_bound_forms_agree_and_are_timed(tmp_path):

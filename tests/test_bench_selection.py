@@ -1,4 +1,4 @@
-"""scripts/bench_selection.py (the selection policies' GPU speed benchmark) end to end on
+"""benchmarks/bench_selection.py (the selection policies' GPU speed benchmark) end to end on
 the CPU: --cpu-smoke (a tiny llama, 256-token context, one context the planner refuses), a subset of the
 policies that covers every path of the script (device pool, whole-extent fetches, kv=split rows, clo's
 counters); clo without layer 0 kept whole and without speculation, so one layer program compiles."""
@@ -168,7 +168,7 @@ def test_random_kv_prefill_takes_the_pipelines_layer_prefill_arguments():
     import inspect
 
     from kvoffload.offload import pipeline
-    from kvoffload.offload.bench import random_kv_prefill
+    from _common import random_kv_prefill
 
     want = list(inspect.signature(pipeline._layer_prefill).parameters)
     with random_kv_prefill():
@@ -180,7 +180,7 @@ def test_random_kv_prefill_takes_the_pipelines_layer_prefill_arguments():
 
 @pytest.mark.slow  # 15 s: every kernel of the sweep in interpret mode
 def test_selection_kernel_sweep_smoke_times_and_checks_every_kernel(tmp_path):
-    """scripts/sweep_selection_kernels.py --smoke: the select, scores and refill sweeps run on tiny shapes
+    """experiments/sweep_selection_kernels.py --smoke: the select, scores and refill sweeps run on tiny shapes
     (interpret mode), every variant's result is checked (the select against the sort, the scores against the
     reference) and the JSON holds one row per variant."""
     with script_module("sweep_selection_kernels") as sweep:

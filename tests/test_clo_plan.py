@@ -241,7 +241,7 @@ def test_plan_persistent_heads_composes_the_formulas():
 
 
 def test_shipped_profile_of_the_embedded_model():
-    """The pre-run shipped for the embedded model (scripts/profile_clo.py, 6 essay prompts of 4096
+    """The pre-run shipped for the embedded model (benchmarks/profile_clo.py, 6 essay prompts of 4096
     tokens): one s_hat per layer and KV head, the importance-weighted harmonic mean of its query heads."""
     import os
 

@@ -1,4 +1,4 @@
-"""scripts/count_layer_kernels.py (kernels per layer program, from an XLA dump) on the CPU."""
+"""experiments/count_layer_kernels.py (kernels per layer program, from an XLA dump) on the CPU."""
 
 import json
 import sys
@@ -9,7 +9,7 @@ from script_loader import script_module
 
 
 def test_count_layer_kernels_counts_the_launches_of_a_dumped_program(tmp_path):
-    """scripts/count_layer_kernels.py --run: a program under XLA's dump flags, then its entry computation's
+    """experiments/count_layer_kernels.py --run: a program under XLA's dump flags, then its entry computation's
     launching instructions counted by opcode and by scope (the named scope and the Pallas-like inner name)."""
     prog = tmp_path / "prog.py"
     prog.write_text(

@@ -309,7 +309,7 @@ _GPU = C.gpu_cases()
 @pytest.mark.gpu
 @pytest.mark.parametrize("fn,kw", _GPU, ids=[C.case_id(f, k) for f, k in _GPU])
 def test_kernel_compiled_gpu(fn, kw):
-    """Compiled Triton kernels on a GPU (pytest -m gpu); same suite as scripts/check_kernels.py."""
+    """Compiled Triton kernels on a GPU (pytest -m gpu); same suite as benchmarks/check_kernels.py."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     _assert(_run(fn, kw, "kernel"))

@@ -165,8 +165,8 @@ def test_cudnn_prefill_attention_matches_the_xla_path_in_bf16(q_start, tc, lengt
 
 
 def test_bench_long_context_with_random_prefill_decodes_and_says_so(tmp_path):
-    """scripts/bench_long_context.py --random-prefill on the tiny OPT shape, clo with int4 host K/V: random K/V in
-    place of the prefill's layer programs (`offload.bench.random_kv_prefill`, which the JSON names), then the
+    """benchmarks/bench_long_context.py --random-prefill on the tiny OPT shape, clo with int4 host K/V: random K/V in
+    place of the prefill's layer programs (`_common.random_kv_prefill`, which the JSON names), then the
     decode steps and the plan; the stand-in is removed after the run."""
     import json
 

@@ -166,7 +166,7 @@ def test_scheduler_recomputes_for_mha_and_traces(tmp_path):
     import os
 
     spec = importlib.util.spec_from_file_location(
-        "plot_trace", os.path.join(os.path.dirname(__file__), "..", "scripts", "plot_trace.py"))
+        "plot_trace", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plot_trace.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "trace.png"

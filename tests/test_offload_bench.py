@@ -21,7 +21,10 @@ def test_bench_tiny(tmp_path, capsys):
 def test_parse_options_takes_json_values_else_strings():
     """The benchmarks' --option KEY=VALUE (bench_tp, bench_long_context, bench_act_select): JSON values, other
     text kept as a string, a pair without '=' refused by name."""
-    from kvoffload.offload.bench import parse_options
+    from script_loader import script_module
+
+    with script_module("_common") as common:
+        parse_options = common.parse_options
 
     assert parse_options(["extent_mb=256", "host_dtype=int4", "layer0_full=false", "split=[1, 2]"]) == {
         "extent_mb": 256, "host_dtype": "int4", "layer0_full": False, "split": [1, 2]}

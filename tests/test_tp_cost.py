@@ -209,7 +209,7 @@ def test_profiler_measures_the_all_gather_on_a_mesh():
 @pytest.mark.slow  # 40 s: bench_tp.py's whole path on 4 virtual CPU devices
 def test_bench_tp_reports_the_split_and_its_prediction(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_tp.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_tp.py")
     out = subprocess.run([sys.executable, script, "--tp", "1,2", "--workloads", "tiny_row", "--policies", "kvpr",
                           "--dtype", "float32", "--bw-mb", "1", "--bw-repeats", "1", "--warmup", "1", "--steps", "2",
                           "--sweep-splits", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
@@ -231,7 +231,7 @@ def test_bench_tp_runs_one_process_per_device(tmp_path):
     """--processes: N=2 as two processes under jax.distributed (each one device), N=1 as one; the parent joins
     process 0's rows with the speed-up against the 1-process row; it refuses to profile across processes."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_tp.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_tp.py")
     args = [sys.executable, script, "--processes", "--tp", "1,2", "--workloads", "tiny_row", "--policies", "kvpr",
             "--dtype", "float32", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]
     refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
@@ -248,7 +248,7 @@ def test_bench_tp_runs_one_process_per_device(tmp_path):
 
 
 def test_plot_tp_speedups_join_files_and_cap(tmp_path):
-    """scripts/plot_tp.py: speed-ups against the 1-GPU row of the same (workload, policy) found in any file,
+    """benchmarks/plot_tp.py: speed-ups against the 1-GPU row of the same (workload, policy) found in any file,
     forced-split sweep rows left out, and the bandwidth cap N * (GB/s per GPU with N busy) / (1 GPU's)."""
     import json
 

@@ -1,6 +1,6 @@
 """Reading XLA's optimized HLO text (a dump's `*after_optimizations.txt`, or `Compiled.as_text()`): its
 computations, their instructions' names, result shapes, opcodes and op_names, and an array result's bytes. Used
-by the host probes, `scripts/count_layer_kernels.py` and `kvoffload.profile`."""
+by `experiments/count_layer_kernels.py` and `kvoffload.profile`."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def stacked_linear(x, w, layer, *, impl="auto", interpret=False, out_dtype=None)
 # A decode step's linears multiply batch x 1 rows by the whole weight: reading the weight is the work. XLA's
 # fp32-result matmul streams a b1 weight at 2.4 TB/s (Llama-3-8B gate / up, H200) and a narrow one (W_K, W_V:
 # N 1024) at 0.5; the stacked-linear kernel over the weight as a one-layer stack (FEW_ROWS_TILES) at 3.3-3.5
-# and 2.3 TB/s (`scripts/probe_decode_linear.py`, BENCHMARKS 'Kernel timings'). One row is XLA's weak case
+# and 2.3 TB/s (BENCHMARKS 'Kernel timings'). One row is XLA's weak case
 # (a matrix-vector product); from 8 rows its GEMM is as fast or faster (8 rows: K|V 5.2 against 8.3 us, q 10.9
 # against 12.3; 64 rows: q 14.1 against 18.2), so "auto" takes the kernel up to FEW_ROWS_MAX rows.
 FEW_ROWS_MAX = 1

@@ -1,6 +1,7 @@
 """Decode benchmark: full, offload, kvpr, the cost model's prediction for each, and HF transformers'
 offloaded / on-GPU caches on the same shapes (random weights in real shapes). `kvoffload bench` and
-scripts/bench_decode.py run it; one call prints a table last and writes JSON.
+benchmarks/bench_decode.py run it; one call prints a table last and writes JSON. What only the other benchmark
+scripts share is in benchmarks/_common.py.
 
 Method. A step's time is affine in the context length s (attention and K/V transfer grow with s,
 the rest is constant), so for each policy and batch the benchmark prefills at a few contexts s,
@@ -14,9 +15,7 @@ not generate all G tokens (that would not fit one device call). The HF baseline 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -133,27 +132,6 @@ def _greedy(logits):
 _GREEDY = None
 
 
-def write_json(path, record) -> None:
-    """A benchmark's record as indented JSON at path (its folder made as needed)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-
-
-def parse_options(pairs) -> dict:
-    """Command-line KEY=VALUE policy options ({key: value}; VALUE parsed as JSON, else kept a string)."""
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SystemExit(f"--option takes key=value, got {pair!r}")
-        k, v = pair.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
 def on_host(x):
     """x as a NumPy array; under jax.distributed a replicated array spanning processes (the greedy tokens of a
     multi-process mesh) is read from this process's own shard."""
@@ -173,66 +151,6 @@ def timed_decode(pol, model, tokens, lengths, capacity: int, n_steps: int, t0: f
     return prefill_s, times, logits, state, nxt
 
 
-def add_random_prompt_args(ap, policy: str, shape: str, batch: int, prompt: int) -> None:
-    """The command-line arguments of `random_prompt_state` (--policy, --shape, --batch, --prompt, --dtype,
-    --option KEY=VALUE, repeated) with these defaults."""
-    ap.add_argument("--policy", default=policy)
-    ap.add_argument("--shape", default=shape, help="a named shape (plan.profiler.model_shape) or config.json")
-    ap.add_argument("--batch", type=int, default=batch)
-    ap.add_argument("--prompt", type=int, default=prompt)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option")
-
-
-_GAUGE_PROGRAM = None
-
-
-def host_gauge(dispatches: int = 200, loop: int = 100_000) -> dict:
-    """The host's speed now, by two fixed pieces of work: us per dispatch of a trivial jitted program on the
-    default device (back to back, waited for once at the end: the host's cost, the device idle) and ns per turn
-    of a fixed Python loop. A lent GPU host's speed moves ~2x over stretches of steps (BENCHMARKS, host
-    cost); read before and after timed steps, these say whether a slow run had a slow host (both slower: the
-    CPU; only the dispatch: the driver or the runtime)."""
-    import jax
-    import jax.numpy as jnp
-
-    global _GAUGE_PROGRAM
-    if _GAUGE_PROGRAM is None:
-        _GAUGE_PROGRAM = jax.jit(lambda x: x + 1)
-    x = jax.block_until_ready(_GAUGE_PROGRAM(jnp.zeros((8,), jnp.float32)))
-    t = time.perf_counter()
-    for _ in range(dispatches):
-        x = _GAUGE_PROGRAM(x)
-    jax.block_until_ready(x)
-    dispatch_us = (time.perf_counter() - t) / dispatches * 1e6
-    t = time.perf_counter()
-    acc = 0
-    for i in range(loop):
-        acc += i & 7
-    loop_ns = (time.perf_counter() - t) / loop * 1e9
-    return {"dispatch_us": dispatch_us, "python_loop_ns": loop_ns}
-
-
-def random_prompt_state(shape: str, policy: str, options: dict, batch: int, prompt: int, extra_tokens: int,
-                        dtype="bfloat16", tensor_parallel: int = 1, seed: int = 0, model=None):
-    """(model, policy, state, next tokens): random weights in the named shape (`make_model`; or `model`, one
-    made before, so that two states share its weights), `policy` with `options` prefilled with a random prompt
-    of `prompt` tokens per request, room for `extra_tokens` more."""
-    import jax.numpy as jnp
-
-    from kvoffload.policies import make_policy
-
-    if model is None:
-        model = make_model(shape, jnp.dtype(dtype), bool(options.get("offload_weights")))
-    tokens = jnp.asarray(np.random.default_rng(seed).integers(4, model.config.vocab_size - 1, (batch, prompt)),
-                         jnp.int32)
-    pol = make_policy(policy, tensor_parallel=tensor_parallel, **options)
-    logits, state = pol.prefill(model, tokens, jnp.full((batch,), prompt, jnp.int32), prompt + extra_tokens + 1)
-    nxt = _greedy(logits)
-    on_host(nxt)
-    return model, pol, state, nxt
-
-
 def decode_steps(pol, model, state, nxt, n_steps: int, logits=None, issued: list | None = None):
     """n_steps greedy decode steps from state and the tokens nxt, each ending when its tokens are on the
     host. Returns (per-step seconds, the last logits, state, the last tokens). issued (a list): per step, the
@@ -250,118 +168,6 @@ def decode_steps(pol, model, state, nxt, n_steps: int, logits=None, issued: list
             on_host(nxt)
             times.append(time.perf_counter() - t)
     return times, logits, state, nxt
-
-
-def decode_windows(pol, model, state, nxt, n_windows: int, window: int):
-    """n_windows windows of `window` greedy decode steps each, as `engine.generate` decodes (the host reads the
-    device once a window, `engine.SYNC_EVERY` steps: it dispatches step t + 1 while the device runs step t, so a
-    step costs the larger of its host and device times, not their sum up to the first program's dispatch).
-    Returns (per-step seconds of each window: its wall time / window, state, the last tokens)."""
-    from kvoffload.engine import frozen_gc
-
-    per_step = []
-    with frozen_gc():
-        for _ in range(n_windows):
-            t = time.perf_counter()
-            for _ in range(window):
-                logits, state = pol.decode_step(model, state, nxt)
-                nxt = _greedy(logits)
-            on_host(nxt)
-            per_step.append((time.perf_counter() - t) / window)
-    return per_step, state, nxt
-
-
-def watch_layer_calls(pol, model, state, nxt):
-    """One decode step with `pipeline.layer_step` watched: (the arguments of each layer call in order, the state
-    after the step). The host probes re-run the real layer programs from these."""
-    from kvoffload.offload import pipeline as PL
-
-    calls = []
-    real = PL.layer_step
-
-    def watched(*a):
-        calls.append(a)
-        return real(*a)
-
-    PL.layer_step = watched
-    try:
-        _, state = pol.decode_step(model, state, nxt)
-    finally:
-        PL.layer_step = real
-    return calls, state
-
-
-def mulsum_linear(x, w, b=None):
-    """x @ w (+ b) as an fp32 multiply and sum, in x's dtype: the form in which XLA reads a stacked weight's
-    slice in place inside a loop (`use_mulsum_linear`)."""
-    import jax.numpy as jnp
-
-    y = jnp.sum(x.astype(jnp.float32)[..., :, None] * w.astype(jnp.float32), axis=-2)
-    return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
-
-
-def use_mulsum_linear():
-    """Runs the model families' linear layers as an fp32 multiply and sum from here on (the host probes'
-    --linear mulsum, before anything compiles): inside a loop over stacked layers XLA reads a weight's slice
-    in place in that form, where for its dot it writes the slice out in fp32 first (BENCHMARKS 'Host cost
-    of a decode step'). Bits differ from the default einsum's (another summation order). Returns a function that puts
-    the default back (for programs compiled after it)."""
-    from kvoffload.models import common, llama, opt
-
-    modules = (common, llama, opt)
-    saved = [m.linear for m in modules]
-    for m in modules:
-        m.linear = mulsum_linear
-
-    def restore():
-        for m, f in zip(modules, saved):
-            m.linear = f
-    return restore
-
-
-def time_variants(run, variants, steps: int, rounds: int, warmup: int = 1) -> dict:
-    """Step timings of several variants in interleaved rounds (a lent host's speed moves over stretches: every
-    variant sees it alike). run(variant) -> (out, issued s, wall s): one step, issued when the host has dispatched
-    it. Per round and variant: warmup untimed steps, then `steps` timed. Returns per variant issued_ms and
-    step_ms (each) with their medians and the step's minimum; prints each round's medians."""
-    res = {v: {"issued_ms": [], "step_ms": []} for v in variants}
-    for r in range(rounds):
-        for v in variants:
-            for _ in range(warmup):
-                run(v)
-            for _ in range(steps):
-                _, issued, wall = run(v)
-                res[v]["issued_ms"].append(1e3 * issued)
-                res[v]["step_ms"].append(1e3 * wall)
-        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{v} {np.median(res[v]['step_ms'][-steps:]):.2f} ms"
-                                                    for v in variants), flush=True)
-    return {v: dict(step_ms_median=float(np.median(d["step_ms"])), step_ms_min=float(np.min(d["step_ms"])),
-                    issued_ms_median=float(np.median(d["issued_ms"])), **d) for v, d in res.items()}
-
-
-def report_variants(rec: dict, out=None) -> dict:
-    """Prints the table of rec["variants"] (`time_variants`' result), writes rec to out (when given) and
-    returns it."""
-    print("| variant | step ms (median) | min | host issued ms (median) |\n|---|--:|--:|--:|")
-    for v, d in rec["variants"].items():
-        print(f"| {v} | {d['step_ms_median']:.2f} | {d['step_ms_min']:.2f} | {d['issued_ms_median']:.2f} |")
-    if out:
-        write_json(out, rec)
-    return rec
-
-
-def median_time(fn, reps: int = 5, warmup: int = 1) -> float:
-    """Median seconds of fn() until its outputs are ready (after warm-up calls)."""
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
 
 
 def measure(model, policy_name, opts, batch, context, warmup, steps, seed=0, lengths=None, back_to_back=0):
@@ -632,62 +438,3 @@ def main(argv=None) -> int:
     print(f"[bench] done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
     print(table(res), flush=True)
     return 0
-
-
-# ------------------------------------------------------------------------------------------------
-# a prefill stand-in for decode benchmarks (scripts/bench_selection.py, scripts/bench_long_context.py)
-# ------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _random_kv_layer():
-    import jax
-
-    @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens"))
-    def layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None):
-        b, t, hidden = h.shape
-        dtype = lp.wk.dtype
-        kk, kv, kx = jax.random.split(jax.random.fold_in(jax.random.key(7), t), 3)
-        shape = (b, cfg.num_kv_heads, t, cfg.head_dim)
-        k = jax.random.normal(kk, shape, dtype)
-        v = jax.random.normal(kv, shape, dtype)
-        x = jax.random.normal(kx, (b, t, hidden), dtype) if keep_x else None
-        return h, k, v, x
-
-    return layer
-
-
-@contextlib.contextmanager
-def random_kv_prefill(mesh=None):
-    """Within: the pipeline's prefill computes no layer; each layer's K/V (and X) are random, of the shapes
-    and dtype the layer program would give, and the hidden state passes through: the decode step of a long
-    context measured without minutes of prefill attention (everything else is the runtime's own prefill:
-    memory plan, pool layout, extents, tails, retrieval metadata from the keys). On a
-    tensor-parallel mesh the outputs are placed as the real program's are (K/V by head, X along H, h replicated)."""
-    import jax
-
-    from kvoffload.device import memory as M
-    from kvoffload.offload import pipeline
-
-    layer = _random_kv_layer()
-    dev = M.default_device()
-
-    def committed(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl=None):
-        # the pipeline's _layer_prefill signature; committed to the device, as the real program's outputs are
-        # (it reads the committed weights): the tails made from them then enter the first decode step as
-        # later steps' do (one compilation)
-        out = layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens)
-        if mesh is None:
-            return jax.device_put(out, dev)
-        from kvoffload.device import sharding as S
-
-        h, k, v, x = out
-        return (jax.device_put(h, S.replicated(mesh)), *jax.device_put((k, v), S.kv_sharding(mesh)),
-                None if x is None else jax.device_put(x, S.x_shardings(x, mesh)))
-
-    real = pipeline._layer_prefill
-    pipeline._layer_prefill = committed
-    try:
-        yield
-    finally:
-        pipeline._layer_prefill = real

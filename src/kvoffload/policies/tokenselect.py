@@ -272,7 +272,7 @@ class SelectSources:
     # token space the selection scores and ranks (`TokenSpace`); 0: not known (the whole pool's space)
     request_blocks: int = 0
     # [] int32 added to every pool token id a row is read at, or None (0): an extent holding several layers'
-    # blocks, layer j's at j x E x blk (a step run as one loop over stacked layers, `scripts/probe_scan_clo.py`)
+    # blocks, layer j's at j x E x blk (a step run as one loop over stacked layers: `loop_layers`)
     row_offset: jax.Array | None = None
 
 
@@ -736,8 +736,8 @@ class TokenSelectHooks(LayerHooks):
     # the layer programs read the pool in place (selected rows; no extent is ever moved whole), so an extent
     # is only an allocation and, per extent, leaves of every layer call (pool arrays, block table, counts, first
     # positions, Quest pages): clo at 128K (Llama-3-8B) has 66 arguments in 4 extents, 42 in one, and on an H100
-    # the host's cost of a layer call fell from 574-658 to 477-562 us (probe_layer_call --versus extent_mb=256,
-    # BENCHMARKS, host cost). Capped so one extent stays well inside 32-bit element offsets (1M tokens: 2 extents).
+    # the host's cost of a layer call fell from 574-658 to 477-562 us (BENCHMARKS,
+    # host cost). Capped so one extent stays well inside 32-bit element offsets (1M tokens: 2 extents).
     extent_mb_per_device = IN_PLACE_EXTENT_MB
 
     def __init__(self, attend: TokenSelectAttend, split: bool = False, store: str = "kv", replay_hit_rate=None):

@@ -1,7 +1,7 @@
 """Correctness checks of every kernel and reference against float64 NumPy.
 
 Used by tests/test_kernels*.py (CPU: references, and kernels with interpret=True) and by
-scripts/check_kernels.py (GPU: compiled Triton kernels). Each ``check_*`` draws fresh
+benchmarks/check_kernels.py (GPU: compiled Triton kernels). Each ``check_*`` draws fresh
 random inputs (never zeros), runs one implementation and returns a dict with the
 relative error(s) and pass/fail. Kernel outputs are poisoned (NaN-initialised via
 aliasing) so unwritten elements fail.
