@@ -646,3 +646,24 @@ def test_host_rows_offset_reads_one_layers_blocks_from_an_extent_of_several():
                        prompt_extents=1)
     with pytest.raises(ValueError, match="row offset"):
         HostRows.of(None, None, pool, None, ("v",), offset=jnp.int32(E * blk))
+
+
+def test_reuse_criteria_replay_counts_hits_per_layer_and_per_kv_head():
+    """experiments/tokenselect_reuse.py's replay: an unchanged query always reuses, an orthogonal one never; per
+    KV head, one head's change misses only its own KV head, per layer it misses the whole layer."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                        "tokenselect_reuse.py")
+    spec = importlib.util.spec_from_file_location("tokenselect_reuse", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(1, 1, 4, 8))  # [L, steps, H, d]; 2 KV heads of 2 query heads
+    same = np.repeat(base, 5, axis=1)
+    assert mod.replay(same, 2, 0.9, per_layer=True)[0] == 1.0 == mod.replay(same, 2, 0.9, per_layer=False)[0]
+    moved = same.copy()
+    moved[0, 1:, 0] = -same[0, 1:, 0]  # query head 0 (KV head 0) turns at step 1, then stays
+    assert mod.replay(moved, 2, 0.9, per_layer=False)[0] == 7 / 8  # KV head 0 misses once, then reuses
+    assert mod.replay(moved, 2, 0.999, per_layer=True)[0] == 3 / 4  # the layer misses once, then reuses
