@@ -4,10 +4,10 @@ server-sent events), /v1/models, /health.
 One background thread steps the scheduler; handlers submit requests and await their tokens, which the thread
 hands over through each request's asyncio queue. A bad request gets a 4xx with one message (OpenAI's error
 shape) and the server goes on; a client that goes away mid-request cancels it, which frees its slot and
-blocks at the next step. FastAPI is imported when the app is built, so the rest of the package does not need it.
+blocks at the next step. FastAPI is imported when the app is built, so the rest of the package does not need it
+(and annotations stay evaluated: FastAPI reads the handlers' parameter types).
 """
 
-from __future__ import annotations
 
 import asyncio
 import json
@@ -137,7 +137,8 @@ def build_app(model, scheduler: Scheduler, model_name: str, engine: EngineThread
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "running": sum(r is not None for r in scheduler.running),
-                "waiting": len(scheduler.waiting), "free_blocks": scheduler.alloc.available()}
+                "waiting": len(scheduler.waiting), "free_blocks": scheduler.alloc.available(),
+                "finished": dict(scheduler.finished)}
 
     @app.get("/v1/models")
     async def models():

@@ -15,6 +15,7 @@ layouts fixed at prefill for the whole batch (see POLICY_REFUSALS), so rows cann
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import threading
 import time
 from collections import deque
@@ -126,6 +127,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self.wake = threading.Event()  # set when work arrives (the stepping thread sleeps on it)
         self.steps = 0
+        self.finished: Counter = Counter()  # requests ended, by finish reason
 
     # -- any thread ----------------------------------------------------------------------------------
 
@@ -272,6 +274,7 @@ class Scheduler:
         text = r.text if text is None else text
         delta = text[len(r.text):] if text.startswith(r.text) else ""
         r.text, r.finish_reason, r.finish_time = r.text + delta, reason, time.perf_counter()
+        self.finished[reason] += 1
         if r.slot >= 0:
             self.running[r.slot] = None
             self.alloc.release(r.blocks)
