@@ -153,3 +153,33 @@ def test_options_are_checked(model):
         Scheduler(model, "full", {"split_point": 0})
     with pytest.raises(ServeError, match="block_tokens must be a power of two"):
         Scheduler(model, "full", {"block_tokens": 24})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma3", "opt"])
+def test_sliding_window_and_learned_positions_match_generate(arch):
+    """gemma3 (every other layer sliding, window 16: decode drops whole blocks before the window) and OPT
+    (learned positions: a prefix-reusing prefill starts past position 0) give generate's tokens."""
+    m = tiny_random_model(arch)
+    prompts = _prompts([5, 40, 20], seed=5)
+    prompts.append(prompts[1] + [3, 4])  # reuses the second one's two full blocks
+    s = _scheduler(m)
+    reqs = []
+    for p in prompts:
+        reqs.append(s.submit(Request(p, _greedy(30))))
+        s.run_until_done()
+    assert reqs[-1].cached_tokens == 32
+    for p, r in zip(prompts, reqs):
+        assert r.output == _ref(m, p, 30)
+
+
+def test_serve_command_refuses_before_loading_the_model(capsys):
+    from kvoffload.cli import main
+
+    assert main(["serve", "--policy", "clo"]) == 2
+    err = capsys.readouterr().err
+    assert "policy 'clo' cannot run under the serving scheduler" in err and len(err.strip().splitlines()) == 1
+    assert main(["serve", "--policy-option", "block_tokens=3"]) == 2
+    assert "block_tokens must be a power of two" in capsys.readouterr().err
+    assert main(["serve", "--kv-cache-gb", "0"]) == 2
+    assert "--kv-cache-gb must be" in capsys.readouterr().err

@@ -180,7 +180,14 @@ def build_app(model, scheduler: Scheduler, model_name: str, engine: EngineThread
                 ids = prompt_ids(body)
             params = _sampling(body, chat)
             loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-            req = Request(ids, params, on_update=lambda r, d, f: loop.call_soon_threadsafe(queue.put_nowait, (d, f)))
+
+            def hand_over(_, delta, finished):  # on the engine thread
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, (delta, finished))
+                except RuntimeError:  # the loop is gone (server shutting down): nobody to hand over to
+                    pass
+
+            req = Request(ids, params, on_update=hand_over)
             scheduler.submit(req)
         except KVOffloadError as e:  # ServeError, and the tokenizer's refusal of undecodable text
             return _error(getattr(e, "status", 400), str(e), code=getattr(e, "limit", None))
