@@ -12,8 +12,8 @@ whom, the prefix cache) is `serve/blocks.py`; these programs only read the table
 - `decode`: one token for every slot: its K/V appended to the tail, attention over the slot's full blocks
   (paged) and its tail merged exactly by log-sum-exp, and a tail that fills up written to its next block.
 
-Shapes are static per (prompt bucket) and per (slots, table width), so a server compiles a handful of
-programs and then none.
+Shapes are static per prompt bucket and per table width (the scheduler passes the widest row's blocks rounded
+up to a power of two), so a server compiles a handful of programs as its requests grow, then none.
 """
 
 from __future__ import annotations
@@ -77,22 +77,32 @@ def _as_blocks(buf, blk):
     return buf[0].reshape(nkv, t // blk, blk, d).transpose(1, 0, 2, 3)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _prefill(cfg, params, cache: ServeCache, tokens, start, length, table, dest, slot):
+def _write(store_k, store_v, dest, k_blocks, v_blocks):
+    """Writes block i of k_blocks / v_blocks (per layer [n, n_kv, blk, d]) to store block dest[i] (scratch: 0).
+    A program of its own, with the store donated and nothing else reading it, so XLA writes in place: inside
+    the programs that also read the store it copied the whole store each call."""
+    return (tuple(s.at[dest].set(b) for s, b in zip(store_k, k_blocks)),
+            tuple(s.at[dest].set(b) for s, b in zip(store_v, v_blocks)))
+
+
+_write = jax.jit(_write, donate_argnums=(0, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("tail_k", "tail_v"))
+def _prefill(cfg, params, store_k, store_v, tail_k, tail_v, tokens, start, length, table, slot):
     """tokens [1, Tc]: the prompt from position `start` (a multiple of blk: the cached prefix's end) on,
     right-padded; length: the prompt's tokens. table [M] (M * blk = T >= start + Tc + blk): the blocks holding
-    positions [0, start) first, scratch after; dest [M]: where each computed full block goes (scratch for the
-    prefix's blocks and for positions past the prompt). Returns (logits [1, V] at the last prompt token,
-    cache)."""
+    positions [0, start) first, scratch after. Returns (logits [1, V] at the last prompt token, tails, and per
+    layer the buffer's K and V as blocks [M, n_kv, blk, d] for `_write`)."""
     fam = family(cfg)
-    blk = cache.k[0].shape[2]
+    blk = store_k[0].shape[2]
     tc = tokens.shape[1]
     positions = (start + jnp.arange(tc, dtype=jnp.int32))[None]
     lengths = jnp.reshape(length, (1,))
     h = fam.embed(cfg, params, tokens, positions)
     new_k, new_v, new_tk, new_tv = [], [], [], []
     full = length // blk  # the prompt's full blocks; block `full` is the partial one (the tail)
-    for lp, ks, vs, tk, tv in zip(params.layers, cache.k, cache.v, cache.tail_k, cache.tail_v):
+    for lp, ks, vs, tk, tv in zip(params.layers, store_k, store_v, tail_k, tail_v):
         x = fam.attn_input(cfg, lp, h)
         q, k, v = fam.qkv(cfg, lp, x, positions)
         kbuf = jax.lax.dynamic_update_slice_in_dim(_gather_rows(ks, table), k.astype(ks.dtype), start, axis=2)
@@ -100,12 +110,12 @@ def _prefill(cfg, params, cache: ServeCache, tokens, start, length, table, dest,
         o = prefill_attention_chunk(q, kbuf, vbuf, start, lengths, window=attention_window(cfg, lp))
         h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o))
         kb, vb = _as_blocks(kbuf, blk), _as_blocks(vbuf, blk)
-        new_k.append(ks.at[dest].set(kb))
-        new_v.append(vs.at[dest].set(vb))
+        new_k.append(kb)
+        new_v.append(vb)
         new_tk.append(jax.lax.dynamic_update_index_in_dim(tk, kb[full], slot, axis=0))
         new_tv.append(jax.lax.dynamic_update_index_in_dim(tv, vb[full], slot, axis=0))
     last = jax.lax.dynamic_index_in_dim(h, length - 1 - start, axis=1, keepdims=False)
-    return fam.logits(cfg, params, last), ServeCache(tuple(new_k), tuple(new_v), tuple(new_tk), tuple(new_tv))
+    return fam.logits(cfg, params, last), tuple(new_tk), tuple(new_tv), tuple(new_k), tuple(new_v)
 
 
 def prefill_with_prefix(model, cache, prompt, prefix_blocks, new_blocks, slot, block_tokens: int,
@@ -124,27 +134,29 @@ def prefill_with_prefix(model, cache, prompt, prefix_blocks, new_blocks, slot, b
     dest = np.zeros(m, np.int32)
     dest[len(prefix_blocks):len(prefix_blocks) + len(new_blocks)] = new_blocks
     device = next(iter(cache.k[0].devices()))
-    args = jax.device_put((tokens, np.int32(start), np.int32(len(prompt)), table, dest, np.int32(slot)), device)
-    return _prefill(model.config, model.params, cache, *args)
+    tokens, start, length, table, dest, slot = jax.device_put(
+        (tokens, np.int32(start), np.int32(len(prompt)), table, dest, np.int32(slot)), device)
+    logits, tail_k, tail_v, kb, vb = _prefill(model.config, model.params, cache.k, cache.v, cache.tail_k,
+                                              cache.tail_v, tokens, start, length, table, slot)
+    k, v = _write(cache.k, cache.v, dest, kb, vb)
+    return logits, ServeCache(k, v, tail_k, tail_v)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _decode(cfg, params, cache: ServeCache, tokens, lengths, tables, flush_to, first_pos):
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("tail_k", "tail_v"))
+def _decode(cfg, params, store_k, store_v, tail_k, tail_v, tokens, lengths, tables, first_pos):
     """tokens [S]: each slot's newest token, at position lengths [S] (the tokens it already has K/V for);
-    tables [S, M]: each slot's blocks in position order; flush_to [S]: the block a slot's tail goes to when
-    this token fills it (scratch otherwise); first_pos [N + 1]: each block's first position (sliding windows).
-    Returns (logits [S, V], cache)."""
+    tables [S, M]: each slot's blocks in position order; first_pos [N + 1]: each block's first position
+    (sliding windows). Returns (logits [S, V], tails); a tail this token filled is written by `_write`."""
     fam = family(cfg)
     s = tokens.shape[0]
-    blk = cache.k[0].shape[2]
+    blk = store_k[0].shape[2]
     full = lengths // blk  # blocks in the store
     fill = lengths % blk  # tokens in the tail before this one
     positions = lengths[:, None]
     h = fam.embed(cfg, params, tokens[:, None], positions)
     rows = jnp.arange(s)
-    fills = fill + 1 == blk
-    new_k, new_v, new_tk, new_tv = [], [], [], []
-    for lp, ks, vs, tk, tv in zip(params.layers, cache.k, cache.v, cache.tail_k, cache.tail_v):
+    new_tk, new_tv = [], []
+    for lp, ks, vs, tk, tv in zip(params.layers, store_k, store_v, tail_k, tail_v):
         x = fam.attn_input(cfg, lp, h)
         q, k, v = fam.qkv(cfg, lp, x, positions)
         tk = tk.at[rows, :, fill].set(k[:, :, 0].astype(tk.dtype))
@@ -157,18 +169,20 @@ def _decode(cfg, params, cache: ServeCache, tokens, lengths, tables, flush_to, f
             ops.decode_attention(q[:, :, 0], tk, tv, fill + 1, start=None if lo is None else lo - full * blk),
         ])
         h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, o[:, :, None]))
-        # a tail that just filled moves to its block; the others write the scratch block
-        dest = jnp.where(fills, flush_to, 0)
-        new_k.append(ks.at[dest].set(tk))
-        new_v.append(vs.at[dest].set(tv))
         new_tk.append(tk)
         new_tv.append(tv)
-    return fam.logits(cfg, params, h[:, 0]), ServeCache(tuple(new_k), tuple(new_v), tuple(new_tk), tuple(new_tv))
+    return fam.logits(cfg, params, h[:, 0]), tuple(new_tk), tuple(new_tv)
 
 
 def decode(model, cache, tokens, lengths, tables, flush_to, first_pos) -> tuple[Any, ServeCache]:
+    """One decode step; flush_to [S]: the block each slot's tail goes to when this token fills it (scratch
+    otherwise; no write at all when no slot fills)."""
     device = next(iter(cache.k[0].devices()))
     args = jax.device_put((np.asarray(tokens, np.int32), np.asarray(lengths, np.int32),
-                           np.asarray(tables, np.int32), np.asarray(flush_to, np.int32),
-                           np.asarray(first_pos, np.int32)), device)
-    return _decode(model.config, model.params, cache, *args)
+                           np.asarray(tables, np.int32), np.asarray(first_pos, np.int32)), device)
+    logits, tail_k, tail_v = _decode(model.config, model.params, cache.k, cache.v, cache.tail_k, cache.tail_v,
+                                     *args)
+    k, v = cache.k, cache.v
+    if np.any(flush_to):
+        k, v = _write(k, v, jax.device_put(np.asarray(flush_to, np.int32), device), tail_k, tail_v)
+    return logits, ServeCache(k, v, tail_k, tail_v)

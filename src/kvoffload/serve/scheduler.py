@@ -186,11 +186,15 @@ class Scheduler:
             return
         tokens = np.zeros(self.slots, np.int32)
         lengths = np.zeros(self.slots, np.int32)
-        tables = np.zeros((self.slots, self.width), np.int32)
+        # the table as wide as the longest row's full blocks, in powers of two: the attention reads (and on the
+        # CPU gathers) every column, and a handful of widths compile (at least 16 columns: short rows share one)
+        used = max(r.length // self.blk for r in active) + 1
+        tables = np.zeros((self.slots, min(self.width, max(16, 1 << (used - 1).bit_length()))), np.int32)
         flush_to = np.zeros(self.slots, np.int32)
         for r in active:
             tokens[r.slot], lengths[r.slot] = r.output[-1], r.length
-            tables[r.slot, :len(r.blocks)] = r.blocks
+            n = min(len(r.blocks), tables.shape[1])
+            tables[r.slot, :n] = r.blocks[:n]
             j = r.length // self.blk
             flush_to[r.slot] = r.blocks[j] if (r.length + 1) % self.blk == 0 else SCRATCH
         logits, self.cache = dev.decode(self.model, self.cache, tokens, lengths, tables, flush_to, self.first_pos)
