@@ -166,3 +166,20 @@ def test_bad_chat_input_through_the_client(server):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], temperature=-3)
+
+
+def test_a_failing_step_ends_its_requests_with_a_500_and_the_server_goes_on(server):
+    model, scheduler, base, client = server
+    real = scheduler.step
+
+    def broken():
+        scheduler.step = real  # fails once
+        raise RuntimeError("injected fault")
+
+    scheduler.step = broken
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        client.completions.create(model=NAME, prompt="hello", max_tokens=4, temperature=0)
+    assert scheduler.step == real
+    out = client.completions.create(model=NAME, prompt="hello", max_tokens=4, temperature=0)
+    assert out.choices[0].text == _direct(model, model.tokenizer.encode("hello"), 4).text
+    assert _idle(scheduler, base)["free_blocks"] == BLOCKS

@@ -55,10 +55,7 @@ class EngineThread:
             except Exception as e:  # a fault in a step: end every request with it, keep serving
                 log.exception("a scheduler step failed")
                 self.error = e
-                for r in list(s.running) + list(s.waiting):
-                    if r is not None and not r.done:
-                        s._finish(r, "error")
-                s.waiting.clear()
+                s.fail_all("error")
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None):

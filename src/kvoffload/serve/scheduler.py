@@ -203,6 +203,19 @@ class Scheduler:
             r.length += 1
         self._sample(logits, active)
 
+    def fail_all(self, reason: str = "error") -> None:
+        """Ends every queued and running request and starts from an empty cache: after a failed step (its
+        donated buffers may be gone) neither the requests nor the cached prefixes can trust the cache."""
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        for r in list(self.waiting) + [r for r in self.running if r is not None]:
+            if not r.done:
+                self._finish(r, reason)
+        self.waiting.clear()
+        self.alloc = BlockAllocator(self.alloc.num_blocks, self.alloc.cache_blocks)
+        self.cache = dev.make_cache(self.model, self.alloc.num_blocks, self.slots, self.blk)
+
     def run_until_done(self, max_steps: int = 1_000_000) -> None:
         """Steps until nothing is queued or running (offline use, tests)."""
         for _ in range(max_steps):
