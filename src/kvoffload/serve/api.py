@@ -12,6 +12,7 @@ blocks at the next step. FastAPI is imported when the app is built, so the rest 
 import asyncio
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -103,7 +104,7 @@ def _sampling(body: dict, chat: bool) -> SamplingParams:
         temperature=1.0 if body.get("temperature") is None else body["temperature"],
         top_p=1.0 if body.get("top_p") is None else body["top_p"],
         top_k=0 if body.get("top_k") in (None, -1) else body["top_k"],
-        seed=0 if seed is None else seed,
+        seed=secrets.randbelow(2**32) if seed is None else seed,  # no seed: a fresh draw, as OpenAI's API
         stop=[] if body.get("stop") is None else body["stop"],
         stop_token_ids=body.get("stop_token_ids") or [],
         ignore_eos=bool(body.get("ignore_eos", False)))
