@@ -1,4 +1,4 @@
-"""`kvoffload generate | convert | profile | bench | eval | train-importance | train-hata`."""
+"""`kvoffload generate | serve | convert | profile | bench | eval | train-importance | train-hata`."""
 
 from __future__ import annotations
 
@@ -117,6 +117,31 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from kvoffload.errors import check_range
+    from kvoffload.models import DEFAULT_MODEL_NAME, load_model
+    from kvoffload.serve.api import cache_blocks, serve
+    from kvoffload.serve.scheduler import check_policy
+
+    _check_int(args.port, "--port", 0, 65535)
+    _check_int(args.max_batch, "--max-batch", 1)
+    check_range("--kv-cache-gb", args.kv_cache_gb, 0, low_open=True)
+    if args.prefix_cache_gb is not None:
+        check_range("--prefix-cache-gb", args.prefix_cache_gb, 0)
+    pairs, _ = _policy_options(args)
+    options = check_policy(args.policy, dict(pairs))  # refused before the model loads
+    model = load_model(args.model, args.dtype, quiet=args.quiet)
+    if model.tokenizer is None:
+        raise FileNotFoundError(f"{args.model}: no tokenizer found beside the checkpoint; serve needs one")
+    cache_blocks(model, options, args.kv_cache_gb, args.prefix_cache_gb)  # a cache too small: one line
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                      else DEFAULT_MODEL_NAME)
+    serve(model, name, host=args.host, port=args.port, kv_cache_gb=args.kv_cache_gb,
+          prefix_cache_gb=args.prefix_cache_gb, policy=args.policy, policy_options=options,
+          max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    return 0
+
+
 # Subcommands whose argument parsing lives with their implementation: name -> (module, function).
 _DELEGATED = {
     "profile": ("kvoffload.offload.cli", "profile_main", "measure the machine and write a JSON profile"),
@@ -167,6 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace the kvoffload checkpoint already in DST")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (policy full)")
+    s.add_argument("--model", default=None, help="as for generate (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    s.add_argument("--policy", default="full", help="KV policy; the scheduler runs full and refuses the others")
+    s.add_argument("--policy-option", action="append", metavar="KEY=VALUE", help="block_tokens=N (default 16)")
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    s.add_argument("--kv-cache-gb", type=float, default=1.0, help="device memory for the K/V blocks (GiB)")
+    s.add_argument("--prefix-cache-gb", type=float, default=None,
+                   help="of that, what unreferenced prefix blocks may keep (GiB; 0: no prefix reuse; default all)")
+    s.add_argument("--max-seq-len", type=int, default=None, help="tokens per request (default: the model's positions)")
+    s.add_argument("--quiet", action="store_true", help="no loading messages")
+    s.set_defaults(func=cmd_serve)
 
     sub.add_parser("policies", help="list the available KV policies").set_defaults(func=cmd_policies)
     for name, (_, _, help_) in _DELEGATED.items():

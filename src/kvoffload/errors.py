@@ -22,6 +22,16 @@ class GenerationInputError(KVOffloadError, ValueError):
     """Prompts, token ids or lengths that generation cannot take."""
 
 
+class ServeError(KVOffloadError, ValueError):
+    """A serving request or configuration the scheduler cannot take (a prompt past the context or the cache,
+    bad sampling values, a policy that cannot run under continuous batching); the server answers it with a
+    4xx. `limit` names the limit a request exceeded, where one did."""
+
+    def __init__(self, message: str, limit: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.limit, self.status = limit, status
+
+
 class InvalidResultError(KVOffloadError, ValueError):
     """A run's output that would be garbage (non-finite numbers, nothing evaluated): refused before it is
     written, so no file ever holds a result that looks like one and is not."""

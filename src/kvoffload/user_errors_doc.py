@@ -100,6 +100,15 @@ CASES = [
      "\"opt\"; ...)`; a file without provenance: `PATH records no provenance ...`"),
     ("resume after a crash cut the last line", "the last JSONL line cut in half, even inside a UTF-8 character",
      "the file is read as bytes, the cut line dropped and its row run again; the summary's `n` equals the rows held"),
+    ("serve with a policy the scheduler cannot run", "`serve --policy offload`, `serve --policy-option split_point=0`",
+     "`policy 'offload' cannot run under the serving scheduler: it lays a batch's K/V out at prefill ...` (before the "
+     "model loads); options other than block_tokens: `... do not apply to the serving cache`"),
+    ("a serving request that can never run", "prompt + max_tokens past the context; more blocks than the cache holds",
+     "HTTP 400 `... it needs N positions but the context length is L` (code `context_length`); HTTP 413 `the request "
+     "needs N cache blocks ... but the KV cache holds M` (code `kv_cache_blocks`); the server stays up"),
+    ("malformed serving requests", "a body that is not JSON, an unknown model, `temperature: -1`, `top_p: 2`, `n: 3`, "
+     "a prompt of ids past the vocabulary",
+     "HTTP 400 (404 for the model) with OpenAI's error object naming the field; nothing is queued"),
 ]
 
 
