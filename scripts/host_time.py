@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from kvoffload.offload import pipeline as PL
+    from kvoffload.runtime import pipeline as PL
     from kvoffload.offload.bench import decode_steps, host_gauge, random_prompt_state
 
     spent, calls = collections.Counter(), collections.Counter()  # host seconds and calls by part

@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from kvoffload.offload import pipeline as PL
+    from kvoffload.runtime import pipeline as PL
     from kvoffload.offload.bench import decode_steps, random_prompt_state, watch_layer_calls
 
     options = parse_options(args.option)

@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
 
     from kvoffload.hlo_text import large_writes
     from kvoffload.models.common import layer_weights, stack_trees
-    from kvoffload.offload import pipeline as PL
+    from kvoffload.runtime import pipeline as PL
     from kvoffload.pallas.common import addressable_rows
     from kvoffload.offload.bench import (decode_steps, random_prompt_state, time_variants,
                                         watch_layer_calls)

@@ -15,7 +15,7 @@ def test_host_time_splits_a_step_and_restores_what_it_timed(tmp_path):
     pool), host milliseconds per part below the step's; the timed functions are the originals afterwards."""
     import jax
 
-    from kvoffload.offload import pipeline as PL
+    from kvoffload.runtime import pipeline as PL
 
     before = (PL.layer_step, PL.LayerPipeline.to_device, jax.block_until_ready)
     with script_module("host_time") as ht:

@@ -58,7 +58,7 @@ def run_case(case, refs):
         return real_gather(tree, mesh)
 
     S.gather_whole = gather_whole
-    from kvoffload.offload import pipeline as PL
+    from kvoffload.runtime import pipeline as PL
 
     real_step = PL.layer_step
 

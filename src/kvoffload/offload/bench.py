@@ -274,7 +274,7 @@ def decode_windows(pol, model, state, nxt, n_windows: int, window: int):
 def watch_layer_calls(pol, model, state, nxt):
     """One decode step with `pipeline.layer_step` watched: (the arguments of each layer call in order, the state
     after the step). The host probes re-run the real layer programs from these."""
-    from kvoffload.offload import pipeline as PL
+    from kvoffload.runtime import pipeline as PL
 
     calls = []
     real = PL.layer_step
@@ -667,7 +667,7 @@ def random_kv_prefill(mesh=None):
     import jax
 
     from kvoffload.device import memory as M
-    from kvoffload.offload import pipeline
+    from kvoffload.runtime import pipeline
 
     layer = _random_kv_layer()
     dev = M.default_device()

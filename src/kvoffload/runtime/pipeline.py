@@ -64,7 +64,7 @@ from kvoffload.models.transformer import family, layer_prefill, layer_prefill_ch
 from kvoffload.device import memory as M
 from kvoffload.device import sharding as S
 from kvoffload.plan.memory import prefill_chunk_rows, weight_bytes_per_device
-from kvoffload.offload.pool import (
+from kvoffload.runtime.pool import (
     BlockAllocator,
     BlockTables,
     PoolLayout,
