@@ -192,7 +192,7 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
 
     from kvoffload import ops
     from kvoffload.device import memory as M
-    from kvoffload.runtime.pipeline import PoolSources, attend_pool
+    from kvoffload.runtime.attention import PoolSources, attend_pool
     from kvoffload.policies.clo import aggregate_similarity, exact_scores, hata_token_scores, key_metadata
     from kvoffload.policies.selection import choose_tokens
     from kvoffload.policies.tokenselect import HostRows, query_cosines, token_space

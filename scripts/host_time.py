@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from kvoffload.runtime import pipeline as PL
+    from kvoffload.runtime import fused as RF, layer as RL, pipeline as PL
     from kvoffload.offload.bench import decode_steps, host_gauge, random_prompt_state
 
     spent, calls = collections.Counter(), collections.Counter()  # host seconds and calls by part
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
                 calls[name] += 1
         return wrapped
 
-    patched = [(PL.LayerPipeline, "to_device"), (PL, "layer_step"), (PL, "layers_step"), (jax, "block_until_ready")]
+    patched = [(PL.LayerPipeline, "to_device"), (RL, "layer_step"), (RF, "layers_step"), (jax, "block_until_ready")]
     saved = [getattr(obj, name) for obj, name in patched]
     for (obj, name), fn in zip(patched, saved):
         setattr(obj, name, timed({"to_device": "issue transfers", "layer_step": "dispatch layer programs",

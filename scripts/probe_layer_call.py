@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from kvoffload.runtime import pipeline as PL
+    from kvoffload.runtime import fused as RF, layer as RL, state as RS
     from kvoffload.offload.bench import decode_steps, random_prompt_state, watch_layer_calls
 
     options = parse_options(args.option)
@@ -97,15 +97,15 @@ def main(argv=None) -> dict:
             for n in range(0, args.calls, per_program):
                 idx = [cycle[(n + j) % len(cycle)] for j in range(per_program)]
                 cfg, _, h, pos, _, _, _, tail_len, _, tables, _, _, _, opts = calls[idx[0]]
-                moving, fixed = zip(*(PL.split_slots(attend, live[i]["slots"]) for i in idx))
-                _, ks, vs, xs, sls = PL.layers_step(
+                moving, fixed = zip(*(RS.split_slots(attend, live[i]["slots"]) for i in idx))
+                _, ks, vs, xs, sls = RF.layers_step(
                     cfg, tuple(calls[i][1] for i in idx), h, pos, tuple(live[i]["k"] for i in idx),
                     tuple(live[i]["v"] for i in idx), tuple(live[i]["x"] for i in idx), tail_len,
                     tuple(calls[i][8] for i in idx), tables, moving, fixed, attend, opts)
                 for j, i in enumerate(idx):
                     cur = live[i]
                     cur["k"], cur["v"], cur["x"] = ks[j], vs[j], xs[j]
-                    cur["slots"] = PL.join_slots(attend, sls[j], fixed[j])
+                    cur["slots"] = RS.join_slots(attend, sls[j], fixed[j])
                 last = sls
             n_layers = len(range(0, args.calls, per_program)) * per_program
         else:
@@ -113,10 +113,10 @@ def main(argv=None) -> dict:
                 i = cycle[n % len(cycle)]
                 (cfg, lp, h, pos, _, _, _, tail_len, src, tables, _, _, _, opts) = calls[i]
                 cur = live[i]
-                slot, fixed = PL.split_slots(attend, cur["slots"]) if split else (cur["slots"], None)
-                _, cur["k"], cur["v"], cur["x"], slot = PL.layer_step(cfg, lp, h, pos, cur["k"], cur["v"], cur["x"],
+                slot, fixed = RS.split_slots(attend, cur["slots"]) if split else (cur["slots"], None)
+                _, cur["k"], cur["v"], cur["x"], slot = RL.layer_step(cfg, lp, h, pos, cur["k"], cur["v"], cur["x"],
                                                                       tail_len, src, tables, slot, fixed, attend, opts)
-                cur["slots"] = PL.join_slots(attend, slot, fixed)
+                cur["slots"] = RS.join_slots(attend, slot, fixed)
                 last = slot
             n_layers = args.calls
         t_host = time.perf_counter() - t0
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
         """(argument leaves, output leaves) of one call: of layer_step, or of layers_step over n layers."""
         calls, live, layers, attend = setup
         idx = layers[:n]
-        parts = [PL.split_slots(attend, live[i]["slots"]) if split else (live[i]["slots"], None) for i in idx]
+        parts = [RS.split_slots(attend, live[i]["slots"]) if split else (live[i]["slots"], None) for i in idx]
         c = calls[idx[0]]
         per_layer = [(calls[i][1], live[i]["k"], live[i]["v"], live[i]["x"], calls[i][8], part)
                      for i, part in zip(idx, parts)]

@@ -222,7 +222,7 @@ def layer_chunks(exts, max_bytes: int):
 def probe_layout(args, rows_out, interpret):
     """A step's int8 K / int4 V refills into one [1, n_kv, L K, d] buffer a kind at layer l's row offset, the host
     rows read from each layer's extents, from one stacked extent a kind at token offsets, or from chunks of it."""
-    from kvoffload.runtime.pipeline import stacked_extent
+    from kvoffload.runtime.state import stacked_extent
 
     rng = np.random.default_rng(4)
     layers, tokens = (3, 2048) if args.smoke else (args.layers, args.context)

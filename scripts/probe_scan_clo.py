@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
 
     from kvoffload.hlo_text import large_writes
     from kvoffload.models.common import layer_weights, stack_trees
-    from kvoffload.runtime import pipeline as PL
+    from kvoffload.runtime import layer as RL, loop as RO, state as RS
     from kvoffload.pallas.common import addressable_rows
     from kvoffload.offload.bench import (decode_steps, random_prompt_state, time_variants,
                                         watch_layer_calls)
@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
         raise SystemExit("probe_scan_clo takes no speculative prefetch")
     slot_of = lambda i: gr.slots[i] if gr.slots else None  # noqa: E731  (full keeps none)
     live = [dict(k=gr.tail_k[i], v=gr.tail_v[i], x=gr.tail_x[i], slots=slot_of(i)) for i in range(L)]
-    keys = {PL.program_key((calls[i][1], calls[i][8], live[i]["k"], live[i]["v"], live[i]["x"], live[i]["slots"]))
+    keys = {RL.program_key((calls[i][1], calls[i][8], live[i]["k"], live[i]["v"], live[i]["x"], live[i]["slots"]))
             for i in idx}
     if len(keys) != 1:
         raise SystemExit("layers 1..L-1 do not share one program (persistent heads?): nothing to loop over")
@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
     E = jax.tree.leaves(pool1.k[0])[0].shape[0]
 
     copy = functools.partial(jax.tree.map, lambda a: a.copy())
-    split = [PL.split_slots(attend, live[i]["slots"]) for i in idx]
+    split = [RS.split_slots(attend, live[i]["slots"]) for i in idx]
     host_kind = jax.tree.leaves(pool1.k[0])[0].sharding  # clo: pinned host; full: the device
 
     def one_extent(part):  # every looped layer's extent of a kind, concatenated on the host, in host memory
@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
     sources = SelectSources(pool=pool, tail_len=tail_len, request_blocks=src1.request_blocks) if selects else pool
     # the library's stacked state and loop (`pipeline.stack_layers` / `loop_layers`), as the runtime would run them
     lp_st = stack_trees([calls[i][1] for i in idx])
-    st, fixed_st = PL.stack_layers(attend, [live[i]["k"] for i in idx], [live[i]["v"] for i in idx],
+    st, fixed_st = RS.stack_layers(attend, [live[i]["k"] for i in idx], [live[i]["v"] for i in idx],
                                    [live[i]["slots"] for i in idx], rows_in_place=args.buffers == "in-place")
     stacked = dict(st=st)
     per_call = dict(k=[copy(live[i]["k"]) for i in idx], v=[copy(live[i]["v"]) for i in idx],
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
 
     # compiled once, ahead: the program that runs, and the one whose large writes are listed (what the loop copies
     # that the calls do not: a stacked array's slice an opaque kernel needs as its own buffer)
-    loop_exe = PL.loop_layers.lower(lp=lp_st, st=st, fixed=fixed_st, h=h0, positions=pos, tail_len=tail_len,
+    loop_exe = RO.loop_layers.lower(lp=lp_st, st=st, fixed=fixed_st, h=h0, positions=pos, tail_len=tail_len,
                                     sources=sources, tables=tables, **loop_args).compile()
     opcodes = set(args.list_opcodes.split(",")) if args.list_opcodes else None
     hlo = loop_exe.as_text()
@@ -169,7 +169,7 @@ def main(argv=None) -> dict:
             h = h0
             for j, i in enumerate(idx):
                 lp_i = lp_calls[j] if variant == "calls" else calls[i][1]
-                h, per_call["k"][j], per_call["v"][j], _, per_call["moving"][j] = PL.layer_step(
+                h, per_call["k"][j], per_call["v"][j], _, per_call["moving"][j] = RL.layer_step(
                     cfg, lp_i, h, pos, per_call["k"][j], per_call["v"][j], None, tail_len, calls[i][8], tables,
                     per_call["moving"][j], fixed[j], attend, opts)
         else:
@@ -186,7 +186,7 @@ def main(argv=None) -> dict:
         return max([(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) if x.size else 0.0)
                     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))], default=0.0)  # full: no slots
 
-    layers = [PL.unstack_layer(stacked["st"], j) for j in range(n)]
+    layers = [RS.unstack_layer(stacked["st"], j) for j in range(n)]
     check = dict(hidden=max_diff(ha, hb), tails=max_diff((per_call["k"], per_call["v"]),
                                                          ([t[0] for t in layers], [t[1] for t in layers])),
                  slots=max_diff(per_call["moving"], [t[2] for t in layers]))

@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     from kvoffload.hlo_text import large_writes
     from kvoffload.models.transformer import family, init_params
     from kvoffload.offload.bench import report_variants, time_variants, use_mulsum_linear
-    from kvoffload.runtime.pipeline import put_rows
+    from kvoffload.runtime.layer import put_rows
     from kvoffload.plan.profiler import model_shape
 
     if args.linear == "mulsum":  # before anything compiles: both variants use it

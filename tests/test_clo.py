@@ -16,7 +16,7 @@ import pytest
 from kvoffload import ops
 from kvoffload.plan.deploy import group_similarity
 from kvoffload.models import tiny_random_model
-from kvoffload.runtime.pipeline import PoolSources
+from kvoffload.runtime.attention import PoolSources
 from kvoffload.plan.clo import CloProfile, kv_thresholds, plan_persistent_heads, save_clo_profile
 from kvoffload.policies import clo as clo_mod
 from kvoffload.policies import make_policy
@@ -770,7 +770,7 @@ def test_guess_of_a_layer_equals_numpy_reference(monkeypatch):
     """Layer 1's guess at a decode step: the approximate query from layer 0's input hidden state (the h
     layer 0's program got), through layer 1's RMSNorm, W_Q and RoPE at the new token's position, scores max
     over the group of q.k / sqrt(d) over the request's pool tokens, the top 8 (float64 NumPy)."""
-    from kvoffload.runtime import pipeline as P
+    from kvoffload.runtime import layer as P
     from kvoffload.policies.clo import CloHooks
 
     model = tiny_random_model("llama", seed=1)

@@ -137,7 +137,8 @@ def _scheduled_split(profile, host_dtype, shape="opt-6.7b", batch=64, prompt=512
 
     from kvoffload.models import Model
     from kvoffload.models.transformer import init_params
-    from kvoffload.runtime.pipeline import GroupState, extent_work
+    from kvoffload.runtime.cost import extent_work
+    from kvoffload.runtime.state import GroupState
     from kvoffload.runtime.pool import BlockAllocator, allocate_prompts_aligned
     from kvoffload.plan.profiler import model_shape
 
@@ -477,7 +478,7 @@ def test_int4_row_gather_takes_the_stored_rows_and_dequantizes_them():
     """ops.gather_pool_rows of int4 extents in host memory: the selected rows' codes and scales (a QuantizedInt of
     rows, moved to the device), which dequantize to the rows of the dequantized extents; and clo's refill
     takes them dequantized into its buffers."""
-    from kvoffload.runtime.pipeline import native_extent
+    from kvoffload.runtime.attention import native_extent
     from kvoffload.runtime.pool import quantize_blocks
     from kvoffload.policies.clo import refill_rows
 
@@ -606,7 +607,7 @@ def test_channel_int4_row_gather_takes_each_rows_block_scales():
     block's per-channel scales, dequantizing to the rows of the dequantized extents; a row outside the
     extents reads 0. And decode_attention_int4 refuses channel-mode K in its kernel, attends it by
     dequantizing otherwise."""
-    from kvoffload.runtime.pipeline import native_extent
+    from kvoffload.runtime.attention import native_extent
     from kvoffload.runtime.pool import quantize_blocks
 
     rng = np.random.default_rng(6)

@@ -280,7 +280,7 @@ def test_prompts_are_laid_out_position_major_and_flushes_aligned():
 
 def test_planner_refuses_before_allocating(monkeypatch):
     """A pool bigger than host memory is refused with one message, before any host allocation."""
-    from kvoffload.runtime import pipeline
+    from kvoffload.runtime import prefill as pipeline
 
     model = tiny_random_model("opt", seed=5)
     calls = []
@@ -390,7 +390,7 @@ def test_options_are_validated():
 
 
 def test_layer_split_join():
-    from kvoffload.runtime.pipeline import join_layer, split_layer
+    from kvoffload.runtime.weights import join_layer, split_layer
 
     model = tiny_random_model("llama", seed=0)
     lp = model.params.layers[0]
@@ -408,7 +408,7 @@ def test_layer_split_join():
 def _counting_attend(cfg, lp, q, acc, src, tables, slots, recompute_impl, attention_impl):
     """The default attention, plus per-layer, per-request counters in the slots: steps attended and
     pool blocks seen in the last step (what a selection policy would keep: its own state per layer)."""
-    from kvoffload.runtime.pipeline import attend_pool
+    from kvoffload.runtime.attention import attend_pool
 
     acc, _ = attend_pool(cfg, lp, q, acc, src, tables, None, recompute_impl, attention_impl)
     blocks = sum(c for c in tables.count)
@@ -416,7 +416,7 @@ def _counting_attend(cfg, lp, q, acc, src, tables, slots, recompute_impl, attent
 
 
 def test_policy_slots_are_carried_and_updated():
-    from kvoffload.runtime.pipeline import LayerHooks
+    from kvoffload.runtime.hooks import LayerHooks
     from kvoffload.policies.layered import LayeredPolicy
 
     class CountingHooks(LayerHooks):
@@ -518,7 +518,7 @@ def test_layers_per_program_runs_consecutive_layers_in_one_program(monkeypatch, 
     (clo's layer 0 keeps its K/V whole: another program), with the logits of one program per layer, bit for
     bit on the CPU (on a GPU the same greedy tokens, fp32 logits within 1e-4). `offload` (transfers between
     layers) and speculative prefetch keep one layer per program."""
-    from kvoffload.runtime import pipeline as P
+    from kvoffload.runtime import fused as P
     from test_tokenselect import _decode
 
     calls = []
@@ -556,7 +556,7 @@ def test_loop_layers_runs_a_steps_looped_layers_as_one_program(monkeypatch, poli
     into a pool of several extents between steps: the logits of one call per layer bit for bit on the CPU (the
     stacked weights read by index through the reference matmul), the same greedy tokens on a GPU (the
     stacked-linear kernel sums in another order), and the same cache statistics."""
-    from kvoffload.runtime import pipeline as P
+    from kvoffload.runtime import loop as P
     from test_tokenselect import _decode
 
     calls = []
@@ -592,7 +592,7 @@ def test_loop_layers_runs_a_steps_looped_layers_as_one_program(monkeypatch, poli
 
 def test_loop_layers_refuses_what_it_cannot_loop_before_the_prefill():
     """One clear error naming what loop_layers needs, from the prefill's plan, before any layer runs."""
-    from kvoffload.runtime.pipeline import LoopLayersError
+    from kvoffload.runtime.options import LoopLayersError
     from test_tokenselect import BASE, PROMPTS
 
     model = tiny_random_model("llama", seed=1, num_hidden_layers=3)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.runtime.pipeline import extent_work
+from kvoffload.runtime.cost import extent_work
 from kvoffload.runtime.pool import PoolLayout
 from kvoffload.plan.cost import CostModel, LayerShape, Linear, predict_layers
 from kvoffload.plan.memory import weight_bytes

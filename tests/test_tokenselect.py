@@ -16,7 +16,7 @@ from kvoffload.compile_count import count_compilations
 from kvoffload.engine import pad_prompts
 from kvoffload.models import tiny_random_model
 from kvoffload.device import memory as M
-from kvoffload.runtime.pipeline import PoolSources
+from kvoffload.runtime.attention import PoolSources
 from kvoffload.runtime.pool import BlockAllocator, PoolLayout
 from kvoffload.policies import make_policy
 from kvoffload.policies.tokenselect import (
@@ -575,7 +575,7 @@ def test_layer_rows_refill_and_attend_one_layers_rows_of_a_stacked_buffer_in_pla
     every other layer's rows as they were; sparse attention over them equals attention over the layer's own
     buffers; the kernel (interpret) and the reference agree."""
     from kvoffload import ops
-    from kvoffload.runtime.pipeline import LayerRows
+    from kvoffload.runtime.state import LayerRows
     from kvoffload.policies.tokenselect import rows_attention
 
     rng = np.random.default_rng(4)

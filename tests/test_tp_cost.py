@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kvoffload.runtime.pipeline import extent_work
+from kvoffload.runtime.cost import extent_work
 from kvoffload.runtime.pool import PoolLayout
 from kvoffload.device.sharding import TensorParallelError
 from kvoffload.plan.cost import (

@@ -272,9 +272,9 @@ def decode_windows(pol, model, state, nxt, n_windows: int, window: int):
 
 
 def watch_layer_calls(pol, model, state, nxt):
-    """One decode step with `pipeline.layer_step` watched: (the arguments of each layer call in order, the state
+    """One decode step with `runtime.layer.layer_step` watched: (the arguments of each layer call in order, the state
     after the step). The host probes re-run the real layer programs from these."""
-    from kvoffload.runtime import pipeline as PL
+    from kvoffload.runtime import layer as PL
 
     calls = []
     real = PL.layer_step
@@ -667,13 +667,13 @@ def random_kv_prefill(mesh=None):
     import jax
 
     from kvoffload.device import memory as M
-    from kvoffload.runtime import pipeline
+    from kvoffload.runtime import prefill as pipeline
 
     layer = _random_kv_layer()
     dev = M.default_device()
 
     def committed(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl=None):
-        # the pipeline's _layer_prefill signature; committed to the device, as the real program's outputs are
+        # the prefill's _layer_prefill signature; committed to the device, as the real program's outputs are
         # (it reads the committed weights): the tails made from them then enter the first decode step as
         # later steps' do (one compilation)
         out = layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens)

@@ -19,7 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from kvoffload.runtime.pipeline import GroupPlan, LayerHooks, attended_tokens, extent_work
+from kvoffload.runtime.cost import attended_tokens, extent_work
+from kvoffload.runtime.hooks import GroupPlan, LayerHooks
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.options import Option

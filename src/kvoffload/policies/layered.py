@@ -8,7 +8,9 @@ import inspect
 
 from kvoffload import ops
 from kvoffload.errors import warn_accuracy
-from kvoffload.runtime.pipeline import SCHEDULES, LayerHooks, LayerPipeline, PipelineOptions
+from kvoffload.runtime.hooks import LayerHooks
+from kvoffload.runtime.options import SCHEDULES, PipelineOptions
+from kvoffload.runtime.pipeline import LayerPipeline
 from kvoffload.paths import check_output_file
 from kvoffload.plan.cost import HOST_DTYPES, INT4_K_QUANTS
 from kvoffload.policies.base import Policy
