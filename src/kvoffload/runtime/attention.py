@@ -152,4 +152,3 @@ def attend_act_by_token(cfg, lp, q, acc, x_exts, first_pos, tables, counts, reco
                          in_specs=(rep, (heads, heads), S.X_TOKEN_SPEC, rep, rep, rep, rep),
                          out_specs=(heads, heads), check_vma=False)(q, acc, tuple(x_exts), tuple(first_pos), kv_only,
                                                                     tuple(tables), tuple(counts))
-

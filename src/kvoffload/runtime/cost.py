@@ -81,7 +81,6 @@ def tree_bytes(tree) -> int:
 class RunCost:
     """`LayerPipeline`'s memory plan, cost model and step record."""
 
-
     @property
     def cost(self):
         from kvoffload.plan.cost import CostModel
@@ -89,7 +88,6 @@ class RunCost:
         if self._cost is None:
             self._cost = CostModel.load(self.opts.profile) if self.opts.profile else CostModel.default(self.dev.platform)
         return self._cost
-
 
     def plan(self, model, lengths, t_pad: int, capacity: int):
         """The GPU batches and their pool layouts for prompts of these lengths, the memory plan
@@ -162,7 +160,6 @@ class RunCost:
                 mem.host["K/V blocks stacked at the prefill's end (transient copy)"] = mem.host["K/V blocks"]
         return mem
 
-
     def record(self, model, state: DecodeState, plans, moved, d2h) -> dict:
         from kvoffload.plan.cost import predict_layers
 
@@ -226,7 +223,6 @@ class RunCost:
         o = self.opts
         return int(stored_bytes(d, itemsize, "int4" if self.int4 else "native", o.int4_group_size,
                                 o.int4_k_quant if key else "token"))
-
 
     def write_trace(self, path, records):
         import json

@@ -39,7 +39,6 @@ def _quantize_many(blocks, specs):
 class Flush:
     """`LayerPipeline`'s flush of the tails into the pool, and how a host pool stores a block (`host_spec`)."""
 
-
     def flush(self, gr: GroupState):
         """Every request's oldest blk tail tokens become a new pool block (one per request, lockstep)."""
         layout, blk = gr.layout, gr.layout.block_tokens
@@ -111,7 +110,6 @@ class Flush:
                 layer_slots[:n] = self.hooks.keys_written(self, tuple(layer_slots[:n]), e, popped["k"], slots[e])
         return nbytes
 
-
     def flush_stack(self, gr: GroupState, stk: LayerStack, slots: dict):
         """(stk, device->host bytes) with every looped layer's oldest blk tail tokens written as the new blocks
         (slots: per extent touched, each request's slot there, >= its size where its block is elsewhere): one
@@ -148,7 +146,6 @@ class Flush:
         """Whether extent e of a layer stores a flushed K (key) or V block as computed: a device extent or
         layer, or K the policy keeps on the device; else as `host_spec` says."""
         return layout.on_device(e) or device_layer or (key and self.hooks.keys_on_device(self))
-
 
     def host_spec(self, key=False):
         """`quantize_blocks`' (group size, scales, bits) of a K (key=True), V or X block / extent as a host pool

@@ -101,7 +101,7 @@ class GroupPlan:
 
 class LayerHooks:
     """A policy's part of the layer loop (see the module doc). The default hooks attend every used
-    extent from the pool as it is (device memory: `full`; host memory: fetched whole: `offload`)."""
+    extent from the pool as it is (device memory: attended in place; host memory: fetched whole)."""
 
     name = "pool"
     kinds = ("kv",)  # what the pool can store (split_store says where)
@@ -110,7 +110,7 @@ class LayerHooks:
     # (along H: single X rows readable on every device, for policies that gather rows)
     x_split = "hidden"
     # MiB of K per extent on each device where PipelineOptions.extent_mb is not given (None:
-    # EXTENT_MB_PER_DEVICE, the unit a fetching policy moves, shared with `full` for the same blocks)
+    # EXTENT_MB_PER_DEVICE, the unit a fetching policy moves, shared with a device pool for the same blocks)
     extent_mb_per_device: float | None = None
 
     def recomputes(self, pipe, model) -> bool:
@@ -139,19 +139,19 @@ class LayerHooks:
     attend = staticmethod(attend_pool)  # the pure function the layer program folds the sources with
 
     def keys_on_device(self, pipe) -> bool:
-        """Whether a host pool keeps its K extents in device memory, V alone on the host (tokenselect
-        kv=split: keys scored on the GPU, the selected values read in place by the layer program)."""
+        """Whether a host pool keeps its K extents in device memory, V alone on the host (a selective
+        policy scoring keys on the GPU, the selected values read in place by the layer program)."""
         return False
 
     def layer_parts(self, pipe, layer: int) -> tuple | None:
         """Which of its extents' parts layer `layer` stores, of "k", "v", "x", where the layout holds that
-        kind (clo / tokenselect kv=split with store=act: X in place of V, or of K and V, per layer); None:
+        kind (a selective policy storing activations: X in place of V, or of K and V, per layer); None:
         every part the layout says. Fixed at prefill (`pool_layouts` runs first)."""
         return None
 
     def device_layer(self, pipe, layer: int) -> bool:
         """Whether layer `layer` of a host pool keeps all its K/V blocks in device memory, in the model's dtype
-        (clo: a layer whose every head is persistent attends its whole context each step, as `full` does: its
+        (a layer whose every head attends its whole context each step, as a device pool does: its
         blocks never go to the host, the flush writes them in place). Fixed at prefill (`pool_layouts` runs
         first). Default: no layer."""
         return False
@@ -168,7 +168,7 @@ class LayerHooks:
         ints, the same for every layer; entries outside the extent are dropped, as `write_blocks` does). Called at
         prefill (one layer, every extent, at = 0..E-1) and at each flush (every layer called one by one, at
         once: a policy should update them in a few programs, not a few per layer), only where the policy keeps
-        slots: GPU-side retrieval metadata of keys that may live on the host (clo's Quest pages, HATA codes).
+        slots: GPU-side retrieval metadata of keys that may live on the host (page bounds, hash codes).
         Default: unchanged."""
         return slots
 
@@ -196,8 +196,9 @@ class LayerHooks:
 
     def speculate(self, pipe, model, group: GroupState, layer: int, h, positions, slot):
         """Layer `layer`'s slots after a speculative step dispatched before layer `layer` - 1's program, with h
-        the input hidden state of layer `layer` - 1 and positions the new token's (clo: a guessed selection
-        from an approximate query, its rows fetched while layer `layer` - 1 computes). Default: unchanged."""
+        the input hidden state of layer `layer` - 1 and positions the new token's (a selective policy: a guessed
+        selection from an approximate query, its rows fetched while layer `layer` - 1 computes). Default:
+        unchanged."""
         return slot
 
     def step_record(self, pipe, groups) -> dict:
@@ -207,7 +208,7 @@ class LayerHooks:
 
     def fetches_extents(self, pipe) -> bool:
         """Whether decode moves whole host extents (transfer buffers in the memory plan); False where the
-        layer program reads only selected rows of the host pool in place (clo, tokenselect kv=split)."""
+        layer program reads only selected rows of the host pool in place (selective policies)."""
         return True
 
     def slot_memory(self, pipe, model, layouts, batch: int) -> dict:
@@ -276,7 +277,3 @@ class LayerHooks:
         n = layout.num_extents
         return dataclasses.replace(layout, kv_extents=(0, n) if "kv" in self.kinds else (0, 0),
                                    act_extents=(0, n) if "act" in self.kinds else (0, 0))
-
-
-# ---------------------------------------------------------------------------------------------
-# options

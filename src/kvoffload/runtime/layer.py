@@ -19,8 +19,6 @@ def put_rows(tail, new, at, axis):
     return jax.vmap(lambda t, n, i: jax.lax.dynamic_update_slice_in_dim(t, n, i, axis))(tail, new.astype(tail.dtype), at)
 
 
-
-
 def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources, tables, slots, slots_fixed, attend,
                options):
     """One decode layer (`layer_step`'s program): the new token's q/k/v (k/v and x written into the GPU tail at
@@ -61,12 +59,10 @@ def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
 
 
 # One decode layer, one program (`layer_body`): the tails and the slots are donated; the slots' fixed part is
-# read only, and not returned: each output costs the host a few us a call (~2.3 us on a CPU); 15 of a clo layer's
-# 32 outputs were fixed (Quest int8, 4 extents; 17 with a replayed draw).
+# read only, and not returned: each output costs the host a few us a call (~2.3 us on a CPU); in one selective
+# policy's layer 15 of 32 outputs were fixed (docs/ARCHITECTURE.md "Facts measured on the GPU").
 layer_step = functools.partial(jax.jit, static_argnames=("cfg", "attend", "options"),
                                donate_argnames=("tail_k", "tail_v", "tail_x", "slots"))(layer_body)
-
-
 
 
 @functools.lru_cache(maxsize=16)
@@ -75,12 +71,11 @@ def sliding_layers(cfg) -> tuple:
     return tuple(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
 
 
-
 def program_key(tree):
     """What decides a layer program's compilation: the tree's structure and every leaf's shape, dtype and memory
     kind. Consecutive layers with equal keys can share one `layers_step` program."""
     leaves, treedef = jax.tree.flatten(tree)
-    # the dtype objects themselves (hashable): str(dtype) cost ~150 us a clo layer, ~5 ms a 32-layer step (CPU)
+    # the dtype objects themselves (hashable): str(dtype) cost ~150 us a layer of a selective policy, ~5 ms a 32-layer step (CPU)
     return treedef, tuple((a.shape, a.dtype, a.sharding.memory_kind) if isinstance(a, jax.Array) else
                           (getattr(a, "shape", None), getattr(a, "dtype", type(a))) for a in leaves)
 
@@ -98,4 +93,3 @@ def distinct_arrays(tree):
         seen.add(id(a))
         return a
     return jax.tree.map(one, tree)
-

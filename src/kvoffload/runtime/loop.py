@@ -1,6 +1,6 @@
 """Loop mode (`PipelineOptions.loop_layers`): a GPU batch's trailing layers of one program's shapes decoded by ONE
-`loop_layers` program, a fori_loop over their state stacked at the end of the prefill (docs/ARCHITECTURE.md "A step
-in one program")."""
+`loop_layers` program, a fori_loop over their state stacked at the end of the prefill (docs/ARCHITECTURE.md "Execution
+modes")."""
 
 from __future__ import annotations
 
@@ -54,15 +54,14 @@ class LoopedLayers:
     """`LayerPipeline`'s loop mode: the check before any work, the stacking at the prefill's end and the loop's
     call in a step (the looped layers' flush is `Flush.flush_stack`)."""
 
-
     def check_loop(self, layouts):
         """One clear LoopLayersError where `loop_layers` cannot run this plan."""
         why = None
         if self.mesh is not None:
             why = "one device (the looped weights are read by layer index; tensor_parallel=1)"
         elif self.fetches() or self.opts.offload_weights or self.hooks.speculates(self):
-            why = ("a step that moves nothing between layers: a device pool or one read in place (clo, tokenselect "
-                   "kv=split), weights on the GPU (no offload_weights), no speculative prefetch")
+            why = ("a step that moves nothing between layers: a device pool or one read in place (a selective "
+                   "policy's), weights on the GPU (no offload_weights), no speculative prefetch")
         elif any(lay.extents_of("act") or len({lay.on_device(e) for e in range(lay.num_extents)}) > 1
                  for lay in layouts):
             why = "K/V extents only, all in one memory (no stored activations)"

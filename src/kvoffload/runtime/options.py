@@ -1,5 +1,5 @@
 """`PipelineOptions`: how a run of the layer pipeline places, moves and schedules its work. Each option keeps a
-one-line reason; the measurements behind the defaults are in docs/ARCHITECTURE.md "Measured facts"."""
+one-line reason; the measurements behind the defaults are in docs/ARCHITECTURE.md "Facts measured on the GPU"."""
 
 from __future__ import annotations
 
@@ -22,72 +22,63 @@ class LoopLayersError(KVOffloadError, ValueError):
 
 @dataclasses.dataclass
 class PipelineOptions:
+    """How one run of the layer pipeline places, moves and schedules its work (validated here)."""
+
+    # "row": each GPU batch through every layer; "column": every GPU batch through a layer first (weights once)
     schedule: str = "row"
+    # stream each layer's weights from host memory (W_K / W_V first): for models larger than the GPU
     offload_weights: bool = False
     # with offload_weights: the first N layers' weights stay in GPU memory (never moved; the rest stream)
     resident_layers: int = 0
+    # GPU batches a batch is split into: one batch's transfers overlap another's compute
     gpu_batches: int = 1
+    # tokens per pool block (a power of two): the unit of allocation, flush and attention
     block_tokens: int = 64
-    # about this many MiB of K (or V) per extent, in the model's dtype (plan_pool). None: EXTENT_MB_PER_DEVICE
-    # on each device of the mesh (64 on one, 256 on four): each device then moves copies of one GPU's size.
-    # With 64 on four H100s kvpr's X moved as 16 copies of 4 MiB a layer and its host spent ~15 ms a step
-    # issuing them; 256 made it 4 copies: 65.5 / 85.5 ms a step against 96.3 (OPT-6.7B b64 P512, 4x H100:
-    # BENCHMARKS, tensor parallel). Give a number to plan a mesh's pool like one device's (same blocks, same bits).
+    # MiB of K (or V) per extent, the unit a fetch moves (None: EXTENT_MB_PER_DEVICE on each device of the mesh,
+    # so each device moves copies of one GPU's size; a number plans a mesh's pool like one device's, same bits)
     extent_mb: float | None = None
+    # items whose transfers run ahead of the programs (at most sync_depth + 1 items' buffers alive)
     sync_depth: int = 3
+    # the decode attention kernels (ops.paged_decode_attention and the tail's): "auto", "kernel" or "reference"
     attention_impl: str = "auto"
     # prefill runs a GPU batch in row chunks whose attention / MLP workspace stays under this
     prefill_workspace_gb: float = 2.0
-    # prefill each layer in chunks of this many tokens (None: the whole prompt at once): the workspace
-    # is a chunk's (long contexts: a 1M-token Llama-3-8B prompt's MLP intermediate alone is 28 GB), and
-    # the prefill waits for each layer's extents to reach the host before the next layer, so one layer's
-    # K/V is on the GPU at a time
+    # prefill each layer in chunks of this many tokens (None: the whole prompt at once): the workspace is a
+    # chunk's, and one layer's K/V is on the GPU at a time (long contexts)
     prefill_chunk_tokens: int | None = None
-    # the chunked prefill's attention (ops.PREFILL_IMPLS): "auto" is cuDNN's flash attention on a GPU for
-    # 16-bit models (580 TFLOP/s on an H100 at a 1M-token prompt), else "reference", XLA's online softmax
-    # over 1024-key blocks (its fp32 scores go through memory: 93 s per Llama-3-8B layer at 1M tokens on
-    # an H200, ~13x cuDNN); "kernel" is the Pallas flash kernel (273 TFLOP/s)
+    # the chunked prefill's attention (ops.PREFILL_IMPLS): "auto" is cuDNN's flash attention on a GPU for 16-bit
+    # models (the fastest measured), else "reference"; "kernel" is the Pallas flash kernel
     prefill_attention_impl: str = "auto"
-    # XLA's matmuls (cuBLAS) recompute 64-token blocks at 583 TFLOP/s on an H200, the fused Pallas
-    # kernel at 412 (profile of 2026-11-26): "reference" is the faster path here
+    # recomputing K/V from X: "reference" (XLA's matmuls, faster than the fused Pallas kernel on an H200)
     recompute_impl: str = "reference"
+    # a `kvoffload profile` JSON for the cost model (None: the platform's default rates)
     profile: str | None = None
+    # write every step's record here (JSON)
     trace: str | None = None
+    # refuse a run whose memory plan does not fit, before anything is allocated
     check_memory: bool = True
     host_memory_limit_gb: float | None = None
     gpu_memory_limit_gb: float | None = None
     # how a host pool stores K/V and activation blocks: "native" (the model's dtype) or "int4" (group
-    # quantization: packed codes plus a float32 step and min per int4_group_size elements of a head's d
-    # (K/V) or of H (X), ~1/4 of bf16's bytes): quantized when a block is written to the host, moved as
-    # it is, dequantized on the GPU. GPU-resident blocks and the GPU tails stay in the model's dtype.
+    # quantization, ~1/4 of bf16's bytes: quantized on the way to the host, moved as it is, dequantized on the
+    # GPU); GPU-resident blocks and the GPU tails stay in the model's dtype
     host_dtype: str = "native"
+    # int4: elements per group (of a head's d for K/V, of H for X) sharing a float32 step and min
     int4_group_size: int = 64
-    # how int4 K is scaled: "token" (groups of int4_group_size along each token's head_dim, like V and X)
-    # or "channel" (KIVI: a step and min per channel over each block's block_tokens tokens; keys have outlier
-    # channels that per-token groups stretch over the other channels' range; same bytes as token's g64 at blk 64)
-    # or "int8" (int8 codes in per-token groups: where single rows are gathered, K at ~2x int4's bytes; per-token
-    # int4 K loses accuracy there, per-channel scales come per block) or "native" (K in the model's dtype)
+    # how int4 K is scaled: "token" (groups along each token's head_dim, like V and X), "channel" (KIVI: a step
+    # and min per channel over each block's tokens, for keys' outlier channels), "int8" (int8 codes in per-token
+    # groups, for single gathered rows) or "native" (K in the model's dtype)
     int4_k_quant: str = "token"
     # tensor parallelism over heads (device/sharding.py): N devices (the first N of jax.devices()), or a
     # jax.sharding.Mesh with a 'model' axis; weights, K/V and the host pool split by head over it
     tensor_parallel: int = 1
     mesh: Any = None
-    # decode up to this many consecutive layers in one program where the step issues no transfers (a device
-    # pool, or a host pool read in place: clo, tokenselect kv=split; no offloaded weights, no speculative
-    # prefetch) and the layers' programs have the same shapes: one host call per group of layers instead of
-    # one per layer. Elsewhere 1. Default 1: on an H100 at 128K, 2-8 per program changed no policy's step beyond
-    # the run-to-run swing and 32 doubled it (the host's time is per kernel and leaf, not per call, and a
-    # layer per call overlaps its host work with the previous layer's GPU work); bit-equal on the CPU, same
-    # tokens on a GPU (XLA fuses a multi-layer program differently).
+    # decode up to this many consecutive layers of equal program shapes in one program, where a step moves
+    # nothing between layers (else 1): one host call per group of layers (default 1: more gained nothing measured)
     layers_per_program: int = 1
-    # run each GPU batch's longest run of trailing layers with one program's shapes (clo: layers 1..L-1; full:
-    # all) as ONE `loop_layers` program, a fori_loop over their state stacked at the end of the prefill: one host
-    # call a step for those layers instead of one each (clo at 128K b1 on an H200: 3.4-3.9 ms of host a step and
-    # 1.19-1.21x `full`, where the calls took 14-23 ms of host and 1.17-1.65x). Needs a step that moves nothing between layers (as layers_per_program),
-    # one device, K/V extents all in one memory (no stored activations); keeps a stacked copy of the
-    # looped layers' weights, read by layer index (`models.common.layer_weights`, the stacked-linear kernel; above
-    # `ops.FEW_ROWS_MAX` rows other bits than the per-layer calls' XLA matmuls, so compare a looped policy with a
-    # looped `full`). GPU memory: one more copy of the looped layers' weights.
+    # decode each GPU batch's longest run of trailing layers of one program's shapes as ONE `loop_layers` program
+    # over state stacked at the prefill's end: one host call a step for them. Needs a step that moves nothing
+    # between layers, one device, K/V extents all in one memory; costs one more copy of the looped layers' weights
     loop_layers: bool = False
 
     def __post_init__(self):

@@ -53,8 +53,6 @@ RECORDS_KEPT = 1024  # step records a DecodeState keeps without PipelineOptions.
 # tuple copied whole every step)
 
 
-
-
 class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
     """Prefill and decode for one model and one policy's hooks. Holds only what is fixed for a run
     (options, memory placement, the cost model); everything that changes per step is in the state."""
@@ -127,7 +125,6 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
         if n not in self._scalars:
             self._scalars[n] = S.put(np.int32(n), self.rep)
         return self._scalars[n]
-
 
     # -- decode ------------------------------------------------------------------------------
     def decode_step(self, model, state: DecodeState, tokens):
@@ -204,7 +201,6 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
             new_groups.append(gr)
         return new_groups, d2h, flushed
 
-
     def release(self, state: DecodeState, rows) -> DecodeState:
         """Frees the pool blocks of finished requests (rows of the whole batch); their later steps
         attend only their tail."""
@@ -218,7 +214,6 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
                 gr = dataclasses.replace(gr, alloc=alloc, tables=alloc.device_tables(gr.layout, self.tables_at))
             groups.append(gr)
         return dataclasses.replace(state, groups=tuple(groups))
-
 
     def layer_kinds(self, state: DecodeState, window: int) -> dict:
         """Per kind of layer (sliding, global): how many, and the bytes per token of pool capacity one such layer
@@ -275,7 +270,6 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
         if why:
             raise UnsupportedModelError(f"policy {self.hooks.name!r} cannot run a model with sliding-window layers: "
                                         f"{why}")
-
 
     def _items(self, n_layers, n_groups):
         if self.opts.schedule == "row":

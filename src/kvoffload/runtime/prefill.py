@@ -36,9 +36,6 @@ def _logits(cfg, params, h):
     return family(cfg).logits(cfg, params, h)
 
 
-
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "keep_x", "chunk_tokens", "attention_impl"))
 def _layer_prefill(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl="reference"):
     if chunk_tokens:  # token chunks: a chunk's workspace, not the whole prompt's
@@ -60,8 +57,6 @@ def _last_hidden(h, lengths):
     return jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
-
-
 @functools.partial(jax.jit, static_argnames=("blk", "slots", "axis"))
 def _tail_from_prompt(a, start, blk, slots, axis):
     """Each request's slots [start, start + blk) of a prefill array (axis = the token axis of a row),
@@ -76,7 +71,6 @@ def _tail_from_prompt(a, start, blk, slots, axis):
 
 class Prefill:
     """`LayerPipeline`'s prefill."""
-
 
     def prefill(self, model, tokens, lengths, capacity):
         with S.context(self.mesh):  # the mesh in context: per_shard kernels (GPU) trace per device
@@ -181,7 +175,6 @@ class Prefill:
         if o.loop_layers:
             states = [self.stack_group(model, gr) for gr in states]
         return logits, DecodeState(groups=tuple(states), batch=b)
-
 
     def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype, parts=None, on_device=False):
         """One layer's extents: prompt blocks gathered from the prefill's K/V/X, the rest empty; and the

@@ -100,10 +100,8 @@ def join_slots(attend, slot, fixed):
 
 
 # ---------------------------------------------------------------------------------------------
-# a step's looped layers as one program (docs/ARCHITECTURE.md "A step in one program")
+# the stacked state of looped layers (`loop.loop_layers`; docs/ARCHITECTURE.md "Execution modes")
 # ---------------------------------------------------------------------------------------------
-
-
 
 
 # slot fields holding a selection's row buffers [B, n_kv, K, d]: stacked along their rows, not sliced (`LayerRows`)
@@ -194,9 +192,9 @@ _register(LayerStack, ("first", "blocks", "by_rows", "attend"))
 class LayerRows:
     """One layer's row buffer [B, n_kv, K, d] held inside `stacked` [B, n_kv, R, d], the buffers of several layers
     along the rows, the layer's at rows [offset, offset + K): what a step looping over stacked layers gives a
-    layer for its selection's buffers, so the refill kernel writes them in place (tokenselect's `HostRows.refill`) and sparse
+    layer for its selection's buffers, so the refill kernel writes them in place and sparse
     attention reads them in place (at slot ids + offset). A dynamic slice of a stacked [n, ...] buffer would be
-    copied out and back by XLA every layer (2 x 25.6 MiB a layer at 128K: H200, 2026-11-28).
+    copied out and back by XLA every layer.
     Anything reading it as an array (`__jax_array__`) gets the layer's rows."""
 
     stacked: jax.Array

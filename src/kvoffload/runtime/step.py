@@ -19,7 +19,7 @@ from kvoffload.runtime.weights import join_layer, split_layer
 
 
 # A decode step's work outside its layer programs, one program each: an eager slice or add is a dispatch of
-# its own (~30 us of host on an H100 host), and a host-bound step (clo at b1) pays every one of them.
+# its own (~30 us of host on an H100 host), and a host-bound step (a selective policy at batch 1) pays each.
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def decode_inputs(cfg, params, tokens, next_positions, tail_len):
     """(h [B, 1, H], positions [B, 1], the next step's positions, the tail lengths after this step's token) of a
@@ -189,4 +189,3 @@ class StepRun:
         self.done_h.append(self.hs[g])
         if self.sync_depth:
             self.keep[n] = f
-

@@ -30,7 +30,6 @@ def without_layers(params):
 class WeightPlacement:
     """`LayerPipeline`'s weights and moves (uses its opts, hooks, mesh, dev, rep, host_kind, x_by_token)."""
 
-
     def resident(self, model) -> int:
         """Layers whose weights stay on the GPU although the others stream (resident_layers)."""
         return min(self.opts.resident_layers, model.config.num_layers) if self.opts.offload_weights else 0
