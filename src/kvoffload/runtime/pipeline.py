@@ -55,7 +55,10 @@ RECORDS_KEPT = 1024  # step records a DecodeState keeps without PipelineOptions.
 
 class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
     """Prefill and decode for one model and one policy's hooks. Holds only what is fixed for a run
-    (options, memory placement, the cost model); everything that changes per step is in the state."""
+    (options, memory placement, the cost model); everything that changes per step is in the state. Its jobs
+    live one per module (weights, prefill, loop mode, flush, costs), as bases that reach each other through
+    self; this class holds the run's fixed state, the small device values shared by every step and the
+    decode step."""
 
     def __init__(self, hooks: LayerHooks, opts: PipelineOptions, host_pool: bool = True):
         self.hooks = hooks
