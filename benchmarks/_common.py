@@ -166,13 +166,13 @@ def random_kv_prefill(mesh=None):
     import jax
 
     from kvoffload.device import memory as M
-    from kvoffload.offload import pipeline
+    from kvoffload.runtime import prefill as pipeline
 
     layer = _random_kv_layer()
     dev = M.default_device()
 
     def committed(cfg, lp, h, positions, lengths, keep_x, chunk_tokens=None, attention_impl=None):
-        # the pipeline's _layer_prefill signature; committed to the device, as the real program's outputs are
+        # the prefill's _layer_prefill signature; committed to the device, as the real program's outputs are
         # (it reads the committed weights): the tails made from them then enter the first decode step as
         # later steps' do (one compilation)
         out = layer(cfg, lp, h, positions, lengths, keep_x, chunk_tokens)

@@ -59,7 +59,7 @@ def pool_arrays(ctx: int, batch: int, extent_tokens=32768, blk=64, n_kv=8, d=128
     import jax.numpy as jnp
     import numpy as np
 
-    from kvoffload.offload.pool import BlockTables
+    from kvoffload.runtime.pool import BlockTables
 
     dt = jnp.bfloat16
     blocks = batch * ctx // blk
@@ -192,7 +192,7 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
 
     from kvoffload import ops
     from kvoffload.device import memory as M
-    from kvoffload.offload.pipeline import PoolSources, attend_pool
+    from kvoffload.runtime.attention import PoolSources, attend_pool
     from kvoffload.policies.clo import aggregate_similarity, exact_scores, hata_token_scores, key_metadata
     from kvoffload.policies.selection import choose_tokens
     from kvoffload.policies.tokenselect import HostRows, query_cosines, token_space

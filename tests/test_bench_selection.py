@@ -167,7 +167,7 @@ def test_random_kv_prefill_takes_the_pipelines_layer_prefill_arguments():
     the pipeline's own call shape on a tiny layer."""
     import inspect
 
-    from kvoffload.offload import pipeline
+    from kvoffload.runtime import prefill as pipeline
     from _common import random_kv_prefill
 
     want = list(inspect.signature(pipeline._layer_prefill).parameters)

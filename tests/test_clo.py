@@ -16,7 +16,7 @@ import pytest
 from kvoffload import ops
 from kvoffload.plan.deploy import group_similarity
 from kvoffload.models import tiny_random_model
-from kvoffload.offload.pipeline import PoolSources
+from kvoffload.runtime.attention import PoolSources
 from kvoffload.plan.clo import CloProfile, kv_thresholds, plan_persistent_heads, save_clo_profile
 from kvoffload.policies import clo as clo_mod
 from kvoffload.policies import make_policy
@@ -271,7 +271,7 @@ def test_per_request_selection_equals_the_pools_and_each_request_alone(scoring):
     request's own blocks (`token_space` with a bound: [B, n_kv, R blk], not the batch's pool) selects the same
     pool tokens as over the batch's whole pool, and the same positions as each request alone at batch 1 in a
     pool of its own (hata: integer scores, many ties, broken alike)."""
-    from kvoffload.offload.pool import BlockTables
+    from kvoffload.runtime.pool import BlockTables
     from kvoffload.policies.tokenselect import token_positions, token_space
 
     rng = np.random.default_rng(5)
@@ -771,7 +771,7 @@ def test_guess_of_a_layer_equals_numpy_reference(monkeypatch):
     """Layer 1's guess at a decode step: the approximate query from layer 0's input hidden state (the h
     layer 0's program got), through layer 1's RMSNorm, W_Q and RoPE at the new token's position, scores max
     over the group of q.k / sqrt(d) over the request's pool tokens, the top 8 (float64 NumPy)."""
-    from kvoffload.offload import pipeline as P
+    from kvoffload.runtime import layer as P
     from kvoffload.policies.clo import CloHooks
 
     model = tiny_random_model("llama", seed=1)

@@ -14,13 +14,14 @@ def test_host_time_splits_a_step_and_restores_what_it_timed(tmp_path):
     pool), host milliseconds per part below the step's; the timed functions are the originals afterwards."""
     import jax
 
-    from kvoffload.offload import pipeline as PL
+    from kvoffload.runtime import layer as PL
+    from kvoffload.runtime.pipeline import LayerPipeline
 
-    before = (PL.layer_step, PL.LayerPipeline.to_device, jax.block_until_ready)
+    before = (PL.layer_step, LayerPipeline.to_device, jax.block_until_ready)
     with script_module("host_time") as ht:
         rec = ht.main(["--shape", "tiny-opt", "--batch", "3", "--prompt", "40", "--policy", "offload", "--option",
                        "block_tokens=8", "--warmup", "1", "--steps", "2", "--out", str(tmp_path / "h.json")])
-    assert (PL.layer_step, PL.LayerPipeline.to_device, jax.block_until_ready) == before
+    assert (PL.layer_step, LayerPipeline.to_device, jax.block_until_ready) == before
     assert rec["calls_per_step"]["dispatch layer programs"] == 2  # tiny-opt: 2 layers, one GPU batch
     assert rec["calls_per_step"]["issue transfers"] >= 2
     parts = rec["host_ms_per_step"]

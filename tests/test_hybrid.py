@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvoffload.engine import generate, pad_prompts
 from kvoffload.models import tiny_random_model
-from kvoffload.offload.pool import BlockAllocator, BlockClass, allocate_prompts_aligned
+from kvoffload.runtime.pool import BlockAllocator, BlockClass, allocate_prompts_aligned
 from kvoffload.plan.cost import Linear
 from kvoffload.plan.hybrid import (
     BlockRates,

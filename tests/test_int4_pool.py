@@ -137,8 +137,9 @@ def _scheduled_split(profile, host_dtype, shape="opt-6.7b", batch=64, prompt=512
 
     from kvoffload.models import Model
     from kvoffload.models.transformer import init_params
-    from kvoffload.offload.pipeline import GroupState, extent_work
-    from kvoffload.offload.pool import BlockAllocator, allocate_prompts_aligned
+    from kvoffload.runtime.cost import extent_work
+    from kvoffload.runtime.state import GroupState
+    from kvoffload.runtime.pool import BlockAllocator, allocate_prompts_aligned
     from kvoffload.plan.profiler import model_shape
 
     cfg = model_shape(shape)
@@ -477,8 +478,8 @@ def test_int4_row_gather_takes_the_stored_rows_and_dequantizes_them():
     """ops.gather_pool_rows of int4 extents in host memory: the selected rows' codes and scales (a QuantizedInt of
     rows, moved to the device), which dequantize to the rows of the dequantized extents; and clo's refill
     takes them dequantized into its buffers."""
-    from kvoffload.offload.pipeline import native_extent
-    from kvoffload.offload.pool import quantize_blocks
+    from kvoffload.runtime.attention import native_extent
+    from kvoffload.runtime.pool import quantize_blocks
     from kvoffload.policies.clo import refill_rows
 
     rng = np.random.default_rng(2)
@@ -606,8 +607,8 @@ def test_channel_int4_row_gather_takes_each_rows_block_scales():
     block's per-channel scales, dequantizing to the rows of the dequantized extents; a row outside the
     extents reads 0. And decode_attention_int4 refuses channel-mode K in its kernel, attends it by
     dequantizing otherwise."""
-    from kvoffload.offload.pipeline import native_extent
-    from kvoffload.offload.pool import quantize_blocks
+    from kvoffload.runtime.attention import native_extent
+    from kvoffload.runtime.pool import quantize_blocks
 
     rng = np.random.default_rng(6)
     ext = [quantize_blocks(jnp.asarray(_outlier_keys(rng, (s, 2, 4, 8), outliers=(1,))), 4, "channel") for s in (3, 5)]

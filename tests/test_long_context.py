@@ -172,7 +172,7 @@ def test_bench_long_context_with_random_prefill_decodes_and_says_so(tmp_path):
 
     from script_loader import script_module
 
-    from kvoffload.offload import pipeline
+    from kvoffload.runtime import prefill as pipeline
 
     path = tmp_path / "random.json"
     with script_module("bench_long_context") as blc:

@@ -14,7 +14,7 @@ from ref_cache import reference_for
 from kvoffload.engine import generate, pad_prompts
 from kvoffload.models import tiny_random_model
 from kvoffload.device import memory as M
-from kvoffload.offload.pool import (
+from kvoffload.runtime.pool import (
     BlockAllocator,
     PoolExhausted,
     PoolLayout,
@@ -136,7 +136,7 @@ def _run(model, policy, steps=6, prompts=PROMPTS, **opts):
 def test_a_long_decode_keeps_the_last_step_records_unless_traced(monkeypatch, tmp_path):
     """Without a trace the state keeps the last RECORDS_KEPT step records (a long generation's grew without
     bound, copied whole every step); with one it keeps them all, as the trace file does."""
-    from kvoffload.offload import pipeline as P
+    from kvoffload.runtime import pipeline as P
 
     monkeypatch.setattr(P, "RECORDS_KEPT", 2)
     model = tiny_random_model("llama", seed=3)
@@ -280,7 +280,7 @@ def test_prompts_are_laid_out_position_major_and_flushes_aligned():
 
 def test_planner_refuses_before_allocating(monkeypatch):
     """A pool bigger than host memory is refused with one message, before any host allocation."""
-    from kvoffload.offload import pipeline
+    from kvoffload.runtime import prefill as pipeline
 
     model = tiny_random_model("opt", seed=5)
     calls = []
@@ -390,7 +390,7 @@ def test_options_are_validated():
 
 
 def test_layer_split_join():
-    from kvoffload.offload.pipeline import join_layer, split_layer
+    from kvoffload.runtime.weights import join_layer, split_layer
 
     model = tiny_random_model("llama", seed=0)
     lp = model.params.layers[0]
@@ -408,7 +408,7 @@ def test_layer_split_join():
 def _counting_attend(cfg, lp, q, acc, src, tables, slots, recompute_impl, attention_impl):
     """The default attention, plus per-layer, per-request counters in the slots: steps attended and
     pool blocks seen in the last step (what a selection policy would keep: its own state per layer)."""
-    from kvoffload.offload.pipeline import attend_pool
+    from kvoffload.runtime.attention import attend_pool
 
     acc, _ = attend_pool(cfg, lp, q, acc, src, tables, None, recompute_impl, attention_impl)
     blocks = sum(c for c in tables.count)
@@ -416,7 +416,7 @@ def _counting_attend(cfg, lp, q, acc, src, tables, slots, recompute_impl, attent
 
 
 def test_policy_slots_are_carried_and_updated():
-    from kvoffload.offload.pipeline import LayerHooks
+    from kvoffload.runtime.hooks import LayerHooks
     from kvoffload.policies.layered import LayeredPolicy
 
     class CountingHooks(LayerHooks):
@@ -518,7 +518,7 @@ def test_layers_per_program_runs_consecutive_layers_in_one_program(monkeypatch, 
     (clo's layer 0 keeps its K/V whole: another program), with the logits of one program per layer, bit for
     bit on the CPU (on a GPU the same greedy tokens, fp32 logits within 1e-4). `offload` (transfers between
     layers) and speculative prefetch keep one layer per program."""
-    from kvoffload.offload import pipeline as P
+    from kvoffload.runtime import fused as P
     from test_tokenselect import _decode
 
     calls = []
@@ -556,7 +556,7 @@ def test_loop_layers_runs_a_steps_looped_layers_as_one_program(monkeypatch, poli
     into a pool of several extents between steps: the logits of one call per layer bit for bit on the CPU (the
     stacked weights read by index through the reference matmul), the same greedy tokens on a GPU (the
     stacked-linear kernel sums in another order), and the same cache statistics."""
-    from kvoffload.offload import pipeline as P
+    from kvoffload.runtime import loop as P
     from test_tokenselect import _decode
 
     calls = []
@@ -592,7 +592,7 @@ def test_loop_layers_runs_a_steps_looped_layers_as_one_program(monkeypatch, poli
 
 def test_loop_layers_refuses_what_it_cannot_loop_before_the_prefill():
     """One clear error naming what loop_layers needs, from the prefill's plan, before any layer runs."""
-    from kvoffload.offload.pipeline import LoopLayersError
+    from kvoffload.runtime.options import LoopLayersError
     from test_tokenselect import BASE, PROMPTS
 
     model = tiny_random_model("llama", seed=1, num_hidden_layers=3)
@@ -636,7 +636,7 @@ def test_many_writes_equal_separate_writes_in_one_program_per_memory_space(monke
     """A per-layer flush writes every layer's K, V (and X) blocks of an extent through `write_stored_blocks_many`:
     host and device extents, native and int4 / int8, at one contiguous run of slots or scattered (a slot past the
     extent dropped): each extent equals its own `write_stored_blocks`, in one program per memory space."""
-    from kvoffload.offload import pool as P
+    from kvoffload.runtime import pool as P
 
     rng = np.random.default_rng(1)
     calls = []
@@ -670,7 +670,7 @@ def test_a_per_layer_flush_writes_every_layer_at_once(monkeypatch):
     """The per-layer (calls) flush pops, quantizes and writes all layers together: no single-array write and a
     handful of write programs whatever the layer count (it was ~15 programs a layer), clo's Quest bounds
     included."""
-    from kvoffload.offload import pool as P
+    from kvoffload.runtime import pool as P
     from test_tokenselect import _decode
 
     single, many = [], []
@@ -696,7 +696,7 @@ def test_strided_write_puts_each_layers_blocks_where_its_own_write_would(stored)
     """A looped step's flush writes n layers' blocks into a stacked host extent (layer j at slots + j x stride)
     in one program where each layer's slots are one run, else layer by layer (a request's block elsewhere:
     slot -1): the extent equals n separate `write_stored_blocks` calls, int4 extents quantized the same."""
-    from kvoffload.offload.pool import quantize_blocks, write_stored_blocks, write_stored_blocks_strided
+    from kvoffload.runtime.pool import quantize_blocks, write_stored_blocks, write_stored_blocks_strided
 
     n, stride, rng = 3, 5, np.random.default_rng(0)
     blocks = jnp.asarray(rng.standard_normal((n, 2, 2, 4, 16)), jnp.float32)  # [n, b, n_kv, blk, d]

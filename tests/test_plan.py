@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.offload.pipeline import extent_work
-from kvoffload.offload.pool import PoolLayout
+from kvoffload.runtime.cost import extent_work
+from kvoffload.runtime.pool import PoolLayout
 from kvoffload.plan.cost import CostModel, LayerShape, Linear, predict_layers
 from kvoffload.plan.memory import weight_bytes
 from kvoffload.plan.profiler import model_shape

@@ -16,8 +16,8 @@ from kvoffload.compile_count import count_compilations
 from kvoffload.engine import pad_prompts
 from kvoffload.models import tiny_random_model
 from kvoffload.device import memory as M
-from kvoffload.offload.pipeline import PoolSources
-from kvoffload.offload.pool import BlockAllocator, PoolLayout
+from kvoffload.runtime.attention import PoolSources
+from kvoffload.runtime.pool import BlockAllocator, PoolLayout
 from kvoffload.policies import make_policy
 from kvoffload.policies.tokenselect import (
     COUNTS,
@@ -212,7 +212,7 @@ def _vote_f64(q, keys, alloc, blk):
 def test_block_owners_come_with_the_tables_and_equal_the_tables_own():
     """`device_tables` carries each block's owner (built on the host once per table change, so the layer programs
     do not rebuild it): the same array as derived from the tables, with free and reserved blocks -1."""
-    from kvoffload.offload.pool import BlockTables
+    from kvoffload.runtime.pool import BlockTables
     from kvoffload.policies.tokenselect import block_owners
 
     rng = np.random.default_rng(5)
@@ -575,7 +575,7 @@ def test_layer_rows_refill_and_attend_one_layers_rows_of_a_stacked_buffer_in_pla
     every other layer's rows as they were; sparse attention over them equals attention over the layer's own
     buffers; the kernel (interpret) and the reference agree."""
     from kvoffload import ops
-    from kvoffload.offload.pipeline import LayerRows
+    from kvoffload.runtime.state import LayerRows
     from kvoffload.policies.tokenselect import rows_attention
 
     rng = np.random.default_rng(4)

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from kvoffload.offload.pipeline import extent_work
-from kvoffload.offload.pool import PoolLayout
+from kvoffload.runtime.cost import extent_work
+from kvoffload.runtime.pool import PoolLayout
 from kvoffload.device.sharding import TensorParallelError
 from kvoffload.plan.cost import (
     DEFAULT_ALL_GATHER,

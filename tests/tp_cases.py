@@ -58,7 +58,7 @@ def run_case(case, refs):
         return real_gather(tree, mesh)
 
     S.gather_whole = gather_whole
-    from kvoffload.offload import pipeline as PL
+    from kvoffload.runtime import attention as PA, layer as PL
 
     real_step = PL.layer_step
 
@@ -78,7 +78,7 @@ def run_case(case, refs):
     PL.layer_step = layer_step
     from kvoffload import ops
 
-    real_act, real_paged, real_rec = PL.attend_act_by_token, ops.paged_decode_attention, ops.recompute_kv
+    real_act, real_paged, real_rec = PA.attend_act_by_token, ops.paged_decode_attention, ops.recompute_kv
 
     def count_in_act(name, fn):
         def wrapped(*a, **k):
@@ -95,7 +95,7 @@ def run_case(case, refs):
         finally:
             seen["act_calls"], seen["act"] = seen["act"], None
 
-    PL.attend_act_by_token = attend_act_by_token
+    PA.attend_act_by_token = attend_act_by_token
     ops.paged_decode_attention = count_in_act("paged", real_paged)
     ops.recompute_kv = count_in_act("recompute", real_rec)
     try:
@@ -142,7 +142,7 @@ def run_case(case, refs):
         out.update(error=type(e).__name__, message=str(e))
     finally:
         S.gather_whole, PL.layer_step = real_gather, real_step
-        PL.attend_act_by_token, ops.paged_decode_attention, ops.recompute_kv = real_act, real_paged, real_rec
+        PA.attend_act_by_token, ops.paged_decode_attention, ops.recompute_kv = real_act, real_paged, real_rec
     return out
 
 

@@ -1,3 +1,2 @@
-"""The offload runtime: the paged block pool (pool.py) and the layer pipeline every pool policy runs on
-(pipeline.py). Memory kinds, transfers and sharding live in kvoffload.device; planning (pool sizes, memory
-checks, cost model, schedulers) in kvoffload.plan."""
+"""The decode benchmark (bench.py) and the `kvoffload profile` / `kvoffload bench` commands (cli.py). The runtime
+they measure is kvoffload.runtime."""

@@ -127,8 +127,8 @@ class BlockAllocation:
         return self.act_host / n if n else 0.0
 
     def classes(self):
-        """The pool's block classes with this allocation's shares (see offload/pool.py)."""
-        from kvoffload.offload.pool import BlockClass
+        """The pool's block classes with this allocation's shares (see runtime/pool.py)."""
+        from kvoffload.runtime.pool import BlockClass
 
         out = []
         if self.gpu:
@@ -392,7 +392,7 @@ def extent_slices(layout, lengths, flushes: int) -> np.ndarray:
     flushes (the end of its generation), where the pool's allocator puts them (prompts position-major,
     the prompt extents' spare slots reserved, then one block per request per flush; one free list,
     lowest id first, whatever the classes)."""
-    from kvoffload.offload.pool import BlockAllocator, allocate_prompts_aligned
+    from kvoffload.runtime.pool import BlockAllocator, allocate_prompts_aligned
 
     lens = np.asarray(lengths, np.int64)
     alloc = BlockAllocator(layout.num_blocks, len(lens), layout.block_tokens)

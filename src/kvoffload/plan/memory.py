@@ -153,7 +153,7 @@ def plan_pool(cfg: ModelConfig, dtype, group_lengths, capacity: int, *, block_to
     split still balances X's transfer against recomputation, which int4 does not shrink (OPT-6.7B b64
     P512: r ~ 0.6 of the context). Sized by codes, the prompt was one extent there and r could only be
     0 or 1. The same rule holds for hybrid's classed layouts (block bytes in the model's dtype)."""
-    from kvoffload.offload.pool import PoolLayout, extent_blocks_for
+    from kvoffload.runtime.pool import PoolLayout, extent_blocks_for
     from kvoffload.plan.cost import HOST_DTYPES
 
     p = jnp.dtype(dtype).itemsize

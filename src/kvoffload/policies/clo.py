@@ -106,8 +106,8 @@ from kvoffload import ops
 from kvoffload.errors import warn_accuracy
 from kvoffload.models.transformer import family
 from kvoffload.device import sharding as S
-from kvoffload.offload.pipeline import attend_pool, native_extent
-from kvoffload.offload.pool import write_blocks_many, write_blocks_stacked
+from kvoffload.runtime.attention import attend_pool, native_extent
+from kvoffload.runtime.pool import write_blocks_many, write_blocks_stacked
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
 from kvoffload.plan.deploy import (
     encode_keys,

@@ -45,7 +45,7 @@ from kvoffload import ops
 from kvoffload.errors import KVOffloadError
 from kvoffload.models.common import apply_rope, pytree_dataclass, rope_cos_sin
 from kvoffload.models.transformer import family
-from kvoffload.offload.pipeline import put_rows
+from kvoffload.runtime.layer import put_rows
 from kvoffload.policies.selection import choose_tokens
 
 

@@ -35,7 +35,7 @@ import dataclasses
 
 import numpy as np
 
-from kvoffload.offload.pipeline import GroupPlan, LayerHooks
+from kvoffload.runtime.hooks import GroupPlan, LayerHooks
 from kvoffload.plan.hybrid import (
     BlockAllocation,
     BlockRates,

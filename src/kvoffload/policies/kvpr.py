@@ -19,7 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from kvoffload.offload.pipeline import GroupPlan, LayerHooks, attended_tokens, extent_work
+from kvoffload.runtime.cost import attended_tokens, extent_work
+from kvoffload.runtime.hooks import GroupPlan, LayerHooks
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.options import Option
@@ -57,7 +58,7 @@ class KVPRHooks(LayerHooks):
         if self.store == "both":
             return dataclasses.replace(layout, kv_extents=(0, n), act_extents=(0, n))
         # split: X below e0, K/V from e0 on; e0 from the scheduler at the prompt's length (or forced)
-        from kvoffload.offload.pool import BlockAllocator, allocate_prompts
+        from kvoffload.runtime.pool import BlockAllocator, allocate_prompts
 
         alloc = BlockAllocator(layout.num_blocks, len(lengths), layout.block_tokens)
         allocate_prompts(alloc, lengths)

@@ -1,4 +1,4 @@
-"""The base of every policy that runs on the layer pipeline (offload/pipeline.py): options, prefill,
+"""The base of every policy that runs on the layer pipeline (runtime/pipeline.py): options, prefill,
 decode_step and describe, shared; a subclass supplies its hooks and where the pool lives."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import inspect
 
 from kvoffload import ops
 from kvoffload.errors import warn_accuracy
-from kvoffload.offload.pipeline import SCHEDULES, LayerHooks, LayerPipeline, PipelineOptions
+from kvoffload.runtime.hooks import LayerHooks
+from kvoffload.runtime.options import SCHEDULES, PipelineOptions
+from kvoffload.runtime.pipeline import LayerPipeline
 from kvoffload.paths import check_output_file
 from kvoffload.plan.cost import HOST_DTYPES, INT4_K_QUANTS
 from kvoffload.policies.base import Policy

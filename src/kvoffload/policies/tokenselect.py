@@ -61,7 +61,9 @@ import numpy as np
 
 from kvoffload import ops
 from kvoffload.device import sharding as S
-from kvoffload.offload.pipeline import LayerHooks, LayerRows, PoolSources, native_extent
+from kvoffload.runtime.attention import PoolSources, native_extent
+from kvoffload.runtime.hooks import LayerHooks
+from kvoffload.runtime.state import LayerRows
 from kvoffload.policies import extrapolation
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy

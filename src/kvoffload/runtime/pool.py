@@ -9,7 +9,7 @@ never stores or moves padding.
 
 Physical level. Per layer and kind, blocks are grouped into extents of ``extent_blocks`` blocks; an
 extent is one array -- K and V ``[E, n_kv, blk, d]``, activations X ``[E, blk, H]`` -- in pinned host
-memory (offloading policies) or device memory (`full`). Block id b lives in extent b // E at slot
+memory (offloading policies) or device memory (a device pool). Block id b lives in extent b // E at slot
 b % E. A host pool may store its extents in int4 (``host_dtype="int4"``): each K, V and X extent is
 then a ``QuantizedInt`` of three arrays (codes, step, min; groups along the last axis, d or H; K with
 ``int4_k_quant="channel"``: a step and min per channel of each block, [E, n_kv, 1, d]; with
@@ -20,13 +20,13 @@ array overlaps the jitted compute dispatched after it, and each array costs ~80 
 fetches must move few, large arrays; an extent of tens of MiB moves at the PCIe floor. Every extent
 of a run has one shape, so no program compiles again as a generation grows. Allocation is lowest id
 first and the prompt is laid out position-major (block j of every request before block j + 1), so the
-blocks in use are dense in the first extents and the lowest positions come first: a KVPR split at an
+blocks in use are dense in the first extents and the lowest positions come first: a recompute split at an
 extent boundary recomputes the oldest tokens and fetches the rest, and a bulk fetch moves at most one
 partly filled extent beyond the real tokens.
 
 Attention reads an extent through per-extent block tables (``table [n_ext, B, E]`` local slots,
 ``count [n_ext, B]``), with ``ops.paged_decode_attention``; results of the extents and the tail are
-folded left to right into one fp32 accumulator, so the `full` policy (the same pool in device memory)
+folded left to right into one fp32 accumulator, so a device pool (the same pool in device memory)
 and the offloading policies run the same programs over the same blocks in the same order.
 """
 
@@ -61,7 +61,7 @@ class PoolExhausted(KVOffloadError):
 class BlockClass:
     """A kind of block with its own extents: what it stores ("kv": K and V, "act": the
     activation X to recompute them from), where (``device``: GPU memory even in a host pool, so it is
-    never moved) and its ``share`` of every request's blocks (HybridServe's per-request KV:ACT ratio)."""
+    never moved) and its ``share`` of every request's blocks (a per-request KV:ACT ratio)."""
 
     kind: str
     device: bool = False
@@ -77,13 +77,13 @@ class PoolLayout:
     """Static shape of a pool: ``prompt_extents`` extents of ``extent_blocks`` blocks (the prompts'
     blocks, split evenly), then extents of ``gen_extent_blocks`` blocks (each a whole number of lockstep
     flushes: one block per request per flush), ``num_extents`` in all. ``kv_extents`` /
-    ``act_extents``: the extent range [start, stop) that holds that kind (KVPR's split store keeps
+    ``act_extents``: the extent range [start, stop) that holds that kind (a split store keeps
     activations below its split and K/V above it; an empty range means the kind is not stored).
 
-    Block classes (HybridServe): with ``classes`` set, extent e holds blocks of class
+    Block classes: with ``classes`` set, extent e holds blocks of class
     ``extent_class[e]`` only (its kind and placement) and has ``extent_sizes[e]`` blocks; a block's class
     is its extent's, so a request's blocks of each class are those the allocator places in that class's
-    extents (plan/hybrid.py `hybrid_layouts` tags `full`'s extents so that each request's follow the
+    extents (a planner tags a device pool's extents so that each request's follow the
     shares); kv_extents/act_extents are unused."""
 
     block_tokens: int
@@ -97,7 +97,7 @@ class PoolLayout:
     extent_class: tuple = ()  # per extent: its class
     extent_sizes: tuple = ()  # per extent: blocks (classes only)
     # the most blocks one request can own (its prompt's full blocks plus one per flush): what a per-request
-    # buffer must hold (clo / tokenselect); 0: not known, bounded by the whole pool
+    # buffer must hold (selective policies); 0: not known, bounded by the whole pool
     request_blocks: int = 0
 
     def __post_init__(self):
@@ -186,9 +186,9 @@ def extent_blocks_for(block_bytes: int, prompt_blocks: int, target_bytes: float)
 
 class BlockAllocator:
     """Free list and block tables of one pool (host numpy; never read from the device). One free list
-    whatever the layout: a classed layout (HybridServe) tags whole extents with a class, so a block's
-    class is where the lowest-id-first allocation puts it -- exactly where `full`'s allocator puts the
-    same block (see plan/hybrid.py `hybrid_layouts`)."""
+    whatever the layout: a classed layout tags whole extents with a class, so a block's
+    class is where the lowest-id-first allocation puts it -- exactly where a device pool's allocator puts the
+    same block."""
 
     def __init__(self, num_blocks: int, num_requests: int, block_tokens: int):
         self.num_blocks = int(num_blocks)
@@ -298,7 +298,7 @@ class BlockTables:
     first_pos: tuple  # per extent [E_e] int32: first token position of each slot's block (recomputation's RoPE)
     # [num_blocks] int32, block-id order: each block's request, -1 where none. Built with the tables on the host,
     # so the selective policies' layer programs do not rebuild it (a scatter per extent, in every layer);
-    # None (tables built by hand): derived from the tables (`tokenselect.block_owners`)
+    # None (tables built by hand): derived from the tables (a selective policy's own)
     owner: Any = None
 
 
@@ -394,7 +394,7 @@ def write_stored_blocks(ext, blocks, slots):
 def write_stored_blocks_many(exts, blocks, slots):
     """`write_stored_blocks` of several extents (any mix of kinds and layers: a flush's K, V and X blocks of
     every layer into one extent id) at the same slots, through `write_blocks_many`: one program per memory
-    space, not one per array (a per-layer flush of a 32-layer clo step was ~465 programs)."""
+    space, not one per array (a per-layer flush of a 32-layer step was ~465 programs)."""
     parts = [_arrays(e, b) for e, b in zip(exts, blocks)]
     new = iter(write_blocks_many([a for p in parts for a in p[0]], [b for p in parts for b in p[1]], slots))
     return [rebuild([next(new) for _ in arrays]) for arrays, _, rebuild in parts]
