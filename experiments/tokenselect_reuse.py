@@ -34,35 +34,14 @@ def decode_queries(model, prompt_ids, new_tokens):
     """(pre-RoPE q, post-RoPE q), each [L, steps, H, d]: the queries of the decode steps that generated the
     greedy answer (the prompt's last position first)."""
     from kvoffload.engine import generate
-    from kvoffload.models.common import linear, prefill_attention, split_heads
-    from kvoffload.models.transformer import family
+    from kvoffload.eval.selection_recall import capture_queries_keys
 
-    cfg, params = model.config, model.params
-    if cfg.family != "llama":
-        raise SystemExit("tokenselect_reuse: the pre-RoPE query is taken from the llama family's projections")
     answer = generate(model, [list(prompt_ids)], new_tokens, policy="full", stop_on_eos=False)[0]
     ids = list(prompt_ids) + list(answer)[:-1]  # the last generated token is never a query
-    p, n = len(prompt_ids), len(answer)
-    fam = family(cfg)
-
-    @jax.jit
-    def run(tokens):
-        t = tokens.shape[1]
-        pos = jnp.arange(t, dtype=jnp.int32)[None]
-        h = fam.embed(cfg, params, tokens, pos)
-        raw, rot = [], []
-        for lp in params.layers:
-            x = fam.attn_input(cfg, lp, h)
-            q, k, v = fam.qkv(cfg, lp, x, pos)
-            q0 = split_heads(linear(x, lp.wq, lp.bq), cfg.num_heads, cfg.head_dim)
-            h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, prefill_attention(q, k, v, jnp.array([t]))))
-            raw.append(q0[0, :, p - 1:p - 1 + n])
-            rot.append(q[0, :, p - 1:p - 1 + n])
-        return jnp.stack(raw), jnp.stack(rot)
-
-    raw, rot = run(jnp.asarray([ids], jnp.int32))
-    # [L, H, steps, d] -> [L, steps, H, d]
-    return np.asarray(raw, np.float32).transpose(0, 2, 1, 3), np.asarray(rot, np.float32).transpose(0, 2, 1, 3)
+    first = len(prompt_ids) - 1
+    raw, _ = capture_queries_keys(model, ids, first, unrotated=True)
+    rot, _ = capture_queries_keys(model, ids, first)
+    return raw.transpose(0, 2, 1, 3), rot.transpose(0, 2, 1, 3)  # [L, H, steps, d] -> [L, steps, H, d]
 
 
 def _cos(a, b, axis=-1):

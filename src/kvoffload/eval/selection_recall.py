@@ -43,14 +43,20 @@ class RetrievalSpec:
         return f"{self.retrieval}:ratio={self.ratio:g},min={self.token_min}{extra}"
 
 
-def capture_queries_keys(model, prompt_ids: Sequence[int]):
-    """(q [L, H, d] of the last prompt token, k [L, n_kv, T, d]) from one full forward pass over the prompt."""
-    from kvoffload.models.common import prefill_attention
+def capture_queries_keys(model, prompt_ids: Sequence[int], first_query: int | None = None,
+                         unrotated: bool = False):
+    """(q [L, H, d] of the last prompt token, k [L, n_kv, T, d]) from one full forward pass over the prompt.
+    With ``first_query``: q [L, H, n, d] of every position from it on (the queries of the steps that decoded
+    the tokens after it); ``unrotated``: q before RoPE (the llama family's projection), keys as stored."""
+    from kvoffload.models.common import linear, prefill_attention, split_heads
     from kvoffload.models.transformer import family
 
     cfg, params = model.config, model.params
+    if unrotated and cfg.family != "llama":
+        raise ValueError(f"queries before RoPE are taken from the llama family's projection, not {cfg.family}'s")
     fam = family(cfg)
     tokens = jnp.asarray([list(prompt_ids)], jnp.int32)
+    start = len(prompt_ids) - 1 if first_query is None else int(first_query)
 
     @jax.jit
     def run(tokens):
@@ -62,15 +68,17 @@ def capture_queries_keys(model, prompt_ids: Sequence[int]):
             x = fam.attn_input(cfg, lp, h)
             q, k, v = fam.qkv(cfg, lp, x, pos)
             h = fam.post_attention(cfg, lp, h, fam.attn_out(cfg, lp, prefill_attention(q, k, v, jnp.array([t]))))
-            qs.append(q[0, :, -1])
+            if unrotated:
+                q = split_heads(linear(x, lp.wq, lp.bq), cfg.num_heads, cfg.head_dim)
+            qs.append(q[0, :, start:])
             ks.append(k[0])
         return jnp.stack(qs), jnp.stack(ks)
 
     q, k = run(tokens)
+    q = q[:, :, 0] if first_query is None else q
     return np.asarray(q, np.float32), np.asarray(k, np.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "blk"))
 def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
     """[n_kv]: the exact attention mass on one layer's selection. q [H, d], k [n_kv, T, d] (T a multiple of blk,
     tokens past the context padded), w [n_kv, d, r] or None."""
