@@ -231,6 +231,8 @@ def test_full_policy_matches_transformers_greedy(hf_tiny):
     assert len({t for row in want for t in row}) > 3  # not a model repeating one token
 
 
+@pytest.mark.slow  # 8 s: a generation compiled for the wide config; by default the window's effect on the logits is
+# checked in test_logits_match_transformers (prefill) and test_offload_moves_no_extent_outside_every_window (decode)
 def test_window_changes_the_tiny_models_tokens(tiny, full_ref):
     wide = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, sliding_window=10**6))
     assert generate(wide, PROMPTS, NEW, policy="full", policy_options=BASE, stop_on_eos=False) != full_ref[0]

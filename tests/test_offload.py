@@ -48,12 +48,14 @@ def ref(request):
 # column cases cut the batch into 3 GPU batches of one sequence each (one set of shapes to compile).
 # The third entry: the one family a case runs on by default (None: both; "slow": neither). Its run on the
 # other family is behind the slow marker: the family-specific parts (recompute with RoPE / with learned
-# positions and biases, the plain pipeline) run on both families in offload-0, kvpr-2 and kvpr-4; the
+# positions and biases, the plain pipeline) run on both families in offload-0 and kvpr-4 (and kvpr-2 on OPT,
+# kvpr-3 on LLaMA); the
 # column schedule is the same code for both (OPT: kvpr-1, offload-6)
 CASES = [
     ("offload", dict(schedule="row"), None),
     ("kvpr", dict(split_point=0, schedule="column", gpu_batches=3, offload_weights=True, sync_depth=0), "opt"),
-    ("kvpr", dict(split_point=16, schedule="row", offload_weights=True), None),  # mid prompt
+    # mid prompt (LLaMA slow: its recompute with RoPE runs in kvpr-3, an interior split with streamed weights on OPT)
+    ("kvpr", dict(split_point=16, schedule="row", offload_weights=True), "opt"),
     ("kvpr", dict(split_point=10**6), "llama"),  # every pool block, generated ones too (RoPE at generated positions)
     ("kvpr", dict(), None),  # the scheduler's choice
     # (split store: test_int4_pool, test_hybrid)

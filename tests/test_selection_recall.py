@@ -1,7 +1,8 @@
 """The attention a retrieval keeps at its policy's budget, on a real-model RULER prompt (the embedded SmolLM2,
 plain template, a generator seed no configuration was tuned on): Quest's pages at 10% of a 2K context (205
 tokens) keep about two thirds of the exact attention, which lost RULER points; at 1024 tokens (clo's floor for
-exact keys, half Quest's) they keep nearly all of it."""
+exact keys, half Quest's) they keep nearly all of it. The real model's tests load SmolLM2 and prefill 2K tokens
+(~30 s): slow; the default run checks the measurement itself on a tiny model."""
 
 import numpy as np
 import pytest
@@ -25,6 +26,24 @@ def prompt(smollm):
     return ruler.generate_samples(smollm.tokenizer, "niah_single_2", 2048, 1, seed=7, chat=plain)[0].prompt_ids
 
 
+def test_selection_mass_on_a_tiny_model():
+    """The measurement on a tiny random model (512 tokens, 8 blocks of 64): a floor above the context selects
+    every token (mass 1 in every layer); at 10% the exact top-k and Quest's pages each keep a share of it, below
+    1, in every layer."""
+    from kvoffload.models import tiny_random_model
+
+    model = tiny_random_model("llama", seed=1, max_position_embeddings=2048)
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 512).tolist()
+    specs = [RetrievalSpec("exact", token_min=4096), RetrievalSpec("exact", num_recent=16),
+             RetrievalSpec("quest", num_recent=16)]
+    got = selection_recall(model, [prompt], specs)
+    every, tenth, quest = (got[s.label] for s in specs)
+    np.testing.assert_allclose(every["per_layer"], 1.0, rtol=1e-5)
+    assert every["below_half"] == 0.0 and len(tenth["per_layer"]) == model.config.num_layers
+    assert 0 < tenth["mass"] < 0.99 and 0 < quest["mass"] < 0.99 and 0 <= quest["below_half"] <= 1
+
+
+@pytest.mark.slow  # ~30 s: SmolLM2 loaded, a 2K prompt prefilled
 def test_quest_keeps_the_attention_at_clo_default_budget_not_at_a_bare_ratio(smollm, prompt):
     specs = [RetrievalSpec("exact"), RetrievalSpec("quest"), RetrievalSpec("quest", token_min=TOPK_MIN["exact"])]
     got = selection_recall(smollm, [prompt], specs)
