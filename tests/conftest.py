@@ -12,3 +12,34 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# Run with `-m slow` rather than by default, to keep the default run within 10 minutes on 2 cores: each is a
+# heavier variant of an idea a default test keeps (named after it).
+SLOW_VARIANTS = {
+    "tests/test_hybrid.py::test_matches_full[opt-5]": "the other test_matches_full cases",
+    "tests/test_offload.py::test_loop_layers_runs_a_steps_looped_layers_as_one_program[clo-opts1]": "[full-opts0]",
+    "tests/test_offload.py::test_matches_full[opt-offload-6]": "[opt-offload-0]",
+    "tests/test_profile.py::test_a_clo_decode_step_has_every_fig11_part[True]": "[False]",
+    "tests/test_eval_runner.py::test_ruler_records_selection_hit_rates[clo:topk=64,num_recent=16,eta=0.5,"
+    "speculative_prefetch=true]": "the tokenselect case",
+    "tests/test_long_context.py::test_bench_long_context_with_random_prefill_decodes_and_says_so":
+        "test_bench_selection's random-K/V prefill",
+    "tests/test_gemma3.py::test_policies_match_full[kvpr-2]": "[kvpr-4], [kvpr-5]",
+    "tests/test_gemma3.py::test_full_policy_matches_transformers_greedy":
+        "test_logits_match_transformers, test_dense_decode_matches_transformers",
+    "tests/test_clo.py::test_quest_int4_v_rows_with_native_or_int8_keys[int8]": "[native]",
+    "tests/test_kernels.py::test_top_count_ascending_methods_against_numpy[normal]":
+        "[ties], [infinities], [signed_zeros]",
+    "tests/test_int4_pool.py::test_int4_logits_stay_near_native[kvpr-scheduler]":
+        "[kvpr-split16], [kvpr-store-split-column]",
+    "tests/test_int4_pool.py::test_int4_k_quant_native_or_int8_keys_and_their_bytes[native]": "[int8]",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.nodeid in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
