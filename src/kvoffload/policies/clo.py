@@ -2,7 +2,7 @@
 approximate cache, importance-derived per-head thresholds and persistent heads.
 
 Built on the selection machinery shared with `tokenselect` (`kvoffload.policies.selection`: ``kv=split``
-placement, the selection cache in the layer's slots, ``choose_tokens``, the token space,
+placement and `SelectionHooks`, the selection cache in the layer's slots, ``choose_tokens``, the token space,
 the rows, ``ops.gather_pool_rows``); what differs:
 
 1. Scoring (``exact_scores``): exact keys, per KV head score_t = max over the group's query heads of
@@ -136,6 +136,7 @@ from kvoffload.policies.selection.cache import (
     with_replay,
 )
 from kvoffload.policies.selection.choose import NEG_INF, choose_tokens
+from kvoffload.policies.selection.hooks import SelectionHooks, tree_nbytes
 from kvoffload.policies.selection.options import (
     SELECTION_RUN_OPTIONS,
     SELECTION_WINDOW_OPTIONS,
@@ -153,7 +154,6 @@ from kvoffload.policies.selection.space import (
     tier_index,
     token_space,
 )
-from kvoffload.policies.tokenselect import TokenSelectHooks, tree_nbytes
 
 RETRIEVALS = ("exact", "quest", "hata")
 QUEST_DTYPES = ("keys", "int8")  # the pages' min / max: in the keys' dtype, or int8 with a scale per page
@@ -702,8 +702,8 @@ def head_rule(cfg, importance, eta, p, fixed_threshold):
     return scores, tau, weights, source
 
 
-class CloHooks(TokenSelectHooks):
-    """tokenselect's kv=split hooks with CLO's slots (tau, weights, persistent heads per layer)."""
+class CloHooks(SelectionHooks):
+    """The selection hooks (`SelectionHooks`), kv=split, with CLO's slots (tau, weights, persistent heads per layer)."""
 
     name = "clo"
 
@@ -845,7 +845,7 @@ class CloHooks(TokenSelectHooks):
         return mask, report
 
     def slot_maker(self, pipe, model, layout, batch):
-        """As tokenselect's: the host-side rule (thresholds, persistent heads, HATA projections) decided here,
+        """As `SelectionHooks.slot_maker` asks: the host-side rule (thresholds, persistent heads, HATA projections) decided here,
         the arrays made by the function returned."""
         cfg = model.config
         d = cfg.head_dim
