@@ -13,7 +13,7 @@ program repeated back to back (GPU time, no host sync inside):
 * ``choose``      ``choose_tokens``: forced sinks / recent, top-k (radix select, ascending), mapped to pool tokens
 * ``*_pool``      (batch > 1) the same over the batch's whole pool, N = B x T tokens per request row: the
                   space scoring and top-k ran over before the per-request space
-* ``gather``      the selected K and V rows from the device extents (``gather_rows``)
+* ``gather``      the selected K and V rows from the device extents (``ops.gather_pool_rows``)
 * ``attend``      ``ops.sparse_attention`` over the gathered rows
 * ``read_k``      a plain read of every K row (the floor of any scoring)
 
@@ -91,8 +91,10 @@ def parts(ctx: int, batch: int, budget: int, extent_tokens=32768, blk=64, n_kv=8
 
     from kvoffload import ops
     from kvoffload.policies.clo import exact_scores
-    from kvoffload.policies.selection import choose_tokens
-    from kvoffload.policies.tokenselect import gather_rows, soft_vote, token_space
+    from kvoffload.policies.selection.choose import choose_tokens
+    from kvoffload.policies.selection.space import token_space
+    from kvoffload.ops import gather_pool_rows as gather_rows
+    from kvoffload.policies.tokenselect import soft_vote
 
     dt = jnp.bfloat16
     blocks = batch * ctx // blk
@@ -194,8 +196,10 @@ def clo_breakdown(ctx: int, batch: int, budget: int, probes: dict, extent_tokens
     from kvoffload.device import memory as M
     from kvoffload.runtime.attention import PoolSources, attend_pool
     from kvoffload.policies.clo import aggregate_similarity, exact_scores, hata_token_scores, key_metadata
-    from kvoffload.policies.selection import choose_tokens
-    from kvoffload.policies.tokenselect import HostRows, query_cosines, token_space
+    from kvoffload.policies.selection.cache import query_cosines
+    from kvoffload.policies.selection.choose import choose_tokens
+    from kvoffload.policies.selection.rows import HostRows
+    from kvoffload.policies.selection.space import token_space
 
     dt = jnp.bfloat16
     item = jnp.dtype(dt).itemsize

@@ -12,7 +12,8 @@ from kvoffload.models import tiny_random_model
 from kvoffload.models.transformer import family
 from kvoffload.device import memory as M
 from kvoffload.pallas import gather as _ga
-from kvoffload.policies.tokenselect import act_rows, union_tiers
+from kvoffload.policies.selection.rows import act_rows
+from kvoffload.policies.selection.space import union_tiers
 
 
 def test_headless_gather_rows_reference_kernel_and_host():

@@ -21,7 +21,8 @@ from kvoffload.plan.clo import CloProfile, kv_thresholds, plan_persistent_heads,
 from kvoffload.policies import clo as clo_mod
 from kvoffload.policies import make_policy
 from kvoffload.policies.clo import CloAttend, CloOptionError, CloSlots, exact_scores
-from kvoffload.policies.tokenselect import COUNTS, SelectionCache, SelectSources
+from kvoffload.policies.selection.cache import COUNTS, SelectionCache
+from kvoffload.policies.selection.rows import SelectSources
 # the same ragged prompts, blocks and decode loop as tokenselect's tests
 from test_tokenselect import BLOCK, NEW, PROMPTS, _decode, _pool, _with_cosine
 
@@ -244,8 +245,9 @@ def test_exact_scores_max_over_the_group():
 def _selection(scoring, q, keys, tables, space, context, n_select, K, w, page):
     """(indices, num_valid) of one scoring over a token space (the whole pool's where space is None)."""
     from kvoffload.plan.deploy import encode_keys
-    from kvoffload.policies.selection import choose_tokens
-    from kvoffload.policies.tokenselect import soft_vote, token_positions, token_space
+    from kvoffload.policies.selection.choose import choose_tokens
+    from kvoffload.policies.selection.space import token_positions, token_space
+    from kvoffload.policies.tokenselect import soft_vote
 
     blk = keys[0].shape[2]
     space = token_space(tables, blk) if space is None else space
@@ -272,7 +274,7 @@ def test_per_request_selection_equals_the_pools_and_each_request_alone(scoring):
     pool tokens as over the batch's whole pool, and the same positions as each request alone at batch 1 in a
     pool of its own (hata: integer scores, many ties, broken alike)."""
     from kvoffload.runtime.pool import BlockTables
-    from kvoffload.policies.tokenselect import token_positions, token_space
+    from kvoffload.policies.selection.space import token_positions, token_space
 
     rng = np.random.default_rng(5)
     blk, n_kv, G, d, page, K = 8, 2, 3, 16, 4, 16
@@ -1137,7 +1139,7 @@ def test_split_slots_takes_out_the_read_only_fields_and_join_restores_them(repla
     """The layer program's undonated part (`CloAttend.split_slots`): the reuse rule, the retrieval metadata
     and, in a replayed run, the draw's rate and key; joined back, the slots are leaf for leaf the same
     objects, and the input slots are untouched."""
-    from kvoffload.policies.tokenselect import ReplayDraw
+    from kvoffload.policies.selection.cache import ReplayDraw
 
     a = lambda *s: jnp.asarray(np.random.default_rng(len(s)).normal(size=s), jnp.float32)  # noqa: E731
     draw = ReplayDraw(rate=a(), key=jnp.zeros((2,), jnp.uint32)) if replay else None

@@ -19,17 +19,9 @@ from kvoffload.device import memory as M
 from kvoffload.runtime.attention import PoolSources
 from kvoffload.runtime.pool import BlockAllocator, PoolLayout
 from kvoffload.policies import make_policy
-from kvoffload.policies.tokenselect import (
-    COUNTS,
-    HostRows,
-    SelectionCache,
-    SelectSources,
-    TokenSelectAttend,
-    TokenSelectOptionError,
-    empty_selection,
-    soft_vote,
-    with_replay,
-)
+from kvoffload.policies.selection.cache import COUNTS, SelectionCache, empty_selection, with_replay
+from kvoffload.policies.selection.rows import HostRows, SelectSources
+from kvoffload.policies.tokenselect import TokenSelectAttend, TokenSelectOptionError, soft_vote
 
 # ragged prompts 39, 70 and 3 tokens; 16-token blocks in extents of 3 blocks (the tiny models' K):
 # several extents per layer, and 20 new tokens cross a flush of the GPU tail into the pool
@@ -213,7 +205,7 @@ def test_block_owners_come_with_the_tables_and_equal_the_tables_own():
     """`device_tables` carries each block's owner (built on the host once per table change, so the layer programs
     do not rebuild it): the same array as derived from the tables, with free and reserved blocks -1."""
     from kvoffload.runtime.pool import BlockTables
-    from kvoffload.policies.tokenselect import block_owners
+    from kvoffload.policies.selection.space import block_owners
 
     rng = np.random.default_rng(5)
     layout = PoolLayout(block_tokens=4, extent_blocks=3, num_extents=4, prompt_extents=2, gen_extent_blocks=5)
@@ -576,7 +568,7 @@ def test_layer_rows_refill_and_attend_one_layers_rows_of_a_stacked_buffer_in_pla
     buffers; the kernel (interpret) and the reference agree."""
     from kvoffload import ops
     from kvoffload.runtime.state import LayerRows
-    from kvoffload.policies.tokenselect import rows_attention
+    from kvoffload.policies.selection.rows import rows_attention
 
     rng = np.random.default_rng(4)
     E, n_kv, blk, d, K, n, G = 3, 2, 16, 64, 5, 3, 2

@@ -4,8 +4,8 @@ of the exact attention that falls on the tokens each retrieval selects, at the p
 The model runs its full prompt once (no selection anywhere), so every retrieval is judged on the same queries
 and keys: those of the last prompt token, which generates the answer's first token. Each retrieval scores
 the prompt's keys with clo's own functions (`clo.key_metadata`, `clo.quest_bounds`, `clo.hata_token_scores`'
-codes, `tokenselect.soft_vote`'s exact q.k) and selects with `selection.choose_tokens` at the size
-`tokenselect.selection_size` gives (sinks and recent tokens forced in, whole pages for Quest), so what is
+codes, `tokenselect.soft_vote`'s exact q.k) and selects with `selection.choose.choose_tokens` at the size
+`selection.options.selection_size` gives (sinks and recent tokens forced in, whole pages for Quest), so what is
 measured is what the policy would attend. ``mass`` is the mean over the query heads of the exact attention
 probability on the selected tokens: 1.0 keeps everything; the exact top-k by max over the group of q.k is
 the ceiling a page or hash retrieval can approach.
@@ -83,8 +83,8 @@ def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
     """[n_kv]: the exact attention mass on one layer's selection. q [H, d], k [n_kv, T, d] (T a multiple of blk,
     tokens past the context padded), w [n_kv, d, r] or None."""
     from kvoffload.policies import clo
-    from kvoffload.policies.selection import choose_tokens
-    from kvoffload.policies.tokenselect import selection_size
+    from kvoffload.policies.selection.choose import choose_tokens
+    from kvoffload.policies.selection.options import selection_size
 
     H, d = q.shape
     n_kv, T, _ = k.shape

@@ -1,8 +1,9 @@
 """`clo`: CLO, first version: exact-key top-k attention over a host KV pool with the head-wise
 approximate cache, importance-derived per-head thresholds and persistent heads.
 
-Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache in the layer's slots,
-``choose_tokens``, ``ops.gather_pool_rows``); what differs:
+Built on the selection machinery shared with `tokenselect` (`kvoffload.policies.selection`: ``kv=split``
+placement and `SelectionHooks`, the selection cache in the layer's slots, ``choose_tokens``, the token space,
+the rows, ``ops.gather_pool_rows``); what differs:
 
 1. Scoring (``exact_scores``): exact keys, per KV head score_t = max over the group's query heads of
    q.k_t / sqrt(d) (plain attention logits, no softmax vote). Max, not sum: a token one query head of the
@@ -13,9 +14,9 @@ Built on `tokenselect`'s machinery (``kv=split`` placement, the selection cache 
    not grown. Aggregation: the importance-weighted harmonic mean (``group_similarity``, Eq. 10) or the
    min. tau_i = cos(lambda_i arccos(eta) + (1 - lambda_i) pi), lambda_i = s_i^p (``kv_thresholds``), or
    one ``fixed_threshold`` (the ablation). tau, weights and the persistent mask are per layer: they live
-   in the layer's slots (``CloSlots``), not in the static attend. ``replay_hit_rate`` (tokenselect's option,
-   for random-weight speed runs) replaces a cached head's rule by a seeded Bernoulli draw at that rate
-   (`tokenselect.ReplayDraw`; persistent heads keep theirs); tau is still evaluated and counted.
+   in the layer's slots (``CloSlots``), not in the static attend. ``replay_hit_rate`` (an option shared
+   with tokenselect, for random-weight speed runs) replaces a cached head's rule by a seeded Bernoulli draw
+   at that rate (`selection.cache.ReplayDraw`; persistent heads keep theirs); tau is still evaluated and counted.
 3. Persistent heads select every pool token of the request (their "selection" is the whole context,
    re-made only when the pool grows); layer 0 always (``layer0_full``). A layer whose every head is
    persistent (layer 0 then) is a device layer (``CloHooks.device_layer``): its K/V blocks stay on the GPU in
@@ -80,7 +81,7 @@ for ``exact``) and their whole context's rows are gathered into the cache buffer
 
 Scores and top-k per request (all three retrievals, as tokenselect's vote): every pool block is scored once
 against its owner's query, and the scores are laid out per request over its own blocks only
-(`tokenselect.TokenSpace`: [B, n_kv, T], T = the most tokens one request owns), where the top-k runs; the
+(`selection.space.TokenSpace`: [B, n_kv, T], T = the most tokens one request owns), where the top-k runs; the
 chosen slots map back to pool token ids. At batch 1 the request's space is the pool's (nothing gathered).
 
 int4 host storage (``host_dtype="int4"``): the host extents (V; for quest / hata also K, unless
@@ -120,35 +121,38 @@ from kvoffload.plan.deploy import (
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
 from kvoffload.policies.options import Option, PolicyOptionError
-from kvoffload.policies.selection import NEG_INF, choose_tokens
-from kvoffload.policies.tokenselect import (
-    HostRows,
+from kvoffload.policies.selection.cache import (
     SelectionCache,
+    cache_decision,
+    conditionals_default,
+    constrain_slots,
+    empty_selection,
+    hit_rates,
+    query_cosines,
+    replay_rates,
+    reuse_or_select,
+    selection_specs,
+    unless_all,
+    with_replay,
+)
+from kvoffload.policies.selection.choose import NEG_INF, choose_tokens
+from kvoffload.policies.selection.hooks import SelectionHooks, tree_nbytes
+from kvoffload.policies.selection.options import (
     SELECTION_RUN_OPTIONS,
     SELECTION_WINDOW_OPTIONS,
-    TokenSelectHooks,
-    TokenSpace,
-    cache_decision,
-    empty_selection,
-    constrain_slots,
-    hit_rates,
-    pool_block_tokens,
-    query_cosines,
-    request_token_bound,
     check_store,
-    reuse_or_select,
-    unless_all,
-    rows_attention,
-    conditionals_default,
     check_topk_method,
     selection_budget,
-    selection_specs,
-    replay_rates,
     selection_size,
+)
+from kvoffload.policies.selection.rows import HostRows, rows_attention
+from kvoffload.policies.selection.space import (
+    TokenSpace,
+    pool_block_tokens,
+    request_token_bound,
     sorted_positions,
     tier_index,
     token_space,
-    with_replay,
 )
 
 RETRIEVALS = ("exact", "quest", "hata")
@@ -175,7 +179,7 @@ class CloOptionError(PolicyOptionError):
 
 @dataclasses.dataclass(frozen=True)
 class CloSlots:
-    """One layer's slots: tokenselect's selection cache, the GPU cache buffer of the selected V rows
+    """One layer's slots: the selection cache (`SelectionCache`), the GPU cache buffer of the selected V rows
     (and K rows where K is on the host), the layer's per-KV-head reuse rule (tau, aggregation weights,
     persistent: one array, `rule_array`) and the GPU-side retrieval metadata of the layer's pool (quest / hata)."""
 
@@ -203,7 +207,7 @@ class CloSlots:
     # it attends them as `full` does: no scores, no selection, no row buffers (theirs are one row)
     dense: bool = False
 
-    # what tokenselect's `hit_rates` reads
+    # what `hit_rates` reads
     hits = property(lambda self: self.selection.hits)
     steps = property(lambda self: self.selection.steps)
     scored = property(lambda self: self.selection.scored)
@@ -698,8 +702,8 @@ def head_rule(cfg, importance, eta, p, fixed_threshold):
     return scores, tau, weights, source
 
 
-class CloHooks(TokenSelectHooks):
-    """tokenselect's kv=split hooks with CLO's slots (tau, weights, persistent heads per layer)."""
+class CloHooks(SelectionHooks):
+    """The selection hooks (`SelectionHooks`), kv=split, with CLO's slots (tau, weights, persistent heads per layer)."""
 
     name = "clo"
 
@@ -735,11 +739,9 @@ class CloHooks(TokenSelectHooks):
         return {"guess_hit_rate": rate, "guess_hit_rate_per_layer": rates}
 
     def slot_parts(self, slot) -> dict:
-        from kvoffload.policies.tokenselect import _tree_nbytes
-
-        rows = _tree_nbytes((slot.v_rows, slot.k_rows))
-        meta = _tree_nbytes((slot.meta, slot.hata_w))
-        return {"selection cache (query labels, indices, per-head rule)": _tree_nbytes(slot) - rows - meta,
+        rows = tree_nbytes((slot.v_rows, slot.k_rows))
+        meta = tree_nbytes((slot.meta, slot.hata_w))
+        return {"selection cache (query labels, indices, per-head rule)": tree_nbytes(slot) - rows - meta,
                 "row buffers (selected K/V rows)": rows, "retrieval metadata": meta}
 
     def hata_projections(self, cfg):
@@ -843,7 +845,7 @@ class CloHooks(TokenSelectHooks):
         return mask, report
 
     def slot_maker(self, pipe, model, layout, batch):
-        """As tokenselect's: the host-side rule (thresholds, persistent heads, HATA projections) decided here,
+        """As `SelectionHooks.slot_maker` asks: the host-side rule (thresholds, persistent heads, HATA projections) decided here,
         the arrays made by the function returned."""
         cfg = model.config
         d = cfg.head_dim

@@ -46,7 +46,7 @@ from kvoffload.errors import KVOffloadError
 from kvoffload.models.common import apply_rope, pytree_dataclass, rope_cos_sin
 from kvoffload.models.transformer import family
 from kvoffload.runtime.layer import put_rows
-from kvoffload.policies.selection import choose_tokens
+from kvoffload.policies.selection.choose import choose_tokens
 
 
 class ExtrapolationError(KVOffloadError, ValueError):

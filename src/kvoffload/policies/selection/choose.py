@@ -1,5 +1,5 @@
-"""The selection core the selective policies share (`tokenselect`, `clo`, `extrapolation`): which tokens a
-query's vote selects."""
+"""Which tokens a query's vote selects (`choose_tokens`: the top-k with sinks and recent tokens forced in,
+whole pages), shared by the selective policies (`tokenselect`, `clo`, `extrapolation`)."""
 
 from __future__ import annotations
 
