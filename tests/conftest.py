@@ -34,6 +34,9 @@ SLOW_VARIANTS = {
     "tests/test_int4_pool.py::test_int4_logits_stay_near_native[kvpr-scheduler]":
         "[kvpr-split16], [kvpr-store-split-column]",
     "tests/test_int4_pool.py::test_int4_k_quant_native_or_int8_keys_and_their_bytes[native]": "[int8]",
+    "tests/test_tokenselect_extrapolation.py::test_inside_the_window_same_tokens_as_without[20-10]": "[40-8]",
+    "tests/test_profile.py::test_a_traced_program_splits_by_its_named_scopes":
+        "test_a_clo_decode_step_has_every_fig11_part[False]",
 }
 
 
