@@ -13,7 +13,6 @@ the ceiling a page or hash retrieval can approach.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 

@@ -553,7 +553,6 @@ class CloAttend:
         B, H, d = q.shape
         sel = slots.selection
         n_kv, blk = sel.indices.shape[1], pool_block_tokens(src.pool)
-        K = sel.indices.shape[-1]
         pool_tokens = sum(tables.count) * blk
         # named scopes: the CLO paper's Fig. 11 parts (cache management, retrieval, transfer, attention) in a profile
         with jax.named_scope("cache"):
