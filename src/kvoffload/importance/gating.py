@@ -34,15 +34,12 @@ TRAINABLE_FAMILIES = ("llama", "opt")
 
 
 def check_trainable(cfg: ModelConfig, what: str):
-    """Training runs its own forward pass (gated heads, captured queries and keys), written for full-attention
-    llama and opt models: refuse any other model before work starts rather than train on a wrong forward."""
+    """Training runs its own forward pass (gated heads, captured queries and keys), written for the full-attention
+    llama and opt families: refuse any other model before work starts rather than train on a wrong forward."""
     if cfg.family not in TRAINABLE_FAMILIES:
         raise UnsupportedModelError(f"{what}: the {cfg.family} family is not supported (training covers "
-                         f"{', '.join(TRAINABLE_FAMILIES)}); its scores serve clo / tokenselect, which do not run "
-                         f"{cfg.family} models either")
-    if cfg.has_sliding_layers:
-        raise UnsupportedModelError(f"{what}: the model has sliding-window layers; training attends every layer over the "
-                         "whole context")
+                                    f"{', '.join(TRAINABLE_FAMILIES)}); its scores serve clo / tokenselect, which do "
+                                    f"not run {cfg.family} models either")
 
 
 def final_hidden(cfg: ModelConfig, params, h):
