@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload import ops
-from kvoffload.testing import checks as C
+from kvoffload.testing.cases import case_id, gpu_cases, kernel_cases, reference_cases, run_case
+from kvoffload.testing.oracles import _result, lse_err, rel_err
 
 
 def pinned_host_check():
@@ -46,8 +47,8 @@ def pinned_host_check():
     kh, vh = jax.device_put(k, sh), jax.device_put(v, sh)
     out = ops.sparse_attention(q, kh, vh, idx)
     path = ops.sparse_attention_path()
-    err = max(C.rel_err(out[0], np.asarray(ref[0].astype(jnp.float32))),
-              C.lse_err(np.asarray(out[1]), np.asarray(ref[1])))
+    err = max(rel_err(out[0], np.asarray(ref[0].astype(jnp.float32))),
+              lse_err(np.asarray(out[1]), np.asarray(ref[1])))
     ok = bool(np.isfinite(err) and err < 1e-2)
     return dict(name="sparse pinned_host K/V (auto)", mode="auto", ok=ok, err=err, tol=1e-2,
                 path=path)
@@ -87,8 +88,8 @@ def topk_ops_check():
         out = np.asarray(f("auto"), np.float64)
         fin = np.isfinite(ref)
         same_inf = out.shape == ref.shape and np.array_equal(np.isneginf(out), ~fin)
-        errs[f"err_{name}"] = C.rel_err(out[fin], ref[fin]) if same_inf else float("inf")
-    r = C._result("ops quest/hata/tokenselect impl=auto vs reference", "auto", errs, 1e-4)
+        errs[f"err_{name}"] = rel_err(out[fin], ref[fin]) if same_inf else float("inf")
+    r = _result("ops quest/hata/tokenselect impl=auto vs reference", "auto", errs, 1e-4)
     r["path"] = f"kernel_default={ops.kernel_default()}"
     return r
 
@@ -107,8 +108,8 @@ def paged_ops_check():
     nb = jnp.array([M, 0, 3, 1], jnp.int32)
     ref = ops.paged_decode_attention(q, kb, vb, table, nb, impl="reference")
     out = ops.paged_decode_attention(q, kb, vb, table, nb)
-    err = max(C.rel_err(out[0], np.asarray(ref[0].astype(jnp.float32))),
-              C.lse_err(np.asarray(out[1]), np.asarray(ref[1])))
+    err = max(rel_err(out[0], np.asarray(ref[0].astype(jnp.float32))),
+              lse_err(np.asarray(out[1]), np.asarray(ref[1])))
     bits = lambda x: np.asarray(x, np.float32).view(np.uint32)
     acc = ops.merge_attention_into(ops.empty_attention(q), out)
     first_exact = (np.array_equal(bits(acc[0]), bits(out[0].astype(jnp.float32)))
@@ -123,9 +124,9 @@ def paged_ops_check():
                                    ops.paged_decode_attention(q, kb, vb, table[:, :3], na))
     two = ops.merge_attention_into(two, ops.paged_decode_attention(q, kb, vb, table[:, 3:],
                                                                    nb - na))
-    err_two = max(C.rel_err(two[0], np.asarray(out[0].astype(jnp.float32))),
-                  C.lse_err(np.asarray(two[1]), np.asarray(out[1])))
-    r = C._result("ops paged_decode_attention impl=auto + merge_attention_into", "auto",
+    err_two = max(rel_err(two[0], np.asarray(out[0].astype(jnp.float32))),
+                  lse_err(np.asarray(two[1]), np.asarray(out[1])))
+    r = _result("ops paged_decode_attention impl=auto + merge_attention_into", "auto",
                   dict(err_vs_reference=err, err_two_extents=err_two), 1e-2)
     r["ok"] = r["ok"] and first_exact and noop_exact
     r["path"] = (f"kernel_default={ops.kernel_default()} fold_into_empty_bitwise={first_exact} "
@@ -300,20 +301,20 @@ def main():
                   flush=True)
     for mode in modes:
         if mode == "reference":
-            cases = C.reference_cases(full=args.full)
+            cases = reference_cases(full=args.full)
         elif args.full:
-            cases = C.kernel_cases(full=True)
+            cases = kernel_cases(full=True)
         else:
-            cases = C.gpu_cases() if mode == "kernel" else C.kernel_cases()
+            cases = gpu_cases() if mode == "kernel" else kernel_cases()
         if args.only:
             cases = [(fn, kw) for fn, kw in cases
-                     if any(o in C.case_id(fn, kw) for o in args.only.split(","))]
+                     if any(o in case_id(fn, kw) for o in args.only.split(","))]
         for fn, kw in cases:
             t0 = time.time()
             try:
-                r = C.run_case(fn, kw, mode)
+                r = run_case(fn, kw, mode)
             except Exception as e:  # noqa: BLE001
-                r = dict(name=C.case_id(fn, kw), mode=mode, ok=False, err=float("nan"),
+                r = dict(name=case_id(fn, kw), mode=mode, ok=False, err=float("nan"),
                          tol=0, error=f"{type(e).__name__}: {e}"[:2000],
                          trace=traceback.format_exc()[-3000:])
             r["seconds"] = round(time.time() - t0, 2)

@@ -1,6 +1,6 @@
 """ops.gather_block_rows: rows of one block extent (device or host memory) into device memory, and its
 use by ops.gather_pool_rows (kv=split's V rows, clo's K/V rows). The kernel-vs-NumPy sweep is
-testing/checks.py's check_gather (tests/test_kernels.py, benchmarks/check_kernels.py on the GPU)."""
+testing/rows.py's check_gather (tests/test_kernels.py, benchmarks/check_kernels.py on the GPU)."""
 
 import re
 

@@ -10,32 +10,33 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload import ops
-from kvoffload.testing import checks as C
+from kvoffload.testing import cases, oracles
+from kvoffload.testing.attention import check_decode
 
-_run = C.run_case  # kernel checks take a mode; reference-only checks do not
+_run = cases.run_case  # kernel checks take a mode; reference-only checks do not
 
 
 def _assert(r):
     assert r["ok"], r
 
 
-_REF = C.reference_cases()
-_KER = C.kernel_cases()
+_REF = cases.reference_cases()
+_KER = cases.kernel_cases()
 
 
-@pytest.mark.parametrize("fn,kw", _REF, ids=[C.case_id(f, k) for f, k in _REF])
+@pytest.mark.parametrize("fn,kw", _REF, ids=[cases.case_id(f, k) for f, k in _REF])
 def test_reference(fn, kw):
     _assert(_run(fn, kw, "reference"))
 
 
-@pytest.mark.parametrize("fn,kw", _KER, ids=[C.case_id(f, k) for f, k in _KER])
+@pytest.mark.parametrize("fn,kw", _KER, ids=[cases.case_id(f, k) for f, k in _KER])
 def test_kernel_interpret(fn, kw):
     _assert(_run(fn, kw, "interpret"))
 
 
 def test_coverage_of_shapes():
     """The default subset covers every group size and head dim for decode attention."""
-    dec = [kw for f, kw in _KER if f is C.check_decode]
+    dec = [kw for f, kw in _KER if f is check_decode]
     assert {kw.get("G", 4) for kw in dec} >= {1, 3, 4, 7, 8}
     assert {kw.get("d", 128) for kw in dec} >= {64, 80, 96, 128}
     assert {kw.get("dtype", "float32") for kw in dec} == {"float32", "bfloat16"}
@@ -60,7 +61,7 @@ def _runs_kernel(call):
 
 def _assert_matches(res, o64, l64, tol=1e-5):
     out, lse = res
-    assert C.rel_err(out, o64) < tol and C.lse_err(lse, l64) < tol
+    assert oracles.rel_err(out, o64) < tol and oracles.lse_err(lse, l64) < tol
 
 
 def test_ops_dispatch_and_jit():
@@ -73,7 +74,7 @@ def test_ops_dispatch_and_jit():
     assert _runs_kernel(lambda: ops.decode_attention(q, k, v, L, impl="kernel", interpret=True))
     assert not _runs_kernel(lambda: ops.decode_attention(q, k, v, L, impl="reference"))
     valid = np.broadcast_to(np.arange(64)[None, None] < np.asarray(L)[:, None, None], (2, 2, 64))
-    o64, l64 = C.np_attend(_f64(q), _f64(k), _f64(v), valid, 64 ** -0.5)
+    o64, l64 = oracles.np_attend(_f64(q), _f64(k), _f64(v), valid, 64 ** -0.5)
     for res in (ops.decode_attention(q, k, v, L),
                 ops.decode_attention(q, k, v, L, impl="kernel", interpret=True),
                 ops.decode_attention(q, k, v, L, impl="reference"),
@@ -103,12 +104,12 @@ def test_sparse_paths_and_pinned_host():
     q, k, v = _inputs(S=128)
     idx = jnp.asarray(np.random.default_rng(2).permutation(128)[:16].reshape(1, 1, 16)
                       .repeat(2, 0).repeat(2, 1), jnp.int32)
-    pos, ok = C.np_positions(np.asarray(idx), None, 1, 128)
+    pos, ok = oracles.np_positions(np.asarray(idx), None, 1, 128)
     valid = np.zeros((2, 2, 128), bool)
     for b in range(2):
         for h in range(2):
             valid[b, h, pos[b, h][ok[b, h]]] = True
-    o64, l64 = C.np_attend(_f64(q), _f64(k), _f64(v), valid, 64 ** -0.5)
+    o64, l64 = oracles.np_attend(_f64(q), _f64(k), _f64(v), valid, 64 ** -0.5)
     on_gpu = ops.kernel_default()
 
     def check(k, v, paths, **kw):
@@ -152,10 +153,10 @@ def test_topk_pipeline_to_sparse_attention():
         for h in range(2):
             mask[b, h, np.asarray(idx[b, h, : nv[b, h]])] = True
             assert mask[b, h, :4].all() and mask[b, h, int(L[b]) - 8: int(L[b])].all()
-    o64, l64 = C.np_attend(np.asarray(q, np.float64), np.asarray(k, np.float64),
+    o64, l64 = oracles.np_attend(np.asarray(q, np.float64), np.asarray(k, np.float64),
                            np.asarray(v, np.float64), mask, 64 ** -0.5)
-    assert C.rel_err(out, o64) < 1e-5
-    assert C.lse_err(lse, l64) < 1e-5
+    assert oracles.rel_err(out, o64) < 1e-5
+    assert oracles.lse_err(lse, l64) < 1e-5
 
 
 def test_int4_ops():
@@ -169,7 +170,7 @@ def test_int4_ops():
         L = jnp.array([80, 3], jnp.int32)
         valid = np.broadcast_to(np.arange(80)[None, None] < np.asarray(L)[:, None, None],
                                 (2, 2, 80))
-        o64, l64 = C.np_attend(_f64(q), _f64(ops.dequantize(kq)),
+        o64, l64 = oracles.np_attend(_f64(q), _f64(ops.dequantize(kq)),
                                _f64(ops.dequantize(vq)), valid, d ** -0.5)
         auto = lambda: ops.decode_attention_int4(q, kq, vq, L)  # noqa: E731
         assert _runs_kernel(auto) == (ops.kernel_default() and supported)
@@ -200,7 +201,7 @@ def test_recompute_ops(d, T, rope, bias):
         cos = sin = None
     f = (lambda a: None if a is None else _f64(a))  # noqa: E731
     zero = np.zeros(n_kv * d)
-    k64, v64 = C.np_recompute_kv(f(x), f(wk), zero if bk is None else f(bk), f(wv),
+    k64, v64 = oracles.np_recompute_kv(f(x), f(wk), zero if bk is None else f(bk), f(wv),
                                  zero if bv is None else f(bv), f(cos), f(sin), n_kv)
     call = lambda **o: ops.recompute_kv(x, wk, bk, wv, bv, cos, sin, n_kv=n_kv, **o)  # noqa: E731
     kernel_ok = d != 80 and T >= ops.RECOMPUTE_KERNEL_MIN_TOKENS
@@ -210,7 +211,7 @@ def test_recompute_ops(d, T, rope, bias):
         results.append(call(impl="kernel", interpret=True))
     for kk, vv in results:
         assert kk.shape == vv.shape == (B, n_kv, T, d) and kk.dtype == jnp.float32
-        assert C.rel_err(kk, k64) < 1e-5 and C.rel_err(vv, v64) < 1e-5
+        assert oracles.rel_err(kk, k64) < 1e-5 and oracles.rel_err(vv, v64) < 1e-5
 
 
 def test_few_row_linear_dispatch_values_and_gradient():
@@ -228,7 +229,7 @@ def test_few_row_linear_dispatch_values_and_gradient():
         for got in (ops.matmul_f32(x, ww), ops.matmul_f32(x, ww, impl="kernel", interpret=True),
                     ops.matmul_f32(x, ww, impl="reference")):
             assert got.shape == (rows, 1, 70) and got.dtype == jnp.float32
-            assert np.abs(want).max() > 1 and C.rel_err(got.reshape(rows, 70), want) < 1e-5
+            assert np.abs(want).max() > 1 and oracles.rel_err(got.reshape(rows, 70), want) < 1e-5
 
     x = jnp.asarray(rng.standard_normal((2, 1, 300)), jnp.bfloat16)
     tgt = jnp.asarray(rng.standard_normal((2, 1, 70)), jnp.float32)
@@ -283,31 +284,33 @@ def test_topk_score_ops_dispatch():
             f(impl="bogus")
     with pytest.raises(ValueError):
         ops.quest_page_scores(q, kmin, kmax, impl="kernel", interpret=True, group_reduce="min")
+    from kvoffload.pallas.topk import hata_scores_kernel
+
     with pytest.raises(ValueError):
-        C._tk.hata_scores_kernel(qc, kc, L, interpret=True, popcount="table")
+        hata_scores_kernel(qc, kc, L, interpret=True, popcount="table")
 
 
-_REF_FULL = C.reference_cases(full=True)
-_KER_FULL = C.kernel_cases(full=True)
+_REF_FULL = cases.reference_cases(full=True)
+_KER_FULL = cases.kernel_cases(full=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fn,kw", _REF_FULL, ids=[C.case_id(f, k) for f, k in _REF_FULL])
+@pytest.mark.parametrize("fn,kw", _REF_FULL, ids=[cases.case_id(f, k) for f, k in _REF_FULL])
 def test_reference_full(fn, kw):
     _assert(_run(fn, kw, "reference"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fn,kw", _KER_FULL, ids=[C.case_id(f, k) for f, k in _KER_FULL])
+@pytest.mark.parametrize("fn,kw", _KER_FULL, ids=[cases.case_id(f, k) for f, k in _KER_FULL])
 def test_kernel_interpret_full(fn, kw):
     _assert(_run(fn, kw, "interpret"))
 
 
-_GPU = C.gpu_cases()
+_GPU = cases.gpu_cases()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fn,kw", _GPU, ids=[C.case_id(f, k) for f, k in _GPU])
+@pytest.mark.parametrize("fn,kw", _GPU, ids=[cases.case_id(f, k) for f, k in _GPU])
 def test_kernel_compiled_gpu(fn, kw):
     """Compiled Triton kernels on a GPU (pytest -m gpu); same suite as benchmarks/check_kernels.py."""
     if jax.default_backend() != "gpu":

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 
 from kvoffload import ops
 from kvoffload.errors import KVOffloadError
-from kvoffload.testing import checks as C
+from kvoffload.testing.attention import check_paged
+from kvoffload.testing.cases import case_id
 from kvoffload.pallas.paged_attention import PagedLayoutError
 
-# (kwargs of checks.check_paged); every case has a row with M blocks and a row with none
+# (kwargs of testing.attention.check_paged); every case has a row with M blocks and a row with none
 _CASES = [
     dict(G=1, d=64, blk=16, dtype="float32"),
     dict(G=3, d=80, blk=64, dtype="bfloat16"),
@@ -19,19 +20,19 @@ _CASES = [
     # blk not a power of two (padded tiles); the kernel walks the whole table in one program
     dict(G=4, d=64, blk=24, dtype="float32", M=3, num_splits=1),
 ]
-_IDS = [C.case_id(C.check_paged, k) for k in _CASES]
+_IDS = [case_id(check_paged, k) for k in _CASES]
 
 
 @pytest.mark.parametrize("kw", _CASES, ids=_IDS)
 def test_reference_vs_float64(kw):
     kw = {k: v for k, v in kw.items() if k != "num_splits"}  # a kernel launch parameter
-    r = C.check_paged(mode="reference", **kw)
+    r = check_paged(mode="reference", **kw)
     assert r["ok"], r
 
 
 @pytest.mark.parametrize("kw", _CASES, ids=_IDS)
 def test_kernel_interpret_vs_float64(kw):
-    r = C.check_paged(mode="interpret", **kw)
+    r = check_paged(mode="interpret", **kw)
     assert r["ok"], r
 
 
