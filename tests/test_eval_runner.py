@@ -9,7 +9,7 @@ import pytest
 from kvoffload.eval import cli_main, parse_lengths, parse_policies, run_longbench, run_perplexity, run_ruler
 from kvoffload.eval import perplexity as pp
 from kvoffload.eval.report import format_table, load_records, summarize
-from kvoffload.eval.runner import parse_seeds
+from kvoffload.eval.parse import parse_seeds
 from kvoffload.models import tiny_random_model
 from kvoffload.policies import base as policy_base
 
@@ -200,9 +200,9 @@ def test_ruler_records_selection_hit_rates(model, spec, tmp_path):
 
 
 def _sha_of(ids):
-    from kvoffload.eval.runner import _sha
+    from kvoffload.eval.results import prompt_sha
 
-    return _sha(ids)
+    return prompt_sha(ids)
 
 
 def test_perplexity_runner(model, two_policies, tmp_path):

@@ -105,7 +105,7 @@ def test_cli_offload_weights_no_is_false():
 
 
 def test_eval_spec_options_are_typed(capsys, tmp_path):
-    from kvoffload.eval.runner import parse_policies
+    from kvoffload.eval.parse import parse_policies
 
     spec = parse_policies("offload:offload_weights=no,block_tokens=32")[0]
     assert spec.options_dict == {"offload_weights": False, "block_tokens": 32}

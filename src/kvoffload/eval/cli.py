@@ -141,7 +141,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Runs the benchmark a parsed namespace asks for; prints the summary table. Returns an exit code."""
     from kvoffload.errors import USER_ERRORS, one_line
 
-    from . import runner
+    from . import parse, runner
 
     bench = args.eval_benchmark
     if bench == "compare":
@@ -152,8 +152,8 @@ def run_from_args(args: argparse.Namespace) -> int:
               "choose one", file=sys.stderr)
         return 2
     try:
-        specs = runner.parse_policies(args.policy or ["full"])
-        lengths = runner.parse_lengths(args.lengths) if args.lengths else None
+        specs = parse.parse_policies(args.policy or ["full"])
+        lengths = parse.parse_lengths(args.lengths) if args.lengths else None
         if bench == "ruler":
             from .ruler import check_installed
 
@@ -173,7 +173,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         template = args.template or {"on": "chat", "off": "plain"}.get(args.chat_template, "auto")
     if bench == "ruler":
         try:
-            seeds = runner.parse_seeds(args.seeds)
+            seeds = parse.parse_seeds(args.seeds)
         except ValueError as e:
             print(f"kvoffload eval {bench}: error: --seeds: {e}", file=sys.stderr)
             return 2

@@ -74,7 +74,7 @@ def summarize(records: Sequence[dict], benchmark: str) -> list[dict]:
     return rows
 
 
-# the per-sample ``selection`` statistics (kvoffload.eval.runner.selection_stats) a summary row averages
+# the per-sample ``selection`` statistics (kvoffload.eval.generation.selection_stats) a summary row averages
 SELECTION_COLUMNS = ("hit_rate", "guess_hit_rate", "bytes_fetched_per_step")
 
 

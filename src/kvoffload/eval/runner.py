@@ -7,524 +7,42 @@ are written by :mod:`kvoffload.eval.report` at the end. The policy list is open:
 any name in ``kvoffload.policies.available_policies()`` works, with options
 (``topk:k=256,sink=4``), and a policy may appear several times under different
 options. Policies with a selection cache (``clo``, ``tokenselect``) add to each record its engine
-call's reuse statistics under ``selection`` (:func:`selection_stats`; the same for every sample of a
+call's reuse statistics under ``selection`` (:func:`.generation.selection_stats`; the same for every sample of a
 batch), which the summary averages. A ``generate_fn`` given in place of the engine's is called as
 ``generate_fn(model, prompts, max_new_tokens, policy=<built Policy>, temperature=0.0, stop_on_eos=True)``.
+
+This module runs each benchmark; its parts are parse.py (policies, lengths, seeds), generation.py (prompt
+format, batched greedy generation, selection statistics) and results.py (the results file, resume, progress,
+the run's end).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import sys
 import time
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 import numpy as np
 
-from kvoffload.errors import KVOffloadError
-from kvoffload.policies import Policy, make_policy
-
-__all__ = [
-    "PolicySpec",
-    "parse_policies",
-    "parse_lengths",
-    "EvalResult",
-    "selection_stats",
-    "run_ruler",
-    "run_longbench",
-    "run_perplexity",
-]
-
-
-# ------------------------------------------------------------------ policies & lengths
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """One policy to evaluate: a registry name, its options, and the label shown in reports."""
-
-    name: str
-    options: tuple[tuple[str, Any], ...] = ()
-    label: str = ""
-
-    @property
-    def options_dict(self) -> dict:
-        return dict(self.options)
-
-    def __post_init__(self):
-        if not self.label:
-            lab = self.name
-            if self.options:
-                lab += ":" + ",".join(f"{k}={_fmt_value(v)}" for k, v in self.options)
-            object.__setattr__(self, "label", lab)
-
-
-def _fmt_value(v) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
-
-
-def _parse_value(s: str):
-    try:
-        return json.loads(s)
-    except json.JSONDecodeError:
-        return s
-
-
-def parse_policies(specs: str | Sequence[str], available: Sequence[str] | None = None) -> list[PolicySpec]:
-    """Parse ``"full,offload,topk:k=256,sink=4"`` (or a list of such strings) into PolicySpecs.
-
-    A segment with ``=`` and no ``:`` continues the options of the policy before it.
-    Values are JSON where they parse (numbers, booleans, lists), strings otherwise.
-    ``available``: the registered policy names (default: ``available_policies()``);
-    unknown names raise ValueError listing them.
-    """
-    if isinstance(specs, str):
-        specs = [specs]
-    groups: list[list[str]] = []
-    for spec in specs:
-        for seg in (s.strip() for s in spec.split(",")):
-            if not seg:
-                continue
-            if "=" in seg and ":" not in seg.split("=", 1)[0]:
-                if not groups:
-                    raise ValueError(f"policy option {seg!r} comes before any policy name")
-                groups[-1].append(seg)
-            else:
-                groups.append([seg])
-    if not groups:
-        raise ValueError("no policy given")
-    check_options = available is None  # names given by hand (tests) need not be registered
-    if available is None:
-        from kvoffload.policies import available_policies
-
-        available = available_policies()
-    out: list[PolicySpec] = []
-    for g in groups:
-        name, _, first = g[0].partition(":")
-        opts = []
-        for kv in ([first] if first else []) + g[1:]:
-            k, eq, v = kv.partition("=")
-            if not eq or not k.strip():
-                raise ValueError(f"bad policy option {kv!r} in {g[0]!r} (use name:key=value,key=value)")
-            opts.append((k.strip(), v.strip()))
-        name = name.strip()
-        if name not in available:
-            raise ValueError(f"unknown policy {name!r}; available: {', '.join(available)}")
-        if check_options:  # typed by the policy's schema now: an unknown, repeated or bad option fails before the run
-            from kvoffload.policies.base import check_options as parse_typed
-
-            typed = parse_typed(name, opts)
-            opts = [(k, typed[k]) for k, _ in opts if k in typed]
-        else:
-            if len({k for k, _ in opts}) < len(opts):
-                raise ValueError(f"an option is given twice in {g[0]!r}")
-            opts = [(k, _parse_value(v)) for k, v in opts]
-        spec = PolicySpec(name, tuple(opts))
-        if any(s.label == spec.label for s in out):
-            raise ValueError(f"policy {spec.label!r} is listed twice")
-        out.append(spec)
-    return out
-
-
-def parse_lengths(s: str | int | Sequence[str | int]) -> list[int]:
-    """``"4k,8K,16384"`` -> ``[4096, 8192, 16384]`` (k = 1024)."""
-    if isinstance(s, int):
-        return [s]
-    items = s.split(",") if isinstance(s, str) else list(s)
-    out = []
-    for it in items:
-        if isinstance(it, int):
-            out.append(it)
-            continue
-        t = it.strip().lower()
-        if not t:
-            continue
-        mult = 1
-        if t.endswith("k"):
-            mult, t = 1024, t[:-1]
-        elif t.endswith("m"):
-            mult, t = 1024 * 1024, t[:-1]
-        try:
-            v = int(float(t) * mult)
-        except ValueError:
-            raise ValueError(f"bad length {it!r} (use e.g. 4096, 4k, 32K)") from None
-        if v <= 0:
-            raise ValueError(f"length must be positive, got {it!r}")
-        out.append(v)
-    if not out:
-        raise ValueError("no length given")
-    return out
-
-
-# ------------------------------------------------------------------------- plumbing
-
-
-class _Progress:
-    """A tqdm bar over the run's work units (samples; windows for perplexity) with rate and ETA; its
-    description names the task, length and policy under way, its postfix the last result. Notes print
-    above the bar. stream None: silent."""
-
-    def __init__(self, benchmark: str, total: int, stream: TextIO | None, unit: str = "sample"):
-        from tqdm import tqdm
-
-        self.benchmark, self.stream = benchmark, stream
-        self.bar = None if stream is None else tqdm(total=total, desc=benchmark, unit=unit, file=stream,
-                                                   dynamic_ncols=True, smoothing=0.05)
-
-    def task(self, what: str):
-        if self.bar is not None:
-            self.bar.set_description(f"{self.benchmark} {what}", refresh=False)
-
-    def step(self, msg: str, n: int = 1):
-        if self.bar is not None:
-            self.bar.set_postfix_str(msg, refresh=False)
-            self.bar.update(n)
-
-    def note(self, msg: str):
-        if self.bar is not None:
-            self.bar.write(f"[{self.benchmark}] {msg}", file=self.stream)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _hms(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def _sha(ids: Sequence[int]) -> str:
-    return hashlib.sha1(np.asarray(ids, np.int64).tobytes()).hexdigest()[:16]
-
-
-class ExistingResultsError(KVOffloadError, ValueError):
-    """The output directory holds results of an earlier run and neither resume nor overwrite was asked."""
-
-
-class _ResultsFile:
-    """Appends per-sample records, one JSON line each, after a first line holding the run's provenance
-    (`kvoffload.provenance`). With resume, refuses a file whose provenance differs from this run's (naming
-    the fields) and knows which samples were done before; the file is read as bytes and a last line cut by a
-    crash is dropped, whatever it holds (even half a UTF-8 character). Without resume, refuses a file holding
-    earlier results unless overwrite."""
-
-    def __init__(self, path: Path, resume: bool, overwrite: bool = False, provenance: dict | None = None):
-        from kvoffload.provenance import check_same
-
-        self.path = path
-        self.done: dict[tuple, dict] = {}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        held = path.exists() and path.stat().st_size > 0
-        if held and resume:
-            header, rows, complete = self._read(path)
-            if provenance is not None:
-                check_same(path, header, provenance)
-            for r in rows:
-                if "error" not in r:
-                    self.done[self.key(r)] = r
-            with open(path, "r+b") as f:  # a cut last line goes: its sample runs again
-                f.truncate(complete)
-        elif held and not overwrite:
-            raise ExistingResultsError(
-                f"{path} holds results of an earlier run; pass --resume (resume=True) to keep them and run only "
-                "the missing samples, or --overwrite (overwrite=True) to replace them, or choose another --out")
-        self._f = open(path, "a" if resume else "w", encoding="utf-8")
-        # written with the first record: a run refused before any sample leaves no file that looks like results
-        self._header = None if held and resume else provenance
-
-    @staticmethod
-    def _read(path: Path) -> tuple[dict | None, list[dict], int]:
-        """(the provenance header or None, the records, the byte length of the complete lines)."""
-        data = path.read_bytes()
-        complete = data.rfind(b"\n") + 1  # past the last newline: a line without one was cut mid-write
-        header, rows = None, []
-        for line in data[:complete].splitlines():
-            try:
-                r = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                continue  # a damaged line: its sample runs again
-            if isinstance(r, dict) and "provenance" in r:
-                header = header or r["provenance"]
-            elif isinstance(r, dict):
-                rows.append(r)
-        return header, rows, complete
-
-    @staticmethod
-    def key(r: dict) -> tuple:
-        return (r.get("task"), r.get("length"), r.get("policy"), r.get("seed"), r.get("index"), r.get("prompt_sha"))
-
-    def write(self, r: dict):
-        if self._header is not None:
-            header, self._header = self._header, None
-            self.write({"provenance": header})
-        self._f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        self._f.flush()
-
-    def close(self):
-        self._f.close()
-
-
-def run_provenance(model, benchmark: str, specs: Sequence["PolicySpec"], same: dict, info: dict) -> dict:
-    """The provenance of an evaluation run: the model (fingerprint and dtype), the package version, the
-    benchmark and `same` (settings that make a row mean something else) are compared on resume; the
-    policies and `info` (sample counts, lengths, tasks: a resume may add to them) are recorded."""
-    from kvoffload.provenance import make_provenance
-
-    policies = [{"label": s.label, "name": s.name, "options": s.options_dict} for s in specs]
-    return make_provenance(model, same={"benchmark": benchmark, **same}, info={"policies": policies, **info})
-
-
-def _resume_or_run(rf: _ResultsFile, prog: _Progress, records: list[dict], errors: list[str], *, benchmark: str,
-                   task: str, length: int, spec: "PolicySpec", items: list[dict],
-                   run: Callable[[list[dict], Callable[..., None]], None]):
-    """The loop every benchmark shares for one (task, length, policy): items (dicts with ``index`` and
-    ``sha``, the prompt's hash; with task None each item names its ``task``, so that one engine call can batch
-    samples of several tasks) already in the results file are taken from it; the rest go to
-    ``run(todo, emit)``, which calls ``emit(item, record, steps=1)`` for each finished item. Each
-    record gets the common fields, is written and kept. A failure of ``run`` is recorded (in the file
-    and ``errors``) and does not stop the other policies."""
-    where = f"{task or 'all tasks'} L={length} {spec.label}"
-    prog.task(where)
-    running: list[float] = []
-    todo = []
-    for it in items:
-        r = rf.done.get((it.get("task", task), length, spec.label, it.get("seed"), it["index"], it["sha"]))
-        if r is None:
-            todo.append(it)
-            continue
-        records.append(r)
-        running.append(r["score"])
-        prog.step(f"#{it['index']} (resumed) score={r['score']:.2f}", n=r.get("windows", 1))
-    pending = {id(it) for it in todo}
-
-    def emit(it: dict, r: dict, steps: int = 1):
-        r = {"benchmark": benchmark, "task": it.get("task", task), "length": length, "policy": spec.label,
-             "policy_name": spec.name,
-             "policy_options": spec.options_dict, "index": it["index"], **r, "prompt_sha": it["sha"]}
-        rf.write(r)
-        records.append(r)
-        running.append(r["score"])
-        pending.discard(id(it))
-        prog.step(f"#{it['index']} score={r['score']:.2f} (mean {np.mean(running):.2f})", n=steps)
-
-    if not todo:
-        return
-    try:
-        run(todo, emit)
-    except Exception as e:  # one failing policy must not sink the others
-        msg = f"{spec.label} failed on {task or 'a batch of tasks'} L={length}: {type(e).__name__}: {e}"
-        errors.append(msg)
-        prog.note("ERROR " + msg + "\n" + traceback.format_exc(limit=3))
-        rf.write({"benchmark": benchmark, "task": task or sorted({it["task"] for it in todo}), "length": length,
-                  "policy": spec.label, "error": msg})
-        prog.step("failed", n=sum(it.get("steps", 1) for it in todo if id(it) in pending))
-
-
-@dataclass
-class EvalResult:
-    """What a run produced: per-sample records, the summary rows and the files written."""
-
-    benchmark: str
-    records: list[dict]
-    summary: list[dict]
-    files: dict[str, str] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    table: str = ""
-
-
-def _engine_generate():
-    from kvoffload.engine import generate
-
-    return generate
-
-
-def _engine_logprobs():
-    from kvoffload.engine import teacher_forced_logprobs
-
-    return teacher_forced_logprobs
-
-
-TEMPLATES = ("auto", "chat", "plain")
-
-
-def _resolve_chat(tok, template: str | bool | None):
-    """The prompt format: ``chat`` wraps each prompt in the model's chat template (an error where it has none),
-    ``plain`` is the task's own template with its answer prefix (as for base models), ``auto`` chat where the
-    tokenizer has a template. The older spellings on / off / True / False / None are accepted."""
-    from .ruler import ChatWrapper
-
-    modes = {"auto": None, "chat": True, "plain": False, "on": True, "off": False, None: None, True: True,
-             False: False}
-    if isinstance(template, str) and template not in modes or not isinstance(template, (str, bool, type(None))):
-        raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {template!r}")
-    return ChatWrapper.from_tokenizer(tok, modes[template])
-
-
-def template_name(chat) -> str:
-    """The prompt format a run used, as its records and summaries name it: chat or plain."""
-    return "chat" if chat.enabled else "plain"
-
-
-def parse_seeds(seeds: int | str | Sequence[int | str]) -> list[int]:
-    """``"1,2,3"``, ``[1, 2, 3]`` or ``42`` -> a list of distinct whole-number seeds (in order)."""
-    items = seeds.split(",") if isinstance(seeds, str) else [seeds] if isinstance(seeds, (int, np.integer)) \
-        else list(seeds)
-    out: list[int] = []
-    for it in items:
-        t = it.strip() if isinstance(it, str) else it
-        if isinstance(t, str) and not t:
-            continue
-        try:
-            v = int(t) if not isinstance(t, (bool, float)) else None
-        except ValueError:
-            v = None
-        if v is None or v < 0:
-            raise ValueError(f"bad seed {it!r}: seeds are whole numbers >= 0 (e.g. --seeds 1,2,3)")
-        if v in out:
-            raise ValueError(f"seed {v} is listed twice")
-        out.append(v)
-    if not out:
-        raise ValueError("no seed given")
-    return out
-
-
-def _as_specs(policies) -> list[PolicySpec]:
-    if isinstance(policies, str) or (isinstance(policies, (list, tuple)) and policies and isinstance(policies[0], str)):
-        return parse_policies(policies)
-    return list(policies)
-
-
-def _check_count(n, what: str):
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"{what} must be a whole number >= 1, got {n!r}")
-
-
-def _max_positions(model) -> int:
-    return int(model.config.max_position_embeddings)
-
-
-def selection_stats(described: dict) -> dict | None:
-    """The selection-cache reuse in a policy's ``describe(state)`` (clo, tokenselect), in short; None for a
-    policy that reports none. ``hit_rate``: the fraction of (step, layer, KV head) looks that reused the
-    cached selection, over the run's decode steps; ``hit_rate_per_layer``; ``hit_rate_cached_heads`` (clo:
-    without its persistent heads); ``guess_hit_rate`` (clo with speculative prefetch: the fraction of the
-    fresh selections' rows its guesses had fetched); ``bytes_fetched_per_step`` (K and V rows gathered
-    from the host, per decode step, where the policy counts them). Rates are None when nothing was decoded
-    past the prefill (no selection ran)."""
-    sel = next((v for v in described.values() if isinstance(v, dict) and "hit_rate" in v), None)
-    if sel is None:
-        return None
-    steps = int(described.get("last_step", {}).get("step", -1)) + 1  # the decode steps the state went through
-    out = {"decode_steps": steps, "hit_rate": sel["hit_rate"] if steps else None,
-           "hit_rate_per_layer": sel["hit_rate_per_layer"] if steps else None}
-    if "hit_rate_cached_heads" in sel:
-        out["hit_rate_cached_heads"] = sel["hit_rate_cached_heads"] if steps else None
-    if "speculative_prefetch" in sel:
-        out["guess_hit_rate"] = sel["speculative_prefetch"]["guess_hit_rate"]
-    fetched = [sel[k] for k in ("v_bytes_fetched", "k_bytes_fetched") if k in sel]
-    if fetched:
-        out["bytes_fetched_per_step"] = sum(fetched) / steps if steps else None
-    return out
-
-
-class _KeepsLastState(Policy):
-    """A built policy that keeps the state its last prefill or decode step returned, so that what the run
-    did (``describe(state)``: selection-cache hits, bytes fetched) can be read after ``generate`` returns.
-    Everything else (``extrapolates``, ``release``, ...) is the policy's own."""
-
-    def __init__(self, policy: Policy):
-        self.policy, self.name, self.state = policy, policy.name, None
-
-    def __getattr__(self, attr):
-        if attr == "policy":  # not set yet: no recursion
-            raise AttributeError(attr)
-        return getattr(self.policy, attr)
-
-    def prefill(self, model, tokens, lengths, capacity):
-        logits, self.state = self.policy.prefill(model, tokens, lengths, capacity)
-        return logits, self.state
-
-    def decode_step(self, model, state, tokens):
-        logits, self.state = self.policy.decode_step(model, state, tokens)
-        return logits, self.state
-
-    def describe(self, state=None) -> dict:
-        return self.policy.describe(state)
-
-    def selection_stats(self) -> dict | None:
-        """:func:`selection_stats` of the last run; lets its state (the KV cache) go."""
-        state, self.state = self.state, None
-        return None if state is None else selection_stats(self.policy.describe(state))
-
-
-def _generate_group(model, items: list[dict], spec: PolicySpec, generate_fn, batch_size: int,
-                    on_done: Callable[[dict, list[int], float, dict], None]):
-    """Greedy generation for items (dicts with prompt_ids, max_new_tokens), batched by max_new_tokens (items of
-    equal budgets grouped, in their order). on_done(item, new_ids, seconds, extra): extra holds the batch's
-    ``selection`` statistics (the same for every item of the batch; :func:`selection_stats`) where the policy
-    reports them."""
-    budgets = list(dict.fromkeys(it["max_new_tokens"] for it in items))
-    items = sorted(items, key=lambda it: budgets.index(it["max_new_tokens"]))
-    i = 0
-    while i < len(items):
-        batch = [items[i]]
-        while (len(batch) < batch_size and i + len(batch) < len(items)
-               and items[i + len(batch)]["max_new_tokens"] == batch[0]["max_new_tokens"]):
-            batch.append(items[i + len(batch)])
-        # built here, as generate would from the name, and kept, to read its state after the run
-        pol = _KeepsLastState(make_policy(spec.name, **spec.options_dict))
-        t0 = time.time()
-        outs = generate_fn(model, [b["prompt_ids"] for b in batch], batch[0]["max_new_tokens"], policy=pol,
-                           temperature=0.0, stop_on_eos=True)
-        dt = (time.time() - t0) / len(batch)
-        stats = pol.selection_stats()
-        extra = {"selection": stats} if stats else {}
-        for b, o in zip(batch, outs):
-            on_done(b, [int(t) for t in o], dt, extra)
-        i += len(batch)
-
-
-def _finish(benchmark: str, records: list[dict], out_dir: Path, errors: list[str], t0: float,
-            meta: dict, progress: _Progress, baseline: str, plot: bool) -> EvalResult:
-    from . import report
-
-    summary = report.summarize(records, benchmark)
-    files = report.write_report(out_dir, benchmark, records, summary, meta=meta, baseline=baseline, plot=plot)
-    table = report.format_table(summary, benchmark, baseline=baseline)
-    res = EvalResult(benchmark, records, summary, files, errors, time.time() - t0, table)
-    progress.note(f"done in {_hms(res.seconds)}; results in {out_dir}")
-    progress.close()
-    return res
-
-
-def _meta(model, benchmark: str, specs: list[PolicySpec], extra: dict) -> dict:
-    import platform
-
-    m = {
-        "benchmark": benchmark,
-        "policies": [{"label": s.label, "name": s.name, "options": s.options_dict} for s in specs],
-        "model": getattr(model, "name", None) or getattr(getattr(model, "config", None), "name_or_path", None),
-        "max_position_embeddings": _max_positions(model),
-        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cpus",
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    try:
-        import jax
-
-        m["jax_backend"] = jax.default_backend()
-        m["devices"] = [str(d) for d in jax.devices()]
-    except Exception:  # pragma: no cover
-        pass
-    m.update(extra)
-    return m
+from .generation import engine_generate, engine_logprobs, generate_group, resolve_chat, template_name
+from .parse import PolicySpec, as_specs, check_count, parse_seeds
+from .results import (
+    EvalResult,
+    Progress,
+    ResultsFile,
+    finish_run,
+    max_positions,
+    prompt_sha,
+    resume_or_run,
+    run_meta,
+    run_provenance,
+)
+
+__all__ = ["run_ruler", "run_longbench", "run_perplexity"]
 
 
 # ---------------------------------------------------------------------------- RULER
@@ -540,7 +58,7 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
     """RULER tasks x lengths x seeds x policies on the same samples; writes results, summary and plot.
     seed: one generator seed or several (``[1, 2, 3]``, ``"1,2,3"``): num_samples per task, length and seed,
     every record carrying its seed (42, RULER's own, is the development set: accept on others, see
-    docs/EVALUATION.md). template: ``chat``, ``plain`` or ``auto`` (`_resolve_chat`; ``chat_template`` is its
+    docs/EVALUATION.md). template: ``chat``, ``plain`` or ``auto`` (`resolve_chat`; ``chat_template`` is its
     older name). resume: keep the results already in out_dir and run only the missing samples; overwrite:
     replace them (without either, earlier results are refused rather than lost)."""
     from . import ruler
@@ -550,30 +68,30 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
             raise ValueError("template and chat_template (its older name) set the same thing: give one")
         template = chat_template
     seeds = parse_seeds(seed)
-    _check_count(num_samples, "num_samples (--num-samples)")
-    _check_count(batch_size, "batch_size (--batch-size)")
+    check_count(num_samples, "num_samples (--num-samples)")
+    check_count(batch_size, "batch_size (--batch-size)")
     t_start = time.time()
-    specs = _as_specs(policies)
+    specs = as_specs(policies)
     tasks = list(tasks or ruler.RULER_TASKS)
     for t in tasks:
         ruler.task_config(t)  # unknown task -> KeyError now, not after an hour
     lengths = [int(x) for x in lengths]
-    limit = _max_positions(model)
+    limit = max_positions(model)
     too_long = [L for L in lengths if L > limit]
     if too_long:
         raise ValueError(f"context length(s) {too_long} exceed the model's {limit} positions "
                          f"(max_position_embeddings); RULER lengths count prompt + answer tokens")
     tok = model.tokenizer
-    chat = _resolve_chat(tok, template)
+    chat = resolve_chat(tok, template)
     fmt = template_name(chat)
-    generate_fn = generate_fn or _engine_generate()
+    generate_fn = generate_fn or engine_generate()
     out = Path(out_dir)
     # the template changes what a row means (compared on resume); each record names its seed, so a resume may
     # add seeds as it may add tasks or lengths
     prov = run_provenance(model, "ruler", specs, {"template": fmt},
                           {"tasks": tasks, "lengths": lengths, "num_samples": num_samples, "seeds": seeds})
-    rf = _ResultsFile(out / "ruler_results.jsonl", resume, overwrite, prov)
-    prog = _Progress("ruler", len(tasks) * len(lengths) * len(seeds) * len(specs) * num_samples, progress)
+    rf = ResultsFile(out / "ruler_results.jsonl", resume, overwrite, prov)
+    prog = Progress("ruler", len(tasks) * len(lengths) * len(seeds) * len(specs) * num_samples, progress)
     prog.note(f"tasks={','.join(tasks)} lengths={lengths} seeds={seeds} policies={[s.label for s in specs]} "
               f"samples={num_samples} per seed, template={fmt}")
     records: list[dict] = []
@@ -602,7 +120,7 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
                     if not save_inputs:
                         s.input = ""  # keep memory flat at long lengths; the ids are what runs
                     items.append({"sample": s, "index": s.index, "seed": sd, "prompt_ids": s.prompt_ids,
-                                  "max_new_tokens": s.max_new_tokens, "sha": _sha(s.prompt_ids)})
+                                  "max_new_tokens": s.max_new_tokens, "sha": prompt_sha(s.prompt_ids)})
             all_items[(task, L)] = items
     if infeasible:
         if samples_file:
@@ -625,19 +143,19 @@ def run_ruler(model, *, tasks: Sequence[str] | None = None, lengths: Sequence[in
                                   "new_tokens": len(new_ids), "seconds": round(dt, 3), "seed": it["seed"],
                                   "template": fmt, **extra})
 
-                    _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
+                    generate_group(model, todo, spec, generate_fn, batch_size, on_done)
 
-                _resume_or_run(rf, prog, records, errors, benchmark="ruler", task=None, length=L, spec=spec,
+                resume_or_run(rf, prog, records, errors, benchmark="ruler", task=None, length=L, spec=spec,
                                items=items, run=run)
     finally:
         rf.close()
         prog.close()
         if samples_file:
             samples_file.close()
-    meta = _meta(model, "ruler", specs, {"tasks": tasks, "lengths": lengths, "num_samples": num_samples,
+    meta = run_meta(model, "ruler", specs, {"tasks": tasks, "lengths": lengths, "num_samples": num_samples,
                                           "seeds": seeds, "template": fmt, "chat_template": chat.enabled,
                                           "errors": errors, "provenance": prov})
-    return _finish("ruler", records, out, errors, t_start, meta, prog, baseline, plot)
+    return finish_run("ruler", records, out, errors, t_start, meta, prog, baseline, plot)
 
 
 # ------------------------------------------------------------------------ LongBench
@@ -654,15 +172,15 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
     :func:`run_ruler`)."""
     from . import longbench as lb
 
-    _check_count(batch_size, "batch_size (--batch-size)")
+    check_count(batch_size, "batch_size (--batch-size)")
     if limit is not None:
-        _check_count(limit, "limit (--limit)")
+        check_count(limit, "limit (--limit)")
     t_start = time.time()
-    specs = _as_specs(policies)
+    specs = as_specs(policies)
     data = lb.load_longbench(data_dir, datasets, longbench_e=longbench_e, limit=limit)
     tok = model.tokenizer
-    chat = _resolve_chat(tok, template)
-    limit_pos = _max_positions(model)
+    chat = resolve_chat(tok, template)
+    limit_pos = max_positions(model)
     overhead = len(tok.encode(chat.wrap(""), add_special_tokens=False)) + 2 if chat.enabled else 2
     if lengths is None:
         lengths = [limit_pos - max(lb.DATASET2MAXLEN[d] for d in data) - overhead]
@@ -674,7 +192,7 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
             raise ValueError(f"prompt budget {L} + up to {worst} new tokens (+{overhead} template tokens) exceeds "
                              f"the model's {limit_pos} positions for {', '.join(bad)}; use a budget <= "
                              f"{limit_pos - worst - overhead}")
-    generate_fn = generate_fn or _engine_generate()
+    generate_fn = generate_fn or engine_generate()
     out = Path(out_dir)
     from kvoffload.provenance import file_fingerprint
 
@@ -683,9 +201,9 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                           {"chat_template": chat.enabled, "longbench_e": longbench_e,
                            "data": {d: file_fingerprint(str(Path(data_dir) / f"{d}{suffix}.jsonl")) for d in data}},
                           {"datasets": list(data), "lengths": lengths, "limit": limit, "data_dir": str(data_dir)})
-    rf = _ResultsFile(out / "longbench_results.jsonl", resume, overwrite, prov)
+    rf = ResultsFile(out / "longbench_results.jsonl", resume, overwrite, prov)
     total = sum(len(v) for v in data.values()) * len(lengths) * len(specs)
-    prog = _Progress("longbench", total, progress)
+    prog = Progress("longbench", total, progress)
     prog.note(f"datasets={','.join(data)} budgets={lengths} policies={[s.label for s in specs]} "
               f"template={template_name(chat)}{' LongBench-E' if longbench_e else ''}")
     records, errors = [], []
@@ -696,7 +214,7 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                 for s in samples:
                     _, ids, max_new = lb.build_prompt(tok, s, L, chat, max_positions=limit_pos)
                     items.append({"sample": s, "index": s.index, "prompt_ids": ids, "max_new_tokens": max_new,
-                                  "sha": _sha(ids)})
+                                  "sha": prompt_sha(ids)})
                 for spec in specs:
                     def run(todo, emit, spec=spec, ds=ds):
                         def on_done(it, new_ids, dt, extra):
@@ -708,18 +226,18 @@ def run_longbench(model, *, data_dir: str | os.PathLike, datasets: Sequence[str]
                                       "new_tokens": len(new_ids), "seconds": round(dt, 3),
                                       "template": template_name(chat), **extra})
 
-                        _generate_group(model, todo, spec, generate_fn, batch_size, on_done)
+                        generate_group(model, todo, spec, generate_fn, batch_size, on_done)
 
-                    _resume_or_run(rf, prog, records, errors, benchmark="longbench", task=ds, length=L, spec=spec,
+                    resume_or_run(rf, prog, records, errors, benchmark="longbench", task=ds, length=L, spec=spec,
                                    items=items, run=run)
     finally:
         rf.close()
         prog.close()
-    meta = _meta(model, "longbench", specs, {"datasets": list(data), "lengths": lengths, "limit": limit,
+    meta = run_meta(model, "longbench", specs, {"datasets": list(data), "lengths": lengths, "limit": limit,
                                               "longbench_e": longbench_e, "template": template_name(chat),
                                               "chat_template": chat.enabled,
                                               "data_dir": str(data_dir), "errors": errors, "provenance": prov})
-    return _finish("longbench", records, out, errors, t_start, meta, prog, baseline, plot)
+    return finish_run("longbench", records, out, errors, t_start, meta, prog, baseline, plot)
 
 
 # ----------------------------------------------------------------------- perplexity
@@ -741,10 +259,10 @@ def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequenc
     from . import perplexity as pp
 
     t_start = time.time()
-    specs = _as_specs(policies)
+    specs = as_specs(policies)
     tok = model.tokenizer
-    limit = _max_positions(model)
-    logprobs_fn = logprobs_fn or _engine_logprobs()
+    limit = max_positions(model)
+    logprobs_fn = logprobs_fn or engine_logprobs()
     lengths = [int(x) for x in lengths]
     sources: dict[str, Callable[[int], list[int]]] = {}
     for t in texts:
@@ -774,8 +292,8 @@ def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequenc
     out = Path(out_dir)
     prov = run_provenance(model, "ppl", specs, {"window": window, "stride": stride, "decode_tokens": decode_tokens,
                                                 "seed": seed}, {"texts": list(sources), "lengths": lengths})
-    rf = _ResultsFile(out / "ppl_results.jsonl", resume, overwrite, prov)
-    prog = _Progress("ppl", sum(p[3] for p in plans) * len(sources) * len(specs), progress)
+    rf = ResultsFile(out / "ppl_results.jsonl", resume, overwrite, prov)
+    prog = Progress("ppl", sum(p[3] for p in plans) * len(sources) * len(specs), progress)
     prog.note(f"texts={list(sources)} lengths={lengths} policies={[s.label for s in specs]} "
               f"windows={[(p[1], p[2]) for p in plans]}")
     records, errors = [], []
@@ -783,7 +301,7 @@ def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequenc
         for L, w, stride_, n_win in plans:
             for name, src in sources.items():
                 ids = src(L)
-                items = [{"index": 0, "sha": _sha(ids), "steps": n_win}]
+                items = [{"index": 0, "sha": prompt_sha(ids), "steps": n_win}]
                 for spec in specs:
                     def run(todo, emit, spec=spec, ids=ids, w=w, stride_=stride_):
                         t0 = time.time()
@@ -801,12 +319,12 @@ def run_perplexity(model, *, lengths: Sequence[int] = (2048,), policies: Sequenc
                                        "decode_tokens": decode_tokens, "seconds": round(time.time() - t0, 3)},
                              steps=0)  # the windows advanced the bar
 
-                    _resume_or_run(rf, prog, records, errors, benchmark="ppl", task=name, length=L, spec=spec,
+                    resume_or_run(rf, prog, records, errors, benchmark="ppl", task=name, length=L, spec=spec,
                                    items=items, run=run)
     finally:
         rf.close()
         prog.close()
-    meta = _meta(model, "ppl", specs, {"texts": list(sources), "lengths": lengths, "window": window,
+    meta = run_meta(model, "ppl", specs, {"texts": list(sources), "lengths": lengths, "window": window,
                                         "stride": stride, "decode_tokens": decode_tokens, "errors": errors,
                                         "provenance": prov})
-    return _finish("ppl", records, out, errors, t_start, meta, prog, baseline, plot)
+    return finish_run("ppl", records, out, errors, t_start, meta, prog, baseline, plot)
