@@ -524,8 +524,10 @@ def test_quest_hata_everything_selected_never_reused_equals_full(ref, retrieval,
         assert c["hata_w_gpu_bytes"] == cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 128 * 4
 
 
-# "native" behind the slow marker (12 s): its K plumbing is the offload test's in test_int4_pool.py
-@pytest.mark.parametrize("k_quant", [pytest.param("native", marks=pytest.mark.slow), "int8"])
+# behind the slow marker, both ways: "native" (12 s): its K plumbing is the offload test's in test_int4_pool.py;
+# "int8": slow only
+@pytest.mark.slow
+@pytest.mark.parametrize("k_quant", ["native", "int8"])
 def test_quest_int4_v_rows_with_native_or_int8_keys(k_quant):
     """host_dtype="int4" with int4_k_quant="native" (K extents in the model's dtype) or "int8" (int8 K codes):
     quest's V is int4; with groups of 2 (exact codes) the logits are the native-host run's, and the K bytes

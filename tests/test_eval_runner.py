@@ -143,9 +143,10 @@ def test_resume_and_failing_policy(model, two_policies, tmp_path):
     assert [r["pred"] for r in res2.records] == [r["pred"] for r in res.records]
 
 
+@pytest.mark.slow  # slow only, both policies
 @pytest.mark.parametrize("spec", [
     "clo:topk=64,num_recent=16,eta=0.5,speculative_prefetch=true",  # a guess hit rate too
-    pytest.param("tokenselect:token_budget=96,num_recent=16,cache_threshold=0.5", marks=pytest.mark.slow),
+    "tokenselect:token_budget=96,num_recent=16,cache_threshold=0.5",
 ])
 def test_ruler_records_selection_hit_rates(model, spec, tmp_path):
     """clo and tokenselect: each sample's record holds its batch's selection-cache statistics, those of

@@ -55,7 +55,8 @@ CASES = [
     # test_blocks_sit_where_full_puts_them_and_gpu_blocks_stay_on_the_gpu places this split's blocks on OPT
     pytest.param("opt", dict(act_share=0.4, gpu_blocks=6), 1, marks=pytest.mark.slow),
     ("llama", dict(act_share=0.4, gpu_blocks=6), 1),
-    ("opt", dict(act_share=0.7, gpu_blocks=0, mini_batch_gb=1e-6), 3),  # one request per mini-batch (zig-zag over 3)
+    # one request per mini-batch (zig-zag over 3). Slow only: the other splits stay in the default run
+    pytest.param("opt", dict(act_share=0.7, gpu_blocks=0, mini_batch_gb=1e-6), 3, marks=pytest.mark.slow),
     ("llama", dict(allocation="algorithm1"), 1),
     ("opt", dict(), 1),  # the balanced split of the default cost model
 ]

@@ -68,7 +68,9 @@ CASES = [
     # recomputes from int4 X (exact at groups of 2, the same bound), and a forced mid-prompt split is checked by
     # test_kvpr_int4_split_inside_the_context_keeps_unsplit_tokens
     pytest.param("kvpr", dict(split_point=16), marks=pytest.mark.slow),
-    ("kvpr", dict()),  # the scheduler's choice (MHA: int4 X is half of int4 K/V, so it recomputes)
+    # the scheduler's choice (MHA: int4 X is half of int4 K/V, so it recomputes). Slow: offload stays in the
+    # default run; kvpr int4 is slow only
+    pytest.param("kvpr", dict(), marks=pytest.mark.slow),
     pytest.param("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3,
                               offload_weights=True), marks=pytest.mark.slow),  # 13 s
 ]
@@ -675,7 +677,7 @@ def test_hybrid_channel_int4_runs_near_native(model):
     assert host_k and all(k.scales == "channel" and k.step.shape[-2] == 1 for k in host_k)
 
 
-@pytest.mark.parametrize("k_quant", ["native", "int8"])
+@pytest.mark.parametrize("k_quant", [pytest.param("native", marks=pytest.mark.slow), "int8"])  # native slow: [int8]
 def test_int4_k_quant_native_or_int8_keys_and_their_bytes(k_quant):
     """int4_k_quant="native": the host pool's K extents stay plain arrays in the model's dtype (in pinned host
     memory) beside int4 V; "int8": K extents of int8 codes (a byte a value) in per-token groups. With groups of

@@ -164,6 +164,8 @@ def test_cudnn_prefill_attention_matches_the_xla_path_in_bf16(q_start, tc, lengt
     assert err < 2e-2, err
 
 
+# slow; by default test_random_kv_prefill_takes_the_pipelines_layer_prefill_arguments checks the random prefill
+@pytest.mark.slow
 def test_bench_long_context_with_random_prefill_decodes_and_says_so(tmp_path):
     """benchmarks/bench_long_context.py --random-prefill on the tiny OPT shape, clo with int4 host K/V: random K/V in
     place of the prefill's layer programs (`_common.random_kv_prefill`, which the JSON names), then the

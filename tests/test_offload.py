@@ -60,8 +60,9 @@ CASES = [
     ("kvpr", dict(), None),  # the scheduler's choice
     # (split store: test_int4_pool, test_hybrid)
     ("kvpr", dict(kvpr_store="split", split_point=16, schedule="column", gpu_batches=3, offload_weights=True), "slow"),
-    # (OPT: the programs of test_resident_layers_stay_on_the_gpu_and_move_no_weights)
-    ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True), "opt"),
+    # (OPT: the programs of test_resident_layers_stay_on_the_gpu_and_move_no_weights). Slow: offload-0 stays in
+    # the default run; offload's column schedule is slow only
+    ("offload", dict(schedule="column", gpu_batches=3, offload_weights=True), "slow"),
 ]
 MATCH_PARAMS = [pytest.param(arch, policy, opts, id=f"{arch}-{policy}-{i}",
                              marks=[pytest.mark.slow] if only not in (None, arch) else [])

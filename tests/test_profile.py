@@ -56,6 +56,7 @@ ENTRY %main (x: bf16[1,64], w: bf16[64,64], y: f32[8]) -> (bf16[1,64], f32[8]) {
     assert prog.scope_of("loop_fusion", "loop_fusion") == "?"  # two scopes inside, none in common: unattributed
 
 
+@pytest.mark.slow  # slow only: no default test traces a program and splits it by scope
 def test_a_traced_program_splits_by_its_named_scopes(tmp_path):
     @jax.jit
     def f(x, w):
@@ -81,7 +82,8 @@ def test_a_traced_program_splits_by_its_named_scopes(tmp_path):
     assert got["unattributed_s"] == 0 and abs(sum(prog["scopes"].values()) - prog["seconds"]) < 1e-12
 
 
-@pytest.mark.parametrize("loop", [pytest.param(False, marks=pytest.mark.slow), True])  # looped: layer 0 a call too
+@pytest.mark.slow  # slow only, both ways: no default test checks a clo step's fig. 11 parts
+@pytest.mark.parametrize("loop", [False, True])  # looped: layer 0 a call too
 def test_a_clo_decode_step_has_every_fig11_part(tmp_path, loop):
     """A clo step (Quest, per-layer calls or the looped layers): its trace has time under retrieval, transfer,
     cache management and attention, and under the layers' projections and MLP; every kernel is attributed to

@@ -83,7 +83,8 @@ def test_rope_positions_spy(model, monkeypatch):
     assert max(concrete) >= 39 - 1  # the chunk next to a full selection reaches the budget's top
 
 
-@pytest.mark.parametrize("n,new", [(20, 10), pytest.param(40, 8, marks=pytest.mark.slow)])
+@pytest.mark.slow  # slow only, both sizes
+@pytest.mark.parametrize("n,new", [(20, 10), (40, 8)])
 def test_inside_the_window_same_tokens_as_without(model, n, new):
     budget = 48 + 16  # the whole context (n + new <= 64) and room for a chunk
     opts = dict(token_budget=budget, num_sink=4, num_recent=8)
