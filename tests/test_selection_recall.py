@@ -59,3 +59,39 @@ def test_hata_random_projections_at_the_floor(smollm, prompt):
     specs = [RetrievalSpec("hata"), RetrievalSpec("hata", token_min=TOPK_MIN["exact"])]
     bare, floored = (selection_recall(smollm, [prompt], specs)[s.label] for s in specs)
     assert floored["mass"] > 0.95 > bare["mass"]
+
+
+def test_a_vote_over_quantized_keys_keeps_the_exact_votes_selection_on_a_tiny_model():
+    """On a tiny random model the vote over int8 keys selects nearly what the exact vote selects, int4 less;
+    the exact vote against itself keeps everything (the measurement's own check)."""
+    from kvoffload.eval.selection_recall import topk_recall
+    from kvoffload.models import tiny_random_model
+
+    model = tiny_random_model("llama", seed=1, max_position_embeddings=2048)
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 512).tolist()
+    exact = RetrievalSpec("vote", num_recent=16)
+    same, int8, int4 = (topk_recall(model, [prompt], RetrievalSpec("vote", num_recent=16, vote_keys=f), exact)
+                        for f in ("native", "int8", "int4"))
+    assert same["recall"] == 1.0 and same["min"] == 1.0
+    assert int8["recall"] > 0.95 and int8["min"] > 0.85
+    assert 0.6 < int4["recall"] < int8["recall"]
+    assert len(int8["per_layer"]) == model.config.num_layers
+
+
+@pytest.mark.slow  # SmolLM2 loaded, 2K and 4K prompts prefilled in both templates
+def test_the_vote_over_int8_keys_keeps_the_exact_votes_top_k_on_real_prompts(smollm):
+    from kvoffload.eval import ruler
+    from kvoffload.eval.selection_recall import topk_recall
+
+    prompts = []
+    for chat in (False, True):
+        wrap = ruler.ChatWrapper.from_tokenizer(smollm.tokenizer, chat)
+        for task, n in (("niah_single_2", 2048), ("niah_multikey_2", 4096)):
+            prompts.append(ruler.generate_samples(smollm.tokenizer, task, n, 1, seed=7, chat=wrap)[0].prompt_ids)
+    for ratio, floor in ((0.1, 0), (0.1, 1024)):
+        exact = RetrievalSpec("vote", ratio=ratio, token_min=floor)
+        got = {f: topk_recall(smollm, prompts, RetrievalSpec("vote", ratio=ratio, token_min=floor, vote_keys=f),
+                              exact) for f in ("int8", "int4")}
+        print(ratio, floor, {f: (round(g["recall"], 4), round(g["min"], 4)) for f, g in got.items()})
+        assert got["int8"]["recall"] > 0.98 and got["int8"]["min"] > 0.9
+        assert got["int4"]["recall"] > 0.85

@@ -8,7 +8,9 @@ codes, `tokenselect.soft_vote`'s exact q.k) and selects with `selection.choose.c
 `selection.options.selection_size` gives (sinks and recent tokens forced in, whole pages for Quest), so what is
 measured is what the policy would attend. ``mass`` is the mean over the query heads of the exact attention
 probability on the selected tokens: 1.0 keeps everything; the exact top-k by max over the group of q.k is
-the ceiling a page or hash retrieval can approach.
+the ceiling a page or hash retrieval can approach. ``vote`` is TokenSelect's soft vote over the keys it reads
+(exact, or the quantized copy of `selection.vote_keys`); `topk_recall` says how much of one selection another
+keeps (a vote over int8 keys against the exact vote).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RetrievalSpec", "capture_queries_keys", "selection_mass", "selection_recall"]
+__all__ = ["RetrievalSpec", "capture_queries_keys", "selection_mass", "selection_recall", "topk_recall"]
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,12 @@ class RetrievalSpec:
     num_sink: int = 4
     num_recent: int = 64
     hata_bits: int = 128
+    vote_keys: str = "native"  # vote: the keys it reads (`selection.vote_keys`)
 
     @property
     def label(self) -> str:
         extra = f",page={self.page}" if self.retrieval == "quest" else ""
+        extra += f",keys={self.vote_keys}" if self.retrieval == "vote" else ""
         return f"{self.retrieval}:ratio={self.ratio:g},min={self.token_min}{extra}"
 
 
@@ -78,9 +82,9 @@ def capture_queries_keys(model, prompt_ids: Sequence[int], first_query: int | No
     return np.asarray(q, np.float32), np.asarray(k, np.float32)
 
 
-def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
-    """[n_kv]: the exact attention mass on one layer's selection. q [H, d], k [n_kv, T, d] (T a multiple of blk,
-    tokens past the context padded), w [n_kv, d, r] or None."""
+def _layer_choice(spec: RetrievalSpec, q, k, w, blk: int):
+    """(chosen [n_kv, T] bool: one layer's selection, exact logits [n_kv, G, T]). q [H, d], k [n_kv, T, d] (T a
+    multiple of blk, tokens past the context padded), w [n_kv, d, r] or None."""
     from kvoffload.policies import clo
     from kvoffload.policies.selection.choose import choose_tokens
     from kvoffload.policies.selection.options import selection_size
@@ -94,6 +98,11 @@ def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
     E = blocks.shape[0]
     if spec.retrieval == "exact":
         scores = logits.max(1)
+    elif spec.retrieval == "vote":  # TokenSelect's soft vote (`tokenselect.soft_vote`) over the keys it reads
+        from kvoffload.policies.selection.vote_keys import vote_key_copy, vote_key_values
+
+        kv = vote_key_values(vote_key_copy(k, spec.vote_keys), jnp.float32)
+        scores = jax.nn.softmax(jnp.einsum("kgd,ktd->kgt", q.reshape(n_kv, G, d), kv) / np.sqrt(d), -1).sum(1)
     elif spec.retrieval == "quest":
         kmin, kmax = clo.key_metadata(blocks, None, "quest", spec.page)
         bounds = clo.quest_bounds(jnp.broadcast_to(q, (E, H, d)), kmin, kmax)  # [E, n_kv, blk/page]
@@ -113,7 +122,12 @@ def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
     idx, nv = choose_tokens(scores[None], jnp.arange(T, dtype=jnp.int32), None, context, n_select, T,
                             spec.num_sink, spec.num_recent, page)
     kept = jnp.arange(T)[None] < nv[0][:, None]
-    chosen = jnp.zeros((n_kv, T), bool).at[jnp.arange(n_kv)[:, None], idx[0]].max(kept)
+    return jnp.zeros((n_kv, T), bool).at[jnp.arange(n_kv)[:, None], idx[0]].max(kept), logits
+
+
+def _layer_mass(spec: RetrievalSpec, q, k, w, blk: int):
+    """[n_kv]: the exact attention mass on one layer's selection (`_layer_choice`)."""
+    chosen, logits = _layer_choice(spec, q, k, w, blk)
     p = jax.nn.softmax(logits, axis=-1)
     return jnp.mean(jnp.sum(jnp.where(chosen[:, None], p, 0.0), axis=-1), axis=1)
 
@@ -155,3 +169,22 @@ def selection_recall(model, prompts: Sequence[Sequence[int]], specs: Sequence[Re
         out[label] = {"mass": float(m.mean()), "per_layer": m.mean(axis=(0, 2)).tolist(),
                       "below_half": float((m < 0.5).mean())}
     return out
+
+
+def topk_recall(model, prompts: Sequence[Sequence[int]], spec: RetrievalSpec, reference: RetrievalSpec,
+                blk: int = 64) -> dict:
+    """How much of reference's selection spec's keeps (e.g. a vote over int8 keys against the exact vote), at the
+    same budget: per (prompt, layer, KV head) |chosen & reference's| / |reference's|, sinks and recent tokens
+    included as both select them. Returns the mean, the minimum and the mean per layer [L]."""
+    per = []
+    for ids in prompts:
+        q, k = capture_queries_keys(model, ids)
+        T = k.shape[2] // blk * blk
+        layers = []
+        for i in range(k.shape[0]):
+            qi, ki = jnp.asarray(q[i]), jnp.asarray(k[i, :, :T])
+            got, want = (_layer_choice(s, qi, ki, None, blk)[0] for s in (spec, reference))
+            layers.append(np.asarray(jnp.sum(got & want, -1) / jnp.maximum(jnp.sum(want, -1), 1)))
+        per.append(np.stack(layers))
+    r = np.stack(per)  # [P, L, n_kv]
+    return {"recall": float(r.mean()), "min": float(r.min()), "per_layer": r.mean(axis=(0, 2)).tolist()}
