@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload import ops
+from kvoffload.pallas.scores import hata_scores_kernel
 from kvoffload.testing import checks as C
 
 _run = C.run_case  # kernel checks take a mode; reference-only checks do not
@@ -284,7 +285,7 @@ def test_topk_score_ops_dispatch():
     with pytest.raises(ValueError):
         ops.quest_page_scores(q, kmin, kmax, impl="kernel", interpret=True, group_reduce="min")
     with pytest.raises(ValueError):
-        C._tk.hata_scores_kernel(qc, kc, L, interpret=True, popcount="table")
+        hata_scores_kernel(qc, kc, L, interpret=True, popcount="table")
 
 
 _REF_FULL = C.reference_cases(full=True)
