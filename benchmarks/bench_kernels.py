@@ -35,6 +35,7 @@ from kvoffload.pallas import paged_attention as _pa
 from kvoffload.pallas import prefill_attention as _pf
 from kvoffload.pallas import quant as _q
 from kvoffload.pallas import recompute as _rc
+from kvoffload.pallas import scores as _sc
 from kvoffload.pallas import sparse_attention as _sa
 from kvoffload.pallas import topk as _tk
 
@@ -440,8 +441,8 @@ def bench_scores(ceil, quick):
     q = rand(jax.random.PRNGKey(11), (B, n_heads, d), jnp.bfloat16)
     k = rand(jax.random.PRNGKey(12), (B, n_kv, S, d), jnp.bfloat16)
     L = jnp.full((B,), S, jnp.int32)
-    f = jax.jit(lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L))
-    r = jax.jit(lambda q, k, L: _tk.topk_scores_exact_reference(q, k, L))
+    f = jax.jit(lambda q, k, L: _sc.topk_scores_exact_kernel(q, k, L))
+    r = jax.jit(lambda q, k, L: _sc.topk_scores_exact_reference(q, k, L))
     t_k = timeit(f, q, k, L)
     t_r = timeit(r, q, k, L)
     record("topk_scores_exact", f"B{B} S{S} h32/kv8 d128 bf16", t_k, t_r,
@@ -458,8 +459,8 @@ def bench_scores(ceil, quick):
     ke = rand(jax.random.PRNGKey(13), (E, n_kv, blk, d), jnp.bfloat16)
     for pattern, heads in (("1 of 8 heads", 1), ("8 heads", n_kv)):
         Le = jnp.broadcast_to(jnp.where(jnp.arange(n_kv) < heads, blk, 0).astype(jnp.int32), (E, n_kv))
-        mk = lambda **kw: jax.jit(lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L, group_reduce="max", **kw))
-        kern, r = mk(), jax.jit(lambda q, k, L: _tk.topk_scores_exact_reference(q, k, L, group_reduce="max"))
+        mk = lambda **kw: jax.jit(lambda q, k, L: _sc.topk_scores_exact_kernel(q, k, L, group_reduce="max", **kw))
+        kern, r = mk(), jax.jit(lambda q, k, L: _sc.topk_scores_exact_reference(q, k, L, group_reduce="max"))
         got = kern(qe, ke, Le)  # launch sweeps, timed inside a jit: experiments/sweep_selection_kernels.py
         record("topk_scores_exact", f"E{E} x blk{blk} (one extent) {pattern} h32/kv8 d128 bf16", timeit(kern, qe, ke, Le),
                timeit(r, qe, ke, Le), heads * E * blk * d * 2 + E * n_kv * blk * 4, 2 * E * 4 * heads * blk * d,
@@ -576,13 +577,13 @@ def bench_quest(ceil, quick):
     n_heads, n_kv, d, S, B, page = 32, 8, 128, (1024 if TINY else 131072), 1, 16
     q = rand(jax.random.PRNGKey(13), (B, n_heads, d), jnp.bfloat16)
     k = rand(jax.random.PRNGKey(14), (B, n_kv, S, d), jnp.bfloat16)
-    kmin, kmax = jax.jit(lambda k: _tk.quest_page_minmax(k, page))(k)
+    kmin, kmax = jax.jit(lambda k: _sc.quest_page_minmax(k, page))(k)
     del k
     P = kmin.shape[2]
     npg = jnp.full((B,), P, jnp.int32)
-    make = lambda **kw: jax.jit(lambda q, a, b, n: _tk.quest_page_scores_kernel(q, a, b, n, **kw))
+    make = lambda **kw: jax.jit(lambda q, a, b, n: _sc.quest_page_scores_kernel(q, a, b, n, **kw))
     f = make()
-    r = jax.jit(lambda q, a, b, n: _tk.quest_page_scores_reference(q, a, b, n))
+    r = jax.jit(lambda q, a, b, n: _sc.quest_page_scores_reference(q, a, b, n))
     args = (q, kmin, kmax, npg)
     t_k, t_r = timeit(f, *args), timeit(r, *args)
     bytes_ = kmin.nbytes + kmax.nbytes + q.nbytes + B * n_kv * P * 4
@@ -605,9 +606,9 @@ def bench_hata(ceil, quick):
     kc = bits(jax.random.PRNGKey(16), (B, n_kv, S, W))
     kn = jax.random.uniform(jax.random.PRNGKey(17), (B, n_kv, S), jnp.float32, 0.5, 2.0)
     L = jnp.full((B,), S, jnp.int32)
-    make = lambda **kw: jax.jit(lambda a, b, L, n: _tk.hata_scores_kernel(a, b, L, k_norm=n,
+    make = lambda **kw: jax.jit(lambda a, b, L, n: _sc.hata_scores_kernel(a, b, L, k_norm=n,
                                                                           **kw))
-    r = jax.jit(lambda a, b, L, n: _tk.hata_scores_reference(a, b, L, k_norm=n))
+    r = jax.jit(lambda a, b, L, n: _sc.hata_scores_reference(a, b, L, k_norm=n))
     args = (qc, kc, L, kn)
     bytes_ = kc.nbytes + kn.nbytes + qc.nbytes + B * n_kv * S * 4
     t_r = timeit(r, *args)
@@ -632,10 +633,10 @@ def bench_tokenselect(ceil, quick):
     L = jnp.full((B,), S, jnp.int32)
     args = (q, k, L)
     for shared in (False, True):
-        make = lambda **kw: jax.jit(lambda q, k, L: _tk.tokenselect_scores_kernel(
+        make = lambda **kw: jax.jit(lambda q, k, L: _sc.tokenselect_scores_kernel(
             q, k, L, shared=shared, **kw))
         f = make()
-        r = jax.jit(lambda q, k, L: _tk.tokenselect_scores_reference(q, k, L, shared=shared))
+        r = jax.jit(lambda q, k, L: _sc.tokenselect_scores_reference(q, k, L, shared=shared))
         t_k, t_r = timeit(f, *args), timeit(r, *args)
         bytes_ = k.nbytes + q.nbytes + B * n_kv * S * 4
         flops = 2 * B * n_heads * S * d
@@ -667,8 +668,8 @@ def main():
                           (_pa, "paged_decode_attention_kernel"),
                           (_sa, "sparse_attention_kernel"), (_rc, "recompute_kv_kernel"),
                           (_ga, "gather_rows_kernel"),
-                          (_tk, "topk_scores_exact_kernel"), (_tk, "quest_page_scores_kernel"),
-                          (_tk, "hata_scores_kernel"), (_tk, "tokenselect_scores_kernel")):
+                          (_sc, "topk_scores_exact_kernel"), (_sc, "quest_page_scores_kernel"),
+                          (_sc, "hata_scores_kernel"), (_sc, "tokenselect_scores_kernel")):
             setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
     ceil = ceilings()
     benches = dict(decode=bench_decode, paged=bench_paged, sparse=bench_sparse, gather=bench_gather,

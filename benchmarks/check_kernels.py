@@ -145,7 +145,7 @@ def lower_only_checks():
     from jax._src.pallas.triton import pallas_call_registration as reg
     from kvoffload.pallas import decode_attention as _da, quant as _q, recompute as _rc
     from kvoffload.pallas import paged_attention as _pa
-    from kvoffload.pallas import gather as _ga, sparse_attention as _sa, topk as _tk
+    from kvoffload.pallas import gather as _ga, scores as _sc, sparse_attention as _sa, topk as _tk
     from kvoffload.pallas import prefill_attention as _pf
 
     def cuda_rule(ctx, *a, **p):
@@ -162,7 +162,7 @@ def lower_only_checks():
         k = jnp.asarray(rng.standard_normal((B, n_kv, S, d)), dt)
         L = jnp.full((B,), S, jnp.int32)
         idx = jnp.zeros((B, n_kv, 24), jnp.int32)
-        kmin, kmax = _tk.quest_page_minmax(k, 16, L)
+        kmin, kmax = _sc.quest_page_minmax(k, 16, L)
         tag = f"B{B} kv{n_kv} G{G} S{S} d{d} {jnp.dtype(dt).name}"
         cases += [
             (f"decode {tag}", lambda q, k, L: _da.decode_attention_kernel(q, k, k, L), (q, k, L)),
@@ -172,11 +172,11 @@ def lower_only_checks():
             (f"rows_attention {tag}", lambda q, k, n: _sa.rows_attention_kernel(q, k, k, n, S // 3,
                                                                                 row_offset=jnp.int32(S // 3)),
              (q, k, jnp.full((B, n_kv), S // 4, jnp.int32))),
-            (f"scores_exact {tag}", lambda q, k, L: _tk.topk_scores_exact_kernel(q, k, L),
+            (f"scores_exact {tag}", lambda q, k, L: _sc.topk_scores_exact_kernel(q, k, L),
              (q, k, L)),
-            (f"quest {tag}", lambda q, a, b, n: _tk.quest_page_scores_kernel(
+            (f"quest {tag}", lambda q, a, b, n: _sc.quest_page_scores_kernel(
                 q, a, b, n, group_reduce="max"), (q, kmin, kmax, L // 16)),
-            (f"quest_blocks active {tag}", lambda q, a, b: _tk.quest_block_bounds_kernel(
+            (f"quest_blocks active {tag}", lambda q, a, b: _sc.quest_block_bounds_kernel(
                 q, jnp.arange(a.shape[0], dtype=jnp.int32) % B, a, b, active=jnp.ones((B, n_kv), bool)),
              (q, kmin[0][None].repeat(3, 0), kmax[0][None].repeat(3, 0))),
         ]
@@ -185,7 +185,7 @@ def lower_only_checks():
             qe = jnp.asarray(rng.standard_normal((E, n_kv * G, d)), dt)
             ke = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), dt)
             Le = jnp.asarray(rng.integers(0, blk + 1, (E, n_kv)), jnp.int32)
-            cases.append((f"scores_exact blocks E{E} blk{blk} {tag}", lambda q, k, L: _tk.topk_scores_exact_kernel(
+            cases.append((f"scores_exact blocks E{E} blk{blk} {tag}", lambda q, k, L: _sc.topk_scores_exact_kernel(
                 q, k, L, group_reduce="max"), (qe, ke, Le)))
             kb = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), dt)
             table = jnp.asarray(rng.integers(0, E, (B, M)), jnp.int32)
@@ -200,14 +200,14 @@ def lower_only_checks():
                           (q, kb, table, nb)))
         for sh in (False, True):
             cases.append((f"tokenselect shared{int(sh)} {tag}", lambda q, k, L, sh=sh:
-                          _tk.tokenselect_scores_kernel(q, k, L, shared=sh, poison=True),
+                          _sc.tokenselect_scores_kernel(q, k, L, shared=sh, poison=True),
                           (q, k, L)))
         for r in (32, 96, 128):
             w = jnp.asarray(rng.standard_normal((d, r)), jnp.float32)
-            qc, kc = _tk.hata_encode(q, w), _tk.hata_encode(k, w)
+            qc, kc = _sc.hata_encode(q, w), _sc.hata_encode(k, w)
             for pcnt in ("native", "swar"):
                 cases.append((f"hata r{r} {pcnt} {tag}", lambda a, b, L, n, pcnt=pcnt:
-                              _tk.hata_scores_kernel(a, b, L, k_norm=n, popcount=pcnt),
+                              _sc.hata_scores_kernel(a, b, L, k_norm=n, popcount=pcnt),
                               (qc, kc, L, jnp.ones((B, n_kv, S), jnp.float32))))
         for E, blk, K in ((S // 16 + 3, 16, 37), (S // 24 + 1, 24, 300), (5, 64, 1)):
             xb = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), dt)

@@ -2,7 +2,7 @@
 """Quest's page bounds alone (`clo.quest_bounds`), per form, at one layer shape times the layers of a step:
 XLA's forms (per block, operands in the query's dtype, f32 sums; f32 operands at HIGHEST precision; one query
 for every block at batch 1; f32 products summed without a matmul) against the Pallas kernel clo runs on the GPU
-(`pallas.topk.quest_block_bounds_kernel`, over its rows a program; one setting, interpreted, off the GPU), for bf16
+(`pallas.scores.quest_block_bounds_kernel`, over its rows a program; one setting, interpreted, off the GPU), for bf16
 pages and int8 pages.
 
     PYTHONPATH=src python experiments/bench_quest_bounds.py                     # Llama-3-8B at 128K, page 32
@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
 
     from _common import write_json
     from kvoffload.pallas.common import on_gpu
-    from kvoffload.pallas.topk import quest_block_bounds_kernel, quest_block_bounds_reference
+    from kvoffload.pallas.scores import quest_block_bounds_kernel, quest_block_bounds_reference
     from kvoffload.policies.clo import quest_int8
 
     L, E, n_kv, P, d, H = args.layers, args.blocks, args.kv_heads, args.pages, args.head_dim, args.heads

@@ -43,6 +43,7 @@ def main(argv=None):
     import numpy as np
 
     from kvoffload.pallas import gather as ga
+    from kvoffload.pallas import scores as sc
     from kvoffload.pallas import select as sel
     from kvoffload.pallas import topk as tk
     from kvoffload.pallas.common import on_gpu
@@ -99,9 +100,9 @@ def main(argv=None):
         variants = [(None, 4), (1, 4)] if args.smoke else [(i, w) for i in (None, 1, 2, 4, 8) for w in (2, 4, 8)]
         for pattern, heads in (("1 of 8 heads", 1), ("8 of 8 heads", 8)):
             L = jnp.broadcast_to(jnp.where(jnp.arange(n_kv) < heads, blk, 0).astype(jnp.int32), (E, n_kv))
-            ref = np.asarray(tk.topk_scores_exact_reference(q, ks[0], L, group_reduce="max"))
+            ref = np.asarray(sc.topk_scores_exact_reference(q, ks[0], L, group_reduce="max"))
             for items, nw in variants:
-                f = jax.jit(lambda q, ks, L, it=items, nw=nw: [tk.topk_scores_exact_kernel(
+                f = jax.jit(lambda q, ks, L, it=items, nw=nw: [sc.topk_scores_exact_kernel(
                     q, k, L, group_reduce="max", items=it, num_warps=nw, interpret=interpret) for k in ks])
                 got = np.asarray(f(q, ks, L)[0])
                 fin = np.isfinite(ref)

@@ -563,6 +563,8 @@ def test_int_rows_refilled_by_the_dequantizing_kernel_give_the_same_logits(monke
     """clo quest with int8 K and int4 V rows, its buffers refilled by ``refill_rows_int_kernel`` (interpret mode:
     what runs on a GPU by default) instead of the gathers + dequantize + where: the same
     logits (up to the kernel's fused multiply-add), and the kernel really ran."""
+    from kvoffload.pallas import gather as pallas_gather
+
     model = tiny_random_model("llama", seed=1)
     opts = dict(retrieval="quest", quest_page_tokens=4, topk=12, num_recent=4, eta=0.5, host_dtype="int4",
                 int4_k_quant="int8", int4_group_size=8)
@@ -576,7 +578,8 @@ def test_int_rows_refilled_by_the_dequantizing_kernel_give_the_same_logits(monke
         return real(buf, extents, tokens, blk, **kw)
 
     monkeypatch.setattr(ops, "refill_block_rows", through_the_kernel)
-    monkeypatch.setattr(ops._ga, "refill_rows_int_kernel", _counted(ops._ga.refill_rows_int_kernel, calls))
+    monkeypatch.setattr(pallas_gather, "refill_rows_int_kernel",
+                        _counted(pallas_gather.refill_rows_int_kernel, calls))
     jax.clear_caches()  # the layer programs were traced with the reference path: trace them again
     try:
         _, got, _ = _decode(model, "clo", NEW, **opts)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvoffload import ops
+from kvoffload.pallas.scores import hata_scores_kernel
 from kvoffload.testing import cases, oracles
 from kvoffload.testing.attention import check_decode
 
@@ -284,7 +285,6 @@ def test_topk_score_ops_dispatch():
             f(impl="bogus")
     with pytest.raises(ValueError):
         ops.quest_page_scores(q, kmin, kmax, impl="kernel", interpret=True, group_reduce="min")
-    from kvoffload.pallas.topk import hata_scores_kernel
 
     with pytest.raises(ValueError):
         hata_scores_kernel(qc, kc, L, interpret=True, popcount="table")

@@ -135,12 +135,12 @@ def test_layer_weights_read_a_stacked_weight_by_index_inside_a_loop(impl, monkey
     weight as an array (`__jax_array__`) its slice; the stacked-linear kernel (interpret) agrees."""
     import jax
 
-    from kvoffload import ops
     from kvoffload.models.common import LayerSlice, layer_weights, linear
+    from kvoffload.ops import matmul as matmul_ops
 
-    if impl == "interpret":
-        orig = ops.stacked_linear
-        monkeypatch.setattr(ops, "stacked_linear",
+    if impl == "interpret":  # where matmul_f32 looks stacked_linear up
+        orig = matmul_ops.stacked_linear
+        monkeypatch.setattr(matmul_ops, "stacked_linear",
                             lambda *a, **k: orig(*a, **{**k, "impl": "kernel", "interpret": True}))
     rng = np.random.default_rng(0)
     st = {"w": jnp.asarray(rng.standard_normal((3, 40, 24)) / 6, jnp.bfloat16),

@@ -32,16 +32,16 @@ from kvoffload.pallas.sparse_attention import (  # noqa: F401
     sparse_attention_kernel,
     sparse_attention_reference,
 )
-from kvoffload.pallas.topk import (  # noqa: F401
+from kvoffload.pallas.scores import (  # noqa: F401
     hata_encode,
     hata_scores_reference,
     quest_page_minmax,
     quest_page_scores_reference,
-    select_topk,
     tokenselect_scores_reference,
     topk_scores_exact_kernel,
     topk_scores_exact_reference,
 )
+from kvoffload.pallas.topk import select_topk  # noqa: F401
 
 __all__ = [
     "decode_attention_kernel", "decode_attention_reference", "merge_attention",

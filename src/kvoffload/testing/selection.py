@@ -7,6 +7,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from kvoffload.pallas import scores as _sc
 from kvoffload.pallas import topk as _tk
 from kvoffload.testing.oracles import TOL, _rand, _result, np_hata_encode, rel_err
 
@@ -29,9 +30,9 @@ def check_scores_exact(B=2, n_kv=2, G=4, S=150, d=96, dtype="float32", group_red
     valid = np.arange(S)[None, None] < (lengths[:, :, None] if per_head else lengths[:, None, None])
     L = jnp.asarray(lengths)
     if mode == "reference":
-        out = _tk.topk_scores_exact_reference(q, k, L, group_reduce=group_reduce)
+        out = _sc.topk_scores_exact_reference(q, k, L, group_reduce=group_reduce)
     else:
-        out = _tk.topk_scores_exact_kernel(q, k, L, group_reduce=group_reduce,
+        out = _sc.topk_scores_exact_kernel(q, k, L, group_reduce=group_reduce,
                                            interpret=(mode == "interpret"), poison=True)
     out = np.asarray(out, np.float64)
     inval_ok = bool(np.all(np.isneginf(out[~np.broadcast_to(valid, out.shape)])))
@@ -66,7 +67,7 @@ def check_quest(B=2, n_kv=2, G=3, S=200, d=64, page_size=16, dtype="float32",
     q, q64 = _rand(rng, (B, H, d), dtype)
     k, k64 = _rand(rng, (B, n_kv, S, d), dtype)
     lengths = np.array([S, 37] + list(rng.integers(1, S + 1, max(0, B - 2))), np.int32)[:B]
-    kmin, kmax = _tk.quest_page_minmax(k, page_size, jnp.asarray(lengths))
+    kmin, kmax = _sc.quest_page_minmax(k, page_size, jnp.asarray(lengths))
     P = -(-S // page_size)
     ref = np.full((B, n_kv, P), -np.inf)
     for b in range(B):
@@ -87,9 +88,9 @@ def check_quest(B=2, n_kv=2, G=3, S=200, d=64, page_size=16, dtype="float32",
         ref[0, :, npages[0]:] = -np.inf
     np_arg = jnp.asarray(npages) if with_num_pages else None
     if mode == "reference":
-        out = _tk.quest_page_scores_reference(q, kmin, kmax, np_arg, group_reduce=group_reduce)
+        out = _sc.quest_page_scores_reference(q, kmin, kmax, np_arg, group_reduce=group_reduce)
     else:
-        out = _tk.quest_page_scores_kernel(q, kmin, kmax, np_arg, group_reduce=group_reduce,
+        out = _sc.quest_page_scores_kernel(q, kmin, kmax, np_arg, group_reduce=group_reduce,
                                            **_mode_kw(mode, kw))
     return _check_scores(f"quest {group_reduce} B{B} kv{n_kv} G{G} S{S} d{d} page{page_size} "
                          f"{dtype} np{int(with_num_pages)}", mode, out, ref,
@@ -131,9 +132,9 @@ def check_quest_blocks(B=2, E=13, n_kv=2, G=3, P=2, d=64, dtype="float32", int8=
         dead = np.broadcast_to(~act[np.maximum(owner, 0)][:, :, None], dead.shape)
     ref = np.where(dead, 1.0, ref)
     if mode == "reference":
-        out = _tk.quest_block_bounds_reference(q, jnp.asarray(owner), *stacked, **off)
+        out = _sc.quest_block_bounds_reference(q, jnp.asarray(owner), *stacked, **off)
     else:
-        out = _tk.quest_block_bounds_kernel(q, jnp.asarray(owner), *stacked, interpret=(mode == "interpret"), **off,
+        out = _sc.quest_block_bounds_kernel(q, jnp.asarray(owner), *stacked, interpret=(mode == "interpret"), **off,
                                             **kw)
     out = np.asarray(out, np.float64)
     err = float(np.max(np.abs(np.where(dead, 1.0, out) - ref)) / np.max(np.abs(ref)))
@@ -150,8 +151,8 @@ def check_hata(B=2, n_kv=2, G=4, S=100, d=64, r=128, seed=0, with_norm=True,
     q, q64 = _rand(rng, (B, H, d), "float32")
     k, k64 = _rand(rng, (B, n_kv, S, d), "float32")
     w, w64 = _rand(rng, (d, r), "float32")
-    qc = _tk.hata_encode(q, w)
-    kc = _tk.hata_encode(k, w)
+    qc = _sc.hata_encode(q, w)
+    kc = _sc.hata_encode(k, w)
     qc_ref = np_hata_encode(q64, w64)
     kc_ref = np_hata_encode(k64, w64)
     codes_ok = bool(np.array_equal(np.asarray(qc), qc_ref) and
@@ -177,9 +178,9 @@ def check_hata(B=2, n_kv=2, G=4, S=100, d=64, r=128, seed=0, with_norm=True,
     args = (qc, kc, jnp.asarray(lengths))
     kn_arg = None if kn is None else jnp.asarray(kn, jnp.float32)
     if mode == "reference":
-        out = _tk.hata_scores_reference(*args, k_norm=kn_arg, group_reduce=group_reduce)
+        out = _sc.hata_scores_reference(*args, k_norm=kn_arg, group_reduce=group_reduce)
     else:
-        out = _tk.hata_scores_kernel(*args, k_norm=kn_arg, group_reduce=group_reduce,
+        out = _sc.hata_scores_kernel(*args, k_norm=kn_arg, group_reduce=group_reduce,
                                      **_mode_kw(mode, kw))
     valid = np.arange(S)[None, None] < lengths[:, None, None]
     pc = kw.get("popcount", "")
@@ -196,8 +197,8 @@ def check_popcount(seed=0):
     x = np.concatenate([rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32),
                         np.array([0, 1, 0x80000000, 0xFFFFFFFF, 0x7FFFFFFF], np.uint32)])
     want = np.unpackbits(x.view(np.uint8).reshape(-1, 4), axis=-1).sum(-1)
-    got_u = np.asarray(_tk.popcount_swar(jnp.asarray(x)))
-    got_i = np.asarray(_tk.popcount_swar(jnp.asarray(x.view(np.int32))))
+    got_u = np.asarray(_sc.popcount_swar(jnp.asarray(x)))
+    got_i = np.asarray(_sc.popcount_swar(jnp.asarray(x.view(np.int32))))
     native = np.asarray(jax.lax.population_count(jnp.asarray(x.view(np.int32))))
     ok = bool(np.array_equal(got_u, want) and np.array_equal(got_i, want)
               and np.array_equal(native, want))
@@ -224,9 +225,9 @@ def check_tokenselect(B=2, n_kv=2, G=4, S=120, d=64, shared=False, dtype="float3
         vote = np.broadcast_to(vote.sum(1, keepdims=True), vote.shape)
     L = jnp.asarray(lengths)
     if mode == "reference":
-        out = _tk.tokenselect_scores_reference(q, k, L, shared=shared)
+        out = _sc.tokenselect_scores_reference(q, k, L, shared=shared)
     else:
-        out = _tk.tokenselect_scores_kernel(q, k, L, shared=shared, **_mode_kw(mode, kw))
+        out = _sc.tokenselect_scores_kernel(q, k, L, shared=shared, **_mode_kw(mode, kw))
     tol = 1e-5 if dtype == "float32" else 1e-4  # bf16 products are exact in fp32
     return _check_scores(f"tokenselect B{B} kv{n_kv} G{G} S{S} d{d} shared{int(shared)} "
                          f"{dtype}", mode, out, vote, valid[:, :, 0], tol)
