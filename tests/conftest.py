@@ -27,10 +27,7 @@ except ImportError:
 # variants are slow already): run `python -m pytest -m slow` after changing what it covers.
 SLOW_VARIANTS = {
     "tests/test_hybrid.py::test_matches_full[opt-5]": "slow only: one request per mini-batch (the other splits stay)",
-    "tests/test_offload.py::test_loop_layers_runs_a_steps_looped_layers_as_one_program[clo-opts1]":
-        "slow only for clo ([full-opts0] loops full's layers)",
     "tests/test_offload.py::test_matches_full[opt-offload-6]": "[opt-offload-0]; the column schedule: slow only",
-    "tests/test_profile.py::test_a_clo_decode_step_has_every_fig11_part[True]": "slow only ([False] is slow too)",
     "tests/test_eval_runner.py::test_ruler_records_selection_hit_rates[clo:topk=64,num_recent=16,eta=0.5,"
     "speculative_prefetch=true]": "slow only (the tokenselect case is slow too)",
     "tests/test_long_context.py::test_bench_long_context_with_random_prefill_decodes_and_says_so":
