@@ -86,19 +86,14 @@ VARIANTS = {
     "clo_exact_int4": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "host_dtype": "int4"}, "clo"),  # int4 rows
     # the "naive top-k offload" baseline: the same selection, no cache, no speculative prefetch
     "clo_naive": ("clo", {"retrieval": "exact", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
-    # the same for clo's Quest selection (as clo_quest / clo_quest_loop: a naive baseline of the selection compared)
+    # the same for clo's Quest selection (as clo_quest: a naive baseline of the selection compared)
     "clo_quest_naive": ("clo", {"retrieval": "quest", "topk_of_context": 0.1, "speculative_prefetch": False}, 0.0),
-    "clo_quest_naive_loop": ("clo", {"retrieval": "quest", "topk_of_context": 0.1, "speculative_prefetch": False,
-                                     "loop_layers": True}, 0.0),
     "offload": ("offload", {}, None),
-    # a step's trailing layers of one program as one loop program (loop_layers: ~1 ms of host a step)
-    "full_loop": ("full", {"loop_layers": True}, None),
-    "clo_quest_loop": ("clo", {"retrieval": "quest", "topk_of_context": 0.1, "loop_layers": True}, "clo"),
 }
 DEFAULT_POLICIES = ("full", "tokenselect_gpu", "tokenselect_split", "offload", "clo_exact", "clo_hata")
 COST_RANK = {name: i for i, name in enumerate(
-    ("full", "full_loop", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_quest",
-     "clo_quest_loop", "clo_naive", "clo_quest_naive", "clo_quest_naive_loop", "offload"))}
+    ("full", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_quest",
+     "clo_naive", "clo_quest_naive", "offload"))}
 GB = 1e9
 
 
@@ -232,11 +227,6 @@ def state_bytes(state) -> dict:
         add("pool X", gr.pool_x)
         add("GPU tails", (gr.tail_k, gr.tail_v, gr.tail_x))
         add("slots", gr.slots)
-        if gr.stack is not None:  # the looped layers' (loop_layers): the same parts, stacked
-            add("pool K", gr.stack.pool_k)
-            add("pool V", gr.stack.pool_v)
-            add("GPU tails", (gr.stack.st.tail_k, gr.stack.st.tail_v))
-            add("slots", (gr.stack.st.moving, gr.stack.fixed))
     out["gpu_kv_total"] = sum(v for k, v in out.items() if k.endswith("(GPU)"))
     return out
 
@@ -253,7 +243,7 @@ def counters(state) -> dict | None:
         return None
     c = {"hits": 0, "looks": 0, "scored": 0, "v_rows": 0, "rule_hits": 0}
     for gr in state.groups:
-        for s in gr.slots_by_layer():
+        for s in gr.slots:
             sel = getattr(s, "selection", s)
             c["hits"] += int(np.asarray(sel.hits).sum())
             # clo's persistent heads (layer 0) never count a hit: looks of the cached heads only
@@ -406,7 +396,7 @@ def gathered_row_bytes(pol, d: int, itemsize: int) -> int:
     """Bytes one gathered token moves per KV head, as the host pool stores them (int4: codes + scales): its V row,
     and its K row where K is on the host too (clo quest / hata)."""
     pipe = pol.pipeline
-    k_too = not pipe.hooks.keys_on_device(pipe)
+    k_too = not pipe.hooks.capabilities.keys_on_device
     return pipe.host_row_bytes(d, itemsize) + (pipe.host_row_bytes(d, itemsize, key=True) if k_too else 0)
 
 
@@ -539,7 +529,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
             r["bytes_rows_per_step"] = (c1["v_rows"] - c0["v_rows"]) * rows_kv / len(times)
             r["bytes_rows_note"] = "clo's counters: V rows (and K for quest / hata) of missed heads, guesses included"
         elif pol.pipeline.hooks.split:  # tokenselect kv=split gathers every selected V row each step
-            K = state.groups[0].layer_slot(0).indices.shape[-1]
+            K = state.groups[0].slots[0].indices.shape[-1]
             r["bytes_rows_per_step"] = sum(gr.size for gr in state.groups) * cfg.num_kv_heads * K * row * cfg.num_layers
             r["bytes_rows_note"] = "from shapes: kv=split gathers the K selected V rows per head every step"
         desc = pol.describe(state)
@@ -555,7 +545,7 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
             _, _, state, nxt = decode_steps(pol, model, state, nxt, 1)
         r["trace_dir"] = path
         try:  # the traced step's device time by the runtime's named scopes (the CLO paper's Fig. 11 parts)
-            r["scope_breakdown"] = layer_breakdown(scope_breakdown(path), cfg.num_layers, state.groups[0].stack)
+            r["scope_breakdown"] = layer_breakdown(scope_breakdown(path), cfg.num_layers)
             r["scope_breakdown"]["traced_step_flushed"] = bool(state.records[-1].get("flushed"))
         except Exception as e:  # noqa: BLE001  (keep the step numbers)
             r["scope_breakdown_error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -567,10 +557,6 @@ def run_one(args, model, variant: str, ctx: int, batch: int, rate_override, prob
     layer = cfg.num_layers // 2
     try:
         from kvoffload.device import sharding as S
-
-        stk = state.groups[0].stack
-        if stk is not None and layer >= stk.first:  # its pool and slots live stacked inside the loop's state
-            raise RuntimeError("the layer runs inside loop_layers' program: see the variant without loop_layers")
 
         with S.context(pol.pipeline.mesh):  # a mesh run's attend traces per device (its kernels: per_shard)
             a = attention_bench(pol, model, state, layer, args.attn_reps, not args.no_extremes, args.timing_reps,
@@ -640,19 +626,15 @@ def fmt(x, spec="{:.2f}", scale=1.0):
     return spec.format(x * scale) if isinstance(x, (int, float)) else "-"
 
 
-def layer_breakdown(b: dict, num_layers: int, stack) -> dict:
+def layer_breakdown(b: dict, num_layers: int) -> dict:
     """A step's scope breakdown (`kvoffload.profile.scope_breakdown`) with the mean layer's parts (every program
-    but the embedding and logits, over the model's layers) and, where layers loop, the looped layer's (the loop
-    program's time over its layers)."""
+    but the embedding and logits, over the model's layers)."""
     layer = collections.Counter()
     for prog in b["programs"].values():
         for part, sec in prog["parts"].items():
             if part != "embedding and logits":
                 layer[part] += sec / num_layers
     b["per_layer"] = dict(layer.most_common())
-    loop = b["programs"].get("jit_loop_layers")
-    if loop is not None and stack is not None:
-        b["looped_layer"] = {p: sec / stack.layers for p, sec in loop["parts"].items()}
     return b
 
 

@@ -2,9 +2,8 @@
 """Plot of a real decode step's per-layer latency by part (the CLO paper's Fig. 11, from the runtime's
 own step rather than parts timed alone): ``bench_selection.py --trace DIR`` traces one step per run and splits
 its device time by the runtime's named scopes (`kvoffload.profile`): retrieval, transfer, cache management,
-attention, projections and MLP, other (the loop's bookkeeping, copies). One stacked horizontal bar per run:
-the mean layer (every layer program's time over the model's layers) and, where layers loop, the looped layer
-alone. Also prints the table.
+attention, projections and MLP, other (copies, bookkeeping). One stacked horizontal bar per run: the mean
+layer (every layer program's time over the model's layers). Also prints the table.
 
     python benchmarks/bench_selection.py ... --trace $OUT/tr --out $OUT/sel.json
     python benchmarks/plot_scope_breakdown.py $OUT/sel.json --out docs/step_breakdown.png
@@ -29,8 +28,6 @@ def bars(doc: dict) -> list:
         ctx = f"{r['context'] // 1024}K" if r["context"] % 1024 == 0 else str(r["context"])
         head = f"{r['variant']} {ctx} b{r['batch']}"
         out.append((f"{head}: mean layer", {p: 1e6 * s for p, s in b["per_layer"].items()}))
-        if b.get("looped_layer"):
-            out.append((f"{head}: looped layer", {p: 1e6 * s for p, s in b["looped_layer"].items()}))
     return out
 
 

@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     import jax
     import numpy as np
 
-    from kvoffload.runtime import fused as RF, layer as RL, pipeline as PL
+    from kvoffload.runtime import layer as RL, pipeline as PL
     from _common import host_gauge, random_prompt_state
     from kvoffload.offload.bench import decode_steps
 
@@ -55,11 +55,11 @@ def main(argv=None) -> dict:
                 calls[name] += 1
         return wrapped
 
-    patched = [(PL.LayerPipeline, "to_device"), (RL, "layer_step"), (RF, "layers_step"), (jax, "block_until_ready")]
+    patched = [(PL.LayerPipeline, "to_device"), (RL, "layer_step"), (jax, "block_until_ready")]
     saved = [getattr(obj, name) for obj, name in patched]
     for (obj, name), fn in zip(patched, saved):
         setattr(obj, name, timed({"to_device": "issue transfers", "layer_step": "dispatch layer programs",
-                                  "layers_step": "dispatch layer programs", "block_until_ready": "wait"}[name], fn))
+                                  "block_until_ready": "wait"}[name], fn))
     try:
         options = parse_options(args.option)
         if args.offload_weights:

@@ -20,20 +20,3 @@ try:  # property tests draw the same examples every run: a CI run cannot fail on
     _hypothesis_settings.load_profile("kvoffload")
 except ImportError:
     pass
-
-
-# Run with `-m slow` rather than by default, to keep the default run within 10 minutes on 2 cores. Slow variants
-# carry pytest.mark.slow at the test, with a comment saying what of the idea stays in the default run; the ones
-# below are marked at collection time instead (the value: what stays in the default run).
-SLOW_VARIANTS = {
-    "tests/test_offload.py::test_loop_layers_runs_a_steps_looped_layers_as_one_program[clo-opts1]":
-        "slow only for clo ([full-opts0] loops full's layers)",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    import pytest
-
-    for item in items:
-        if item.nodeid in SLOW_VARIANTS:
-            item.add_marker(pytest.mark.slow)

@@ -1165,38 +1165,3 @@ def test_split_slots_takes_out_the_read_only_fields_and_join_restores_them(repla
     assert all(x is y for x, y in zip(jax.tree.leaves(joined), before))
     assert all(x is y for x, y in zip(jax.tree.leaves(slots), before))  # the input slots unchanged
     assert (joined.selection.replay is None) == (not replay)
-
-
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
-def test_layer_fixed_reads_quest_pages_in_place_with_the_slices_bounds(impl):
-    """Inside a loop over stacked layers (`CloAttend.layer_fixed`), a layer's Quest pages are `LayerSlice`s of
-    the [n, E, ...] stacks (no slice written out), the rest of its fixed slots sliced; their bounds
-    (`ops.quest_block_bounds`, reference or kernel) are those of the layer's own pages, for every layer."""
-    from kvoffload.models.common import LayerSlice
-
-    rng = np.random.default_rng(5)
-    n, B, E, n_kv, G, P, d = 3, 2, 5, 2, 3, 2, 16
-    lo = jnp.asarray(rng.normal(size=(n * E, n_kv, P, d)), jnp.float32)
-    pages = clo_mod.quest_int8(lo, lo + jnp.asarray(np.abs(rng.normal(size=lo.shape)), jnp.float32))
-    meta = (tuple(a.reshape((n, E) + a.shape[1:]) for a in pages),)  # one extent: (qmin, qmax, scale)
-    fixed = (jnp.asarray(rng.normal(size=(n, 2, 4)), jnp.float32), meta, None)
-    q = jnp.asarray(rng.normal(size=(B, n_kv * G, d)), jnp.float32)
-    owner = jnp.asarray([0, 1, -1, 1, 0], jnp.int32)
-    kw = dict(impl="kernel", interpret=True) if impl == "interpret" else dict(impl="reference")
-    attend = CloAttend(None, 0.5, 1, 1, "harmonic", retrieval="quest")
-
-    def looped(fixed):
-        def body(j, out):
-            rule, (lay,), _ = attend.layer_fixed(fixed, j)
-            assert all(isinstance(a, LayerSlice) and a.shape == a.stacked.shape[1:] for a in lay)
-            return out.at[j].set(ops.quest_block_bounds(q, owner, *lay, **kw) + rule.sum())
-        return jax.lax.fori_loop(0, n, body, jnp.zeros((n, E, n_kv, P), jnp.float32))
-
-    got = np.asarray(jax.jit(looped)(fixed))
-    for j in range(n):
-        own = tuple(a[j] for a in meta[0])
-        want = np.asarray(ops.quest_block_bounds(q, owner, *own, impl="reference")) + float(fixed[0][j].sum())
-        np.testing.assert_allclose(got[j], want, rtol=1e-6, atol=1e-5)
-    assert not np.allclose(got[0], got[1])  # the layers' pages differ
-    hata = dataclasses.replace(attend, retrieval="hata")
-    assert not isinstance(hata.layer_fixed(fixed, 1)[1][0][0], LayerSlice)

@@ -126,39 +126,3 @@ def test_bf16_load(tmp_path):
     assert rel_err(np.asarray(got.astype(jnp.float32)), want) < 8e-2
     out = generate(model, [[5, 6, 7]], 3, stop_on_eos=False)
     assert len(out[0]) == 3 and all(0 <= t < 96 for t in out[0])
-
-
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
-def test_layer_weights_read_a_stacked_weight_by_index_inside_a_loop(impl, monkeypatch):
-    """A loop over stacked layers gives `linear` layer j's weight as a `LayerSlice` (`layer_weights`): the same
-    product and bias as the layer's own arrays (fp32 accumulation, rounded once), norms and biases sliced, the
-    weight as an array (`__jax_array__`) its slice; the stacked-linear kernel (interpret) agrees."""
-    import jax
-
-    from kvoffload.models.common import LayerSlice, layer_weights, linear
-    from kvoffload.ops import matmul as matmul_ops
-
-    if impl == "interpret":  # where matmul_f32 looks stacked_linear up
-        orig = matmul_ops.stacked_linear
-        monkeypatch.setattr(matmul_ops, "stacked_linear",
-                            lambda *a, **k: orig(*a, **{**k, "impl": "kernel", "interpret": True}))
-    rng = np.random.default_rng(0)
-    st = {"w": jnp.asarray(rng.standard_normal((3, 40, 24)) / 6, jnp.bfloat16),
-          "b": jnp.asarray(rng.standard_normal((3, 24)), jnp.bfloat16),
-          "norm": jnp.asarray(rng.standard_normal((3, 40)), jnp.bfloat16)}
-    x = jnp.asarray(rng.standard_normal((2, 1, 40)), jnp.bfloat16)
-
-    def looped(st, x):
-        def body(j, out):
-            lp = layer_weights(st, j)
-            assert isinstance(lp["w"], LayerSlice) and lp["w"].shape == (40, 24) and lp["norm"].shape == (40,)
-            return out.at[j].set(linear(x * lp["norm"], lp["w"], lp["b"]))
-        return jax.lax.fori_loop(0, 3, body, jnp.zeros((3, 2, 1, 24), x.dtype))
-
-    got = np.asarray(jax.jit(looped)(st, x).astype(jnp.float32))
-    for j in range(3):
-        want = linear(x * st["norm"][j], st["w"][j], st["b"][j])
-        np.testing.assert_allclose(got[j], np.asarray(want.astype(jnp.float32)), rtol=0, atol=2e-2)
-        assert np.abs(np.asarray(want.astype(jnp.float32))).max() > 0.5  # not a product of zeros
-    lw = layer_weights(st, 1)["w"]
-    np.testing.assert_array_equal(np.asarray(jnp.asarray(lw)), np.asarray(st["w"][1]))

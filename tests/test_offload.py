@@ -511,103 +511,7 @@ def test_transfers_are_issued_ahead_of_the_programs_and_the_planner_counts_them(
     assert np.array_equal(logits[1], logits[3])
 
 
-@pytest.mark.parametrize("policy,opts,per_step", [
-    ("clo", dict(topk=12, num_recent=4, eta=0.5), [1, 3]),
-    pytest.param("full", dict(gpu_batches=2), [3, 3, 1, 1], marks=pytest.mark.slow),  # 10 s: two GPU batches
-])
-def test_layers_per_program_runs_consecutive_layers_in_one_program(monkeypatch, policy, opts, per_step):
-    """layers_per_program=3 where a step moves nothing between layers (`clo` reading its host pool in place,
-    `full`'s device pool): consecutive layers whose programs have equal shapes share one `layers_step` call
-    (clo's layer 0 keeps its K/V whole: another program), with the logits of one program per layer, bit for
-    bit on the CPU (on a GPU the same greedy tokens, fp32 logits within 1e-4). `offload` (transfers between
-    layers) and speculative prefetch keep one layer per program."""
-    from kvoffload.runtime import fused as P
-    from test_tokenselect import _decode
-
-    calls = []
-    real = P.layers_step
-    monkeypatch.setattr(P, "layers_step", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
-    model = tiny_random_model("llama", seed=1, num_hidden_layers=4)
-    _, want, _ = _decode(model, policy, 2, **opts)
-    calls.clear()
-    pol, got, state = _decode(model, policy, 2, layers_per_program=3, **opts)
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(got, want)
-    else:  # XLA:GPU fuses a multi-layer program differently: fp32 rounding moves (H100: 1.4e-6 at most)
-        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert sorted(calls[:len(per_step)]) == sorted(per_step) and len(calls) == 2 * len(per_step), calls
-    assert pol.describe(state)["layers_per_program"] == 3
-    assert make_policy("offload", layers_per_program=3).pipeline.layers_per_program() == 1  # it fetches extents
-    assert make_policy("clo", layers_per_program=3, speculative_prefetch=True).pipeline.layers_per_program() == 1
-    with pytest.raises(ValueError, match="layers_per_program must be an integer >= 1"):
-        make_policy("clo", layers_per_program=0)
-
-
-LOOP_QUEST = dict(topk=12, num_recent=4, eta=0.5, retrieval="quest", quest_page_tokens=4)
-
-
-@pytest.mark.parametrize("policy,opts", [
-    ("full", {}),  # a device pool attended through the tables: one stacked extent per extent, tables shifted
-    # int8 K / int4 V host rows and int8 page bounds: read at token ids shifted by a layer's tokens
-    ("clo", dict(LOOP_QUEST, host_dtype="int4", int4_group_size=16, int4_k_quant="int8", quest_dtype="int8")),
-    pytest.param("clo", dict(LOOP_QUEST, retrieval="hata"), marks=pytest.mark.slow),
-])
-def test_loop_layers_runs_a_steps_looped_layers_as_one_program(monkeypatch, policy, opts):
-    """loop_layers: the state of the trailing layers of one program (`full`: all 4; `clo`: 1..3, its layer 0 keeps
-    its K/V whole) is stacked at the prefill's end and each step runs them in ONE `loop_layers` call, flushing
-    into a pool of several extents between steps: the logits of one call per layer bit for bit on the CPU (the
-    stacked weights read by index through the reference matmul), the same greedy tokens on a GPU (the
-    stacked-linear kernel sums in another order), and the same cache statistics."""
-    from kvoffload.runtime import loop as P
-    from test_tokenselect import _decode
-
-    calls = []
-    real = P.loop_layers
-    monkeypatch.setattr(P, "loop_layers", lambda *a, **k: calls.append(a[2].tail_k.shape[0]) or real(*a, **k))
-    model = tiny_random_model("llama", seed=1, num_hidden_layers=4)
-    pol0, want, state0 = _decode(model, policy, 20, **opts)
-    assert not calls
-    pol, got, state = _decode(model, policy, 20, loop_layers=True, **opts)
-    first = 0 if policy == "full" else 1
-    assert calls == [4 - first] * 20
-    gr = state.groups[0]
-    assert gr.layout.num_extents > 1 and gr.n_gen == 20 and gr.stack.first == first
-    assert gr.tail_k[first:] == (None,) * (4 - first) and pol.describe(state)["looped_layers"] == [first, 4]
-    blk = gr.layout.block_tokens  # every blk-th step flushes (its record says so; a benchmark times those apart)
-    assert [r["flushed"] for r in state.records] == [(s + 1) % blk == 0 for s in range(20)]
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
-        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
-    if policy == "clo":
-        a, b = pol0.describe(state0)["clo"], pol.describe(state)["clo"]
-        for key in ("hit_rate_per_layer_head", "v_bytes_fetched_per_layer", "k_bytes_fetched", "metadata_gpu_bytes"):
-            assert a[key] == b[key], key
-        for x, y in zip(jax.tree.leaves(state0.groups[0].slots[2]), jax.tree.leaves(gr.layer_slot(2))):
-            x, y = np.asarray(x), np.asarray(y)
-            if jax.default_backend() == "cpu" or not np.issubdtype(x.dtype, np.floating):
-                np.testing.assert_array_equal(x, y)  # the selections themselves
-            else:  # query labels and rows from the other summation order
-                np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4)
-
-
-def test_loop_layers_refuses_what_it_cannot_loop_before_the_prefill():
-    """One clear error naming what loop_layers needs, from the prefill's plan, before any layer runs."""
-    from kvoffload.runtime.options import LoopLayersError
-    from test_tokenselect import BASE, PROMPTS
-
-    model = tiny_random_model("llama", seed=1, num_hidden_layers=3)
-    tokens, lengths = pad_prompts(PROMPTS)
-    for policy, opts, match in [("offload", {}, "moves nothing between layers"),
-                                ("clo", dict(LOOP_QUEST, speculative_prefetch=True), "no speculative prefetch"),
-                                ("clo", dict(LOOP_QUEST, retrieval="exact"), "retrieval=quest or hata")]:
-        pol = make_policy(policy, **{**BASE, **opts, "loop_layers": True})
-        with pytest.raises(LoopLayersError, match=match):
-            pol.prefill(model, tokens, lengths, 128)
-    with pytest.raises(ValueError, match="loop_layers must be true or false"):
-        make_policy("full", loop_layers="maybe")
+QUEST = dict(topk=12, num_recent=4, eta=0.5, retrieval="quest", quest_page_tokens=4)  # clo Quest on a tiny llama
 
 
 def test_recompute_workspace_by_token_holds_every_extent_at_once():
@@ -679,7 +583,7 @@ def test_a_per_layer_flush_writes_every_layer_at_once(monkeypatch):
     single, many = [], []
     real_one, real_many = P.write_blocks, P._write_program
     model = tiny_random_model("llama", seed=1, num_hidden_layers=4)
-    pol, _, state = _decode(model, "clo", 2, **dict(LOOP_QUEST, host_dtype="int4", int4_group_size=16,
+    pol, _, state = _decode(model, "clo", 2, **dict(QUEST, host_dtype="int4", int4_group_size=16,
                                                      int4_k_quant="int8", quest_dtype="int8"))
     monkeypatch.setattr(P, "write_blocks", lambda *a: single.append(1) or real_one(*a))
     monkeypatch.setattr(P, "_write_program", lambda sh, n, path: many.append(n) or real_many(sh, n, path))
@@ -692,26 +596,3 @@ def test_a_per_layer_flush_writes_every_layer_at_once(monkeypatch):
     # layers 1..3 on the host: their K (int8: 3 arrays) and V (int4: 3) in one program, layer 0's (device) in
     # another, the Quest bounds (3 arrays a host layer) in a third, per extent touched
     assert len(many) <= 3 * len(state.groups[0].pool_k[0]) and max(many) >= 3 * 6, many
-
-
-@pytest.mark.parametrize("stored", ["native", "int4"])
-def test_strided_write_puts_each_layers_blocks_where_its_own_write_would(stored):
-    """A looped step's flush writes n layers' blocks into a stacked host extent (layer j at slots + j x stride)
-    in one program where each layer's slots are one run, else layer by layer (a request's block elsewhere:
-    slot -1): the extent equals n separate `write_stored_blocks` calls, int4 extents quantized the same."""
-    from kvoffload.runtime.pool import quantize_blocks, write_stored_blocks, write_stored_blocks_strided
-
-    n, stride, rng = 3, 5, np.random.default_rng(0)
-    blocks = jnp.asarray(rng.standard_normal((n, 2, 2, 4, 16)), jnp.float32)  # [n, b, n_kv, blk, d]
-    for slots in (np.array([1, 2]), np.array([3, -1]), np.array([4, 0])):
-        base = jnp.asarray(rng.standard_normal((n * stride + 1, 2, 4, 16)), jnp.float32)  # +1: padded rows
-        base = quantize_blocks(base, 16) if stored == "int4" else base
-        ext = jax.device_put(base, M.host_sharding())
-        want = jax.device_put(base, M.host_sharding())
-        for j in range(n):
-            want = write_stored_blocks(want, blocks[j], np.where(slots >= 0, slots + j * stride, n * stride + 1))
-        got = write_stored_blocks_strided(ext, blocks, slots, stride)
-        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            assert M.memory_kind_of(x) == "pinned_host"
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        assert not np.array_equal(np.asarray(jax.tree.leaves(got)[0]), np.asarray(jax.tree.leaves(base)[0]))

@@ -10,7 +10,7 @@ from kvoffload.profile import _common, part_of, scope_breakdown, scope_path, tra
 
 
 def test_scope_paths_and_parts_from_op_names():
-    assert scope_path("jit(loop_layers)/while/body/pool_attention/retrieval/jit(choose)/sort") == \
+    assert scope_path("jit(layer_body)/pool_attention/retrieval/while/body/jit(choose)/sort") == \
         "pool_attention/retrieval"
     assert scope_path("jit(f)/dot_general") == ""
     assert [part_of(p) for p in ("pool_attention/retrieval", "pool_attention/transfer", "pool_attention/cache",
@@ -82,19 +82,18 @@ def test_a_traced_program_splits_by_its_named_scopes(tmp_path):
     assert got["unattributed_s"] == 0 and abs(sum(prog["scopes"].values()) - prog["seconds"]) < 1e-12
 
 
-@pytest.mark.slow  # slow only, both ways: no default test checks a clo step's fig. 11 parts
-@pytest.mark.parametrize("loop", [False, True])  # looped: layer 0 a call too
-def test_a_clo_decode_step_has_every_fig11_part(tmp_path, loop):
-    """A clo step (Quest, per-layer calls or the looped layers): its trace has time under retrieval, transfer,
+@pytest.mark.slow  # slow only: no default test checks a clo step's fig. 11 parts
+def test_a_clo_decode_step_has_every_fig11_part(tmp_path):
+    """A clo step (Quest, one program per layer): its trace has time under retrieval, transfer,
     cache management and attention, and under the layers' projections and MLP; every kernel is attributed to
     a scope (on the CPU; on a GPU at least 90% of the time)."""
-    from test_offload import LOOP_QUEST
+    from test_offload import QUEST
     from test_tokenselect import _decode
 
     from kvoffload.models import tiny_random_model
 
     model = tiny_random_model("llama", seed=1, num_hidden_layers=3)
-    pol, _, state = _decode(model, "clo", 2, loop_layers=loop, **LOOP_QUEST)
+    pol, _, state = _decode(model, "clo", 2, **QUEST)
     tok = jnp.zeros((state.batch,), jnp.int32)
     _, state = pol.decode_step(model, state, tok)  # compiled
     with jax.profiler.trace(str(tmp_path)):
@@ -108,27 +107,23 @@ def test_a_clo_decode_step_has_every_fig11_part(tmp_path, loop):
     # the CPU's thunks are all XLA's instructions; a GPU's library kernels inside a command buffer that spans
     # several scopes have no scope of their own
     assert got["unattributed_s"] <= (0 if jax.default_backend() == "cpu" else 0.1 * total), got
-    if loop:
-        assert got["programs"]["jit_loop_layers"]["parts"].get("retrieval", 0) > 0
 
 
 def test_plot_of_a_bench_result_with_scope_breakdowns(tmp_path, capsys):
-    """plot_scope_breakdown.py: the mean and the looped layer's bars of a bench_selection result's traced runs."""
+    """plot_scope_breakdown.py: the mean layer's bar of each bench_selection result's traced run."""
     import json
 
     from script_loader import script_module
 
-    b = {"per_layer": {"retrieval": 2e-6, "attention": 5e-6, "other": 1e-6},
-         "looped_layer": {"retrieval": 3e-6, "transfer": 1e-6}}
+    b = {"per_layer": {"retrieval": 2e-6, "attention": 5e-6, "other": 1e-6}}
     doc = {"meta": {"device": "cpu", "shape": "tiny"},
-           "runs": [{"variant": "clo_quest_loop", "context": 131072, "batch": 1, "scope_breakdown": b},
+           "runs": [{"variant": "clo_quest", "context": 131072, "batch": 1, "scope_breakdown": b},
                     {"variant": "full", "context": 131072, "batch": 1}]}  # no trace: no bar
     (tmp_path / "sel.json").write_text(json.dumps(doc))
     with script_module("plot_scope_breakdown") as ps:
         assert ps.main([str(tmp_path / "sel.json"), "--out", str(tmp_path / "b.png")]) == 0
     out = capsys.readouterr().out
-    assert "| clo_quest_loop 128K b1: mean layer | 2.0 | 0.0 | 0.0 | 5.0 |" in out
-    assert "| clo_quest_loop 128K b1: looped layer | 3.0 | 1.0 |" in out and "full" not in out
+    assert "| clo_quest 128K b1: mean layer | 2.0 | 0.0 | 0.0 | 5.0 |" in out and "full" not in out
     assert (tmp_path / "b.png").stat().st_size > 1000
 
 

@@ -20,7 +20,7 @@ from kvoffload.runtime.attention import PoolSources
 from kvoffload.runtime.pool import BlockAllocator, PoolLayout
 from kvoffload.policies import make_policy
 from kvoffload.policies.selection.cache import COUNTS, SelectionCache, empty_selection, with_replay
-from kvoffload.policies.selection.rows import HostRows, SelectSources
+from kvoffload.policies.selection.rows import SelectSources
 from kvoffload.policies.tokenselect import TokenSelectAttend, TokenSelectOptionError, soft_vote
 
 # ragged prompts 39, 70 and 3 tokens; 16-token blocks in extents of 3 blocks (the tiny models' K):
@@ -558,86 +558,6 @@ def test_selection_state_and_statistics_share_one_array():
     empty = empty_selection(B, 8, n_kv, 4, K)
     np.testing.assert_array_equal(empty.pool_tokens, [-1, -1])
     assert not np.asarray(empty.num_valid).any() and not np.asarray(empty.steps).any()
-
-
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
-def test_layer_rows_refill_and_attend_one_layers_rows_of_a_stacked_buffer_in_place(impl):
-    """A loop over stacked layers gives layer j its row buffers as `LayerRows` (every layer's rows along one
-    array, j's at rows [j K, (j + 1) K)): the refill writes exactly what the layer's own buffer would get and leaves
-    every other layer's rows as they were; sparse attention over them equals attention over the layer's own
-    buffers; the kernel (interpret) and the reference agree."""
-    from kvoffload import ops
-    from kvoffload.runtime.state import LayerRows
-    from kvoffload.policies.selection.rows import rows_attention
-
-    rng = np.random.default_rng(4)
-    E, n_kv, blk, d, K, n, G = 3, 2, 16, 64, 5, 3, 2
-    ext = jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), jnp.float32)
-    own = [jnp.asarray(rng.standard_normal((1, n_kv, K, d)), jnp.float32) for _ in range(n)]
-    stacked = jnp.concatenate(own, axis=2)
-    indices = jnp.asarray(rng.integers(0, E * blk, (1, n_kv, K)), jnp.int32)
-    num_valid = jnp.asarray([[K, 2]], jnp.int32)
-    q = jnp.asarray(rng.standard_normal((1, n_kv * G, d)), jnp.float32)
-    slot_ids = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), indices.shape)
-    kernel = impl == "interpret"
-    if kernel:  # the refill kernel in interpret mode, on device-memory extents
-        orig = ops.refill_block_rows
-        ops.refill_block_rows = lambda *a, **k: orig(*a, **k, impl="kernel", interpret=True)
-    try:
-        for j in range(n):
-            rows = HostRows(extents=((ext,),))
-            (want,), _ = rows.refill((own[j],), indices, num_valid, blk)
-            lr = LayerRows(stacked, jnp.int32(j * K), K)
-            assert lr.shape == (1, n_kv, K, d) and lr.dtype == jnp.float32
-            (got,), _ = jax.jit(lambda b: rows.refill((b,), indices, num_valid, blk))(lr)
-            assert isinstance(got, LayerRows) and got.rows == K
-            full = np.asarray(got.stacked)
-            np.testing.assert_array_equal(full[:, :, j * K:(j + 1) * K], np.asarray(want))
-            others = np.ones(n * K, bool)
-            others[j * K:(j + 1) * K] = False
-            np.testing.assert_array_equal(full[:, :, others], np.asarray(stacked)[:, :, others])
-            np.testing.assert_array_equal(np.asarray(jnp.asarray(got)), np.asarray(want))  # __jax_array__: its rows
-            a = rows_attention(q, got, got, num_valid, "reference")
-            b = rows_attention(q, want, want, num_valid, "reference")
-            np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), rtol=1e-6, atol=1e-6)
-            gathered = ops.sparse_attention(q, want, want, slot_ids, num_valid=num_valid, impl="reference")
-            np.testing.assert_allclose(np.asarray(b[0]), np.asarray(gathered[0]), rtol=1e-6, atol=1e-6)
-            if kernel:  # the kernel reads the layer's rows in place
-                c = jax.jit(lambda g: ops.rows_attention(q, g.stacked, g.stacked, num_valid, K, row_offset=g.offset,
-                                                         impl="kernel", interpret=True))(got)
-                np.testing.assert_allclose(np.asarray(c[0]), np.asarray(b[0]), rtol=1e-5, atol=1e-5)
-                np.testing.assert_allclose(np.asarray(c[1]), np.asarray(b[1]), rtol=1e-5, atol=1e-5)
-    finally:
-        if kernel:
-            ops.refill_block_rows = orig
-
-
-def test_host_rows_offset_reads_one_layers_blocks_from_an_extent_of_several():
-    """A step looping over stacked layers reads layer j's rows from one extent holding every layer's blocks, at
-    token ids offset by j x E x blk (`SelectSources.row_offset`): the same rows as from layer j's own extent,
-    gathered or refilled (a row past num_valid keeps its value); X extents refuse an offset."""
-    rng = np.random.default_rng(3)
-    E, n_kv, blk, d, K = 3, 2, 16, 64, 5  # shapes the GPU's refill kernel runs in its own tests
-    layers = [jnp.asarray(rng.standard_normal((E, n_kv, blk, d)), jnp.float32) for _ in range(3)]
-    both = jnp.concatenate(layers)
-    indices = jnp.asarray(rng.integers(0, E * blk, (1, n_kv, K)), jnp.int32)
-    num_valid = jnp.asarray([[K, 2]], jnp.int32)
-    buf = jnp.asarray(rng.standard_normal((1, n_kv, K, d)), jnp.float32)
-    for j, own in enumerate(layers):
-        want = HostRows(extents=((own,),))
-        got = HostRows(extents=((both,),), offset=jnp.int32(j * E * blk))
-        (w,), _ = want.refill((buf,), indices, num_valid, blk)
-        (g,), _ = got.refill((buf,), indices, num_valid, blk)
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        assert not np.array_equal(np.asarray(g), np.asarray(buf))  # rows were replaced
-        np.testing.assert_array_equal(np.asarray(g[0, 1, 2:]), np.asarray(buf[0, 1, 2:]))  # past num_valid: kept
-        (wr,), _ = want(indices, num_valid, (jnp.float32,), blk)
-        (gr,), _ = got(indices, num_valid, (jnp.float32,), blk)
-        np.testing.assert_array_equal(np.asarray(gr), np.asarray(wr))
-    pool = PoolSources(k=[None], v=[None], x=[jnp.zeros((E, blk, 16), jnp.float32)], recompute=jnp.int32(0),
-                       prompt_extents=1)
-    with pytest.raises(ValueError, match="row offset"):
-        HostRows.of(None, None, pool, None, ("v",), offset=jnp.int32(E * blk))
 
 
 def test_reuse_criteria_replay_counts_hits_per_layer_and_per_kv_head():

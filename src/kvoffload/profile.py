@@ -42,7 +42,7 @@ PARTS = (
 
 
 def scope_path(op_name: str) -> str:
-    """The named scopes of SCOPES in an op_name ("jit(loop_layers)/while/body/pool_attention/retrieval/..."
+    """The named scopes of SCOPES in an op_name ("jit(layer_body)/pool_attention/retrieval/while/body/..."
     -> "pool_attention/retrieval"); "" where it has none."""
     return "/".join(p for p in op_name.split("/") if p in SCOPES)
 

@@ -53,45 +53,13 @@ def layer_norm(x, weight, bias, eps):
     return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-@dataclasses.dataclass
-class LayerSlice:
-    """Layer `index`'s slice of a stacked [L, ...] array, for a kernel that reads it in place: what a step looping
-    over stacked layers gives `linear` for a [K, N] weight (`layer_weights`; `ops.stacked_linear`) and clo's
-    Quest pages (`ops.quest_block_bounds`). XLA writes a dynamic slice out before a custom call reads it (a
-    weight's traffic tripled; 8 MiB of pages a layer at 128K). Anything else reading it as an array
-    (`__jax_array__`) gets the slice itself."""
-
-    stacked: jax.Array
-    index: jax.Array
-
-    shape = property(lambda self: tuple(self.stacked.shape[1:]))
-    dtype = property(lambda self: self.stacked.dtype)
-    ndim = property(lambda self: self.stacked.ndim - 1)
-
-    def __jax_array__(self):
-        return self.stacked[self.index]
-
-    def astype(self, dtype):
-        return self.__jax_array__().astype(dtype)
-
-
-jax.tree_util.register_dataclass(LayerSlice, data_fields=["stacked", "index"], meta_fields=[])
-
-
 def stack_trees(trees):
-    """One tree of [n, ...] leaves from n trees of one structure (layers' weights, tails, slots): a copy."""
+    """One tree of [n, ...] leaves from n trees of one structure (layers' weights): a copy."""
     return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-def layer_weights(stacked_params, index):
-    """Layer `index` of stacked layer parameters (every leaf [L, ...]): 2-D weights as `LayerSlice` (read in
-    place by `linear`), the rest (norms, biases) sliced."""
-    index = jnp.asarray(index, jnp.int32)
-    return jax.tree.map(lambda a: LayerSlice(a, index) if a.ndim == 3 else a[index], stacked_params)
-
-
 def linear(x, w, b=None):
-    """x @ w (+ b), fp32 accumulation (`ops.matmul_f32`; a `LayerSlice` read in place), rounded once to x's dtype."""
+    """x @ w (+ b), fp32 accumulation (`ops.matmul_f32`), rounded once to x's dtype."""
     y = ops.matmul_f32(x, w)
     if b is not None:
         y = y + b.astype(jnp.float32)

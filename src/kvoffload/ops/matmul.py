@@ -73,11 +73,7 @@ def matmul_f32(x, w, *, impl="auto", interpret=False):
     """x [..., K] @ w [K, N] accumulated and returned in fp32: a model's linear layers and its logits. "auto" on a
     GPU takes the stacked-linear kernel for up to FEW_ROWS_MAX rows of a 16-bit x and w on one device (a decode
     step; under a tensor-parallel mesh XLA partitions its own matmul), XLA's einsum elsewhere. The two sum in
-    different orders: the last bits of a bf16 result can differ, so every policy goes through this one function.
-    w may be a layer's weight inside a stacked array (`models.common.LayerSlice`: `stacked`, `index`), read in
-    place by `stacked_linear` with the same tiles, so a loop over stacked layers gives the layer calls' bits."""
-    if hasattr(w, "stacked"):
-        return stacked_linear(x, w.stacked, w.index, impl=impl, interpret=interpret, out_dtype=jnp.float32)
+    different orders: the last bits of a bf16 result can differ, so every policy goes through this one function."""
     if use_kernel(impl, few_rows_ok(x, w)):
         return _matmul_f32_kernel(x, w, interpret)
     return _matmul_f32_reference(x, w)

@@ -57,9 +57,9 @@ def recompute_kv(x, w_k, b_k, w_v, b_v, cos=None, sin=None, *, n_kv, impl="auto"
     (k None; the reference's matmul: no family puts RoPE on V), where K is at hand already.
     """
     n_kv = int(n_kv)
-    if impl == "auto" and (hasattr(w_v, "stacked") or (_c.on_gpu() and few_rows_ok(x, w_v))):
+    if impl == "auto" and _c.on_gpu() and few_rows_ok(x, w_v):
         # a decode step's few tokens: W_K and W_V read by the few-row linear (XLA's matmul reads a b1 W_K at
-        # 0.5 TB/s), or in place from stacked layers (`matmul_f32`); bias and RoPE as the reference
+        # 0.5 TB/s); bias and RoPE as the reference
         return _rc.recompute_kv_reference(x, w_k, b_k, w_v, b_v, cos, sin, n_kv=n_kv,
                                           matmul=lambda a, w: matmul_f32(a, w, interpret=interpret))
     if w_k is None:

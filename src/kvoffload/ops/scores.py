@@ -45,34 +45,15 @@ def _quest_kernel_jit(q, kmin, kmax, num_pages, group_reduce, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _quest_blocks_kernel_jit(q, owner, kmin, kmax, scale, interpret, block_offset=0, active=None):
-    return _sc.quest_block_bounds_kernel(q, owner, kmin, kmax, scale, block_offset=block_offset, active=active,
-                                         interpret=interpret)
-
-
-def _layer_stacks(arrays):
-    """Where every array given is a `models.common.LayerSlice` of one layer of [n, E, ...] stacks: (the stacks as
-    [n E, ...] (a reshape, no copy), the layer's first row, index x E); else None."""
-    if not all(hasattr(a, "stacked") for a in arrays if a is not None):
-        return None
-    E = arrays[0].stacked.shape[1]
-    return (tuple(None if a is None else a.stacked.reshape((-1,) + a.stacked.shape[2:]) for a in arrays),
-            jnp.asarray(arrays[0].index, jnp.int32) * E)
+def _quest_blocks_kernel_jit(q, owner, kmin, kmax, scale, interpret, active=None):
+    return _sc.quest_block_bounds_kernel(q, owner, kmin, kmax, scale, active=active, interpret=interpret)
 
 
 def quest_block_bounds(q, owner, kmin, kmax, scale=None, *, active=None, impl="auto", interpret=False):
     """Quest's page bounds of pool blocks, each against its owner's query
     (`pallas.scores.quest.quest_block_bounds_reference`): q [B, H, d]; owner [E]; kmin, kmax [E, n_kv, P, d] (int8 with scale [E, n_kv, P], or the keys' dtype);
     active [B, n_kv] or None: an inactive (request, head)'s bounds are -inf and its pages are not read.
-    Returns [E, n_kv, P] f32. The kernel on the GPU, per device on its heads under a tensor-parallel mesh.
-    The pages may be a looped layer's `models.common.LayerSlice`s (all alike): on one device read in place at
-    the layer's row of their stacks; under a mesh sliced out."""
-    stacks = _layer_stacks((kmin, kmax, scale))
-    if stacks is not None and _sh.context_size() == 1:
-        (lo, hi, sc), offset = stacks
-        if use_kernel(impl):
-            return _quest_blocks_kernel_jit(q, owner, lo, hi, sc, interpret, block_offset=offset, active=active)
-        return _sc.quest_block_bounds_reference(q, owner, lo, hi, sc, block_offset=offset, active=active)
+    Returns [E, n_kv, P] f32. The kernel on the GPU, per device on its heads under a tensor-parallel mesh."""
     kmin, kmax, scale = (None if a is None else jnp.asarray(a) for a in (kmin, kmax, scale))
     if use_kernel(impl):
         heads, rep = _sh.KV_SPEC, _sh.REPLICATED

@@ -56,7 +56,7 @@ the rows, ``ops.gather_pool_rows``); what differs:
 Placement: ``exact``: as tokenselect ``kv=split``: K extents in device memory (the exact keys are the
 retrieval metadata), V extents in pinned host memory; without speculation the selected K rows are kept in a
 GPU buffer too (``k_rows``, `CloHooks.buffers_k`: a hit reads only the buffers). ``quest`` / ``hata``: K and V extents both in
-pinned host memory (`keys_on_device` False), only the metadata on the GPU; the selected K rows are
+pinned host memory (`Capabilities.keys_on_device` False), only the metadata on the GPU; the selected K rows are
 gathered from the host like the V rows, into a second cache buffer (``k_rows``) reused on hits.
 Persistent heads' K/V are NOT placed on the GPU separately: they stay in the host pool (K on the GPU
 for ``exact``) and their whole context's rows are gathered into the cache buffer on each re-selection
@@ -108,7 +108,8 @@ from kvoffload.errors import warn_accuracy
 from kvoffload.models.transformer import family
 from kvoffload.device import sharding as S
 from kvoffload.runtime.attention import attend_pool, native_extent
-from kvoffload.runtime.pool import write_blocks_many, write_blocks_stacked
+from kvoffload.runtime.hooks import Capabilities
+from kvoffload.runtime.pool import write_blocks_many
 from kvoffload.plan.clo import kv_thresholds, load_clo_profile, plan_persistent_heads
 from kvoffload.plan.deploy import (
     encode_keys,
@@ -485,17 +486,6 @@ class CloAttend:
             slots.__dict__["selection"] = _with(sel, {"replay": draw})
         return slots
 
-    def layer_fixed(self, fixed: tuple, j):
-        """Layer j's read-only slots inside a loop over stacked layers (`pipeline.loop_layers`; fixed's leaves
-        [n, ...]): Quest's pages as `LayerSlice`s, read in place by the bounds kernel (sliced, XLA would copy 8 MiB
-        of them a layer at 128K out first); the rest sliced (XLA fuses those slices into their readers)."""
-        from kvoffload.models.common import LayerSlice
-
-        index = jnp.asarray(j, jnp.int32)
-        pages = FIXED_SLOT_FIELDS.index("meta") if self.retrieval == "quest" else None
-        return tuple(jax.tree.map((lambda a: LayerSlice(a, index)) if n == pages else (lambda a: a[index]), field)
-                     for n, field in enumerate(fixed))
-
     def selection_rule(self, q, src, tables, slots: CloSlots):
         """(reuse [B, n_kv], select, rule_hits): which (request, KV head) keep their cached selection for query
         q, a function giving a fresh selection (indices, num_valid) for q (scores, top-k, sinks and recent
@@ -545,10 +535,6 @@ class CloAttend:
             acc, _ = attend_pool(cfg, lp, q, acc, src.pool, tables, None, recompute_impl, attention_impl)
             sel = slots.selection
             return acc, dataclasses.replace(slots, selection=dataclasses.replace(sel, counts=sel.counted(steps=1)))
-        if src.row_offset is not None and (self.speculative or self.retrieval not in ("quest", "hata")):
-            # the guesses and exact scores read keys at the selection's own ids; only `HostRows` adds the offset
-            raise ValueError("a row offset (several layers' blocks in one extent) takes Quest or HATA retrieval "
-                             "without speculative prefetch")
         keys = src.pool.k
         B, H, d = q.shape
         sel = slots.selection
@@ -560,8 +546,7 @@ class CloAttend:
         with jax.named_scope("retrieval"):
             indices, num_valid = reuse_or_select(reuse, sel, select, self.conditionals)
         # the host side's rows: gathered (store=kv) or recomputed from the union's X rows (store=act)
-        rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl,
-                           offset=src.row_offset)
+        rows = HostRows.of(cfg, lp, src.pool, tables, ("v",) if slots.k_rows is None else ("k", "v"), recompute_impl)
         miss_nv = jnp.where(reuse, 0, num_valid)  # the hit heads' rows come from the buffers
         no_x = jnp.zeros((B,), jnp.int32)
         spec = {}
@@ -716,11 +701,10 @@ class CloHooks(SelectionHooks):
         self.hata_weights, self.hata_bits = hata_weights, hata_bits
         self.chosen: dict = {}  # what init_slots decided for the model (for describe)
 
-    def keys_on_device(self, pipe) -> bool:
-        return self.attend.retrieval == "exact"  # quest / hata: only their metadata on the GPU
-
-    def speculates(self, pipe) -> bool:
-        return bool(self.attend.speculative)
+    @property
+    def capabilities(self) -> Capabilities:
+        # exact scores read K on the GPU; quest / hata keep K on the host too, only their metadata on the GPU
+        return dataclasses.replace(super().capabilities, keys_on_device=self.attend.retrieval == "exact")
 
     def speculate(self, pipe, model, group, layer, h, positions, slot):
         if not self.attend.speculative or slot.dense:
@@ -778,28 +762,6 @@ class CloHooks(SelectionHooks):
             out[j] = dataclasses.replace(slots[j], meta=meta[:extent] + (tuple(next(written) for _ in meta[extent]),)
                                          + meta[extent + 1:])
         return tuple(out)
-
-    def loop_refusal(self, pipe):
-        if self.attend.retrieval not in ("quest", "hata"):  # exact scores read the keys at the selection's own ids
-            return "clo's retrieval=quest or hata (exact scores read each layer's keys in place)"
-        return None
-
-    def keys_written_stacked(self, pipe, stack, extent, k_blocks, at):
-        r = self.attend.retrieval
-        if r == "exact" or stack.st.moving.dense:
-            return stack.fixed
-        n = k_blocks.shape[0]
-        meta, w = (stack.fixed[FIXED_SLOT_FIELDS.index(f)] for f in ("meta", "hata_w"))
-        if w is None:  # quest: every layer's blocks at once
-            flat = key_metadata(k_blocks.reshape((-1,) + k_blocks.shape[2:]), None, r, self.attend.page_size,
-                                self.attend.quest_dtype)
-            new = tuple(a.reshape((n, -1) + a.shape[1:]) for a in flat)
-        else:  # hata: each layer's own projections
-            new = jax.vmap(lambda kb, wj: key_metadata(kb, wj, r, self.attend.page_size))(k_blocks, w)
-        at = jnp.asarray(at, jnp.int32)
-        written = tuple(write_blocks_stacked(old, part, at) for old, part in zip(meta[extent], new))
-        i = FIXED_SLOT_FIELDS.index("meta")
-        return stack.fixed[:i] + (meta[:extent] + (written,) + meta[extent + 1:],) + stack.fixed[i + 1:]
 
     def persistent_for_stores(self, pipe, model, layout, batch, K):
         scores = head_rule(model.config, self.importance, self.eta, self.p, self.fixed_threshold)[0]
@@ -1035,7 +997,7 @@ class CloPolicy(LayeredPolicy):
             cached = ~h.chosen["persistent"]
             per_head = np.asarray(c["hit_rate_per_layer_head"])
             c["hit_rate_cached_heads"] = float(per_head[cached].mean()) if cached.any() else None
-            by_group = [gr.slots_by_layer() for gr in state.groups]  # a looped run's copied out of its stack
+            by_group = [gr.slots for gr in state.groups]
 
             def per_layer_head(field):  # [L, n_kv] summed over requests and GPU batches
                 return sum(np.stack([np.asarray(getattr(s, field)).sum(0) for s in sl]) for sl in by_group)

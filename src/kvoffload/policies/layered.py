@@ -47,8 +47,6 @@ PIPELINE_OPTIONS = (
            choices=INT4_K_QUANTS),
     Option("tensor_parallel", "int", "split heads, weights and the host pool over the first N devices", low=1),
     Option("mesh", "object", "a jax.sharding.Mesh with a 'model' axis (in place of tensor_parallel)"),
-    Option("layers_per_program", "int", "consecutive layers decoded in one program where nothing moves", low=1),
-    Option("loop_layers", "bool", "run the trailing layers of one shape as one looped program"),
 )
 
 
@@ -141,8 +139,7 @@ class LayeredPolicy(Policy):
              "gpu_batches": o.gpu_batches, "block_tokens": o.block_tokens, "extent_mb": self.pipeline.extent_mb,
              "pool": "pinned host" if self.host_pool else "device", "host_memory": self.pipeline.host_note,
              "host_dtype": o.host_dtype if self.host_pool else "native",
-             "cost_model": self.pipeline.cost.source,
-             "layers_per_program": self.pipeline.layers_per_program(), "loop_layers": o.loop_layers}
+             "cost_model": self.pipeline.cost.source}
         if self.pipeline.memory_plan is not None:
             d["memory_plan"] = self.pipeline.memory_plan.describe()
         if state is not None:
@@ -151,9 +148,6 @@ class LayeredPolicy(Policy):
                            "kv_extents": lay.kv_extents, "act_extents": lay.act_extents}
             if any(self.pipeline.sliding_layers):  # what each kind of layer keeps where
                 d["layer_kinds"] = self.pipeline.layer_kinds(state, self.pipeline.window)
-            stk = state.groups[0].stack
-            if stk is not None:  # layers [first, L) run as one program a step
-                d["looped_layers"] = [stk.first, stk.first + stk.layers]
             if state.records:
                 d["last_step"] = dict(state.records[-1])
         return d

@@ -5,7 +5,7 @@ space, the rows, the options and `SelectionHooks`); here are the vote, the layer
 
 Placement ``kv=gpu`` (the paper's): the block pool is in device memory, as for `full`; the speed comes
 from attending fewer tokens. Placement ``kv=split``: a host pool whose K extents are created in device
-memory (`LayerHooks.keys_on_device`) and V extents in pinned host memory; nothing is fetched (every
+memory (`Capabilities.keys_on_device`) and V extents in pinned host memory; nothing is fetched (every
 extent's mode is "dev": the pool's own arrays go to the layer program as they are), the vote reads K on
 the GPU and the gather reads only the selected V rows from the host arrays inside the layer program
 (`ops.gather_pool_rows` -> `ops.gather_block_rows`: on the GPU a Pallas kernel reads the rows in place over PCIe).
@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from kvoffload import ops
 from kvoffload.device import sharding as S
 from kvoffload.runtime.attention import native_extent
+from kvoffload.runtime.hooks import Capabilities
 from kvoffload.policies import extrapolation
 from kvoffload.policies.base import register_policy
 from kvoffload.policies.layered import LayeredPolicy
@@ -182,8 +183,10 @@ class TokenSelectHooks(SelectionHooks):
     name = "tokenselect"
     option_error = TokenSelectOptionError
 
-    def keys_on_device(self, pipe) -> bool:
-        return self.split
+    @property
+    def capabilities(self) -> Capabilities:
+        # kv=split: K extents on the GPU (the soft vote scores every key there), V in the host pool read in place
+        return dataclasses.replace(super().capabilities, keys_on_device=self.split)
 
     def slot_parts(self, slot) -> dict:
         """GPU bytes of one layer's slots by part name (the memory plan's entries)."""
@@ -312,7 +315,7 @@ class TokenSelectPolicy(LayeredPolicy):
             d["selection"].update(self.pipeline.hooks.store_report(state))
         d["selection"].update(self.pipeline.hooks.replay_description())
         if state is not None and state.groups and state.groups[0].slots:
-            d["selection"]["selected_per_head"] = int(state.groups[0].layer_slot(0).indices.shape[-1])
+            d["selection"]["selected_per_head"] = int(state.groups[0].slots[0].indices.shape[-1])
             d["selection"].update(hit_rates(state))
         return d
 

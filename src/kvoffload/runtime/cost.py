@@ -140,24 +140,14 @@ class RunCost:
                           tail_x=flush_possible(lengths, capacity, o.block_tokens),
                           prefill_workspace_gb=o.prefill_workspace_gb, prefill_chunk_tokens=o.prefill_chunk_tokens,
                           host_dtype=o.host_dtype, int4_group_size=o.int4_group_size, int4_k_quant=o.int4_k_quant,
-                          k_on_device=self.hooks.keys_on_device(self), activation_split=self.tp,
+                          k_on_device=self.hooks.capabilities.keys_on_device, activation_split=self.tp,
                           x_by_token=self.x_by_token,
-                          fetch=self.hooks.fetches_extents(self),
+                          fetch=self.hooks.capabilities.fetches_extents,
                           layer_parts=[self.hooks.layer_parts(self, i) for i in range(cfg.num_layers)],
                           device_layers=[self.hooks.device_layer(self, i) for i in range(cfg.num_layers)],
                           slots=slot_parts)
         if o.offload_weights and M.on_host(model.params.layers):
             mem.host["weights"] = 0  # already in host memory (counted by MemAvailable)
-        if o.loop_layers:
-            # `loop_weights`: a stacked copy of (at most) every layer's weights, held while decoding; `stack_group`:
-            # the looped layers' pool, tails and slots copied once at the prefill's end (old and new alive together)
-            mem.gpu["looped layers' weights (stacked copy)"] = wb.per_layer * cfg.num_layers
-            mem.gpu_phase["looped layers' weights (stacked copy)"] = "decode"
-            copied = [k for k in mem.gpu if k.startswith("K/V blocks") or k == "GPU tails" or k in slot_parts]
-            mem.gpu["state stacked at the prefill's end (transient copy)"] = sum(mem.gpu[k] for k in copied)
-            mem.gpu_phase["state stacked at the prefill's end (transient copy)"] = "prefill"
-            if mem.host.get("K/V blocks"):
-                mem.host["K/V blocks stacked at the prefill's end (transient copy)"] = mem.host["K/V blocks"]
         return mem
 
     def record(self, model, state: DecodeState, plans, moved, d2h) -> dict:

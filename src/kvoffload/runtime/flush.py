@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvoffload.runtime.cost import tree_bytes
-from kvoffload.runtime.options import LoopLayersError
-from kvoffload.runtime.pool import PoolLayout, quantize_blocks, write_stored_blocks_many, write_stored_blocks_strided
-from kvoffload.runtime.state import GroupState, LayerStack
+from kvoffload.runtime.pool import PoolLayout, quantize_blocks, write_stored_blocks_many
+from kvoffload.runtime.state import GroupState
 
 
 def _pop(tail, blk, axis):
@@ -51,26 +50,21 @@ class Flush:
         touched = sorted(set(int(e) for e in ext_of))
         # a slot past the extent's end is dropped: one scatter program per extent size
         slots = {e: np.where(ext_of == e, slot_of, layout.size(e)) for e in touched}
-        nbytes = 0
-        stk = gr.stack
-        if stk is not None:  # the looped layers, at once
-            stk, nbytes = self.flush_stack(gr, stk, slots)
-        n = len(tk) if stk is None else stk.first  # the layers called one by one: all of them at once here
-        if n:
-            nbytes += self._flush_layers(gr, n, touched, ext_of, slots, (pk, pv, px), (tk, tv, tx), layer_slots)
+        nbytes = self._flush_layers(gr, touched, ext_of, slots, (pk, pv, px), (tk, tv, tx), layer_slots)
         return dataclasses.replace(
             gr, pool_k=tuple(tuple(p) for p in pk), pool_v=tuple(tuple(p) for p in pv),
             pool_x=tuple(tuple(p) for p in px), tail_k=tuple(tk), tail_v=tuple(tv), tail_x=tuple(tx),
             tail_len=gr.tail_len - blk, tables=alloc.device_tables(layout, self.tables_at), alloc=alloc, since_flush=0,
-            slots=tuple(layer_slots), stack=stk), nbytes
+            slots=tuple(layer_slots)), nbytes
 
-    def _flush_layers(self, gr: GroupState, n: int, touched, ext_of, slots: dict, pools, tails, layer_slots) -> int:
-        """`flush` of layers 0..n-1 (pools, tails and layer_slots: lists updated in place): every layer's blocks
+    def _flush_layers(self, gr: GroupState, touched, ext_of, slots: dict, pools, tails, layer_slots) -> int:
+        """`flush`'s writes (pools, tails and layer_slots: lists updated in place): every layer's blocks
         popped in one program, quantized in one, written in one per extent and memory space
         (`write_stored_blocks_many`), their key metadata updated by the policy for all of them at once.
         Returns the device->host bytes."""
         layout, blk = gr.layout, gr.layout.block_tokens
         (pk, pv, px), (tk, tv, tx) = pools, tails
+        n = len(tk)
         xs = [i for i in range(n) if tx[i] is not None]
         blocks, new_tails = _pop_blocks(tuple(tk[:n]) + tuple(tv[:n]) + tuple(tx[i] for i in xs), blk,
                                         (1,) * (2 * n) + (0,) * len(xs))
@@ -110,42 +104,10 @@ class Flush:
                 layer_slots[:n] = self.hooks.keys_written(self, tuple(layer_slots[:n]), e, popped["k"], slots[e])
         return nbytes
 
-    def flush_stack(self, gr: GroupState, stk: LayerStack, slots: dict):
-        """(stk, device->host bytes) with every looped layer's oldest blk tail tokens written as the new blocks
-        (slots: per extent touched, each request's slot there, >= its size where its block is elsewhere): one
-        pop, one quantization and one write program per stacked extent for all looped layers; the policy's key
-        metadata updated (`LayerHooks.keys_written_stacked`)."""
-        blk, layout = gr.layout.block_tokens, gr.layout
-        (bk, bv), (tail_k, tail_v) = _pop_blocks((stk.st.tail_k, stk.st.tail_v), blk, (2, 2))  # [n, b, n_kv, blk, d]
-        dev_layer = {self.hooks.device_layer(self, stk.first + j) for j in range(stk.layers)}
-        if len(dev_layer) != 1:  # stack_group loops only layers of one program, whose pools share a memory
-            raise LoopLayersError("loop_layers: looped layers differ in where their blocks live")
-        on_dev = dev_layer.pop()
-        pk, pv, nbytes, fixed = list(stk.pool_k), list(stk.pool_v), 0, stk.fixed
-        popped, kinds = {True: bk, False: bv}, ((pk, True), (pv, False))
-        native = {(e, key): self._stores_native(layout, e, on_dev, key) for e in slots for key in (True, False)}
-        # blocks bound for host memory: int4 / int8 made once for all looped layers, K and V in one program
-        want = sorted({key for e in slots for pool, key in kinds if pool[stk.extent_of(e)[0]] is not None
-                       and not native[e, key] and self.host_spec(key) is not None})
-        made = dict(zip(want, _quantize_many(tuple(popped[k] for k in want), tuple(self.host_spec(k) for k in want))))
-        for e, at in slots.items():
-            share = float(np.mean(at < layout.size(e)))  # of the blocks written, those in extent e
-            x, base, stride = stk.extent_of(e)
-            ids = np.where(at < layout.size(e), at + base, -1)
-            for pool, key in kinds:
-                if pool[x] is None:
-                    continue
-                w = popped[key] if native[e, key] else made.get(key, popped[key])
-                pool[x] = write_stored_blocks_strided(pool[x], w, ids, stride)
-                nbytes += 0 if native[e, key] else int(tree_bytes(w) * share)
-            fixed = self.hooks.keys_written_stacked(self, dataclasses.replace(stk, fixed=fixed), e, bk, at)
-        st = dataclasses.replace(stk.st, tail_k=tail_k, tail_v=tail_v)
-        return dataclasses.replace(stk, st=st, fixed=fixed, pool_k=tuple(pk), pool_v=tuple(pv)), nbytes
-
     def _stores_native(self, layout: PoolLayout, e: int, device_layer: bool, key: bool) -> bool:
         """Whether extent e of a layer stores a flushed K (key) or V block as computed: a device extent or
         layer, or K the policy keeps on the device; else as `host_spec` says."""
-        return layout.on_device(e) or device_layer or (key and self.hooks.keys_on_device(self))
+        return layout.on_device(e) or device_layer or (key and self.hooks.capabilities.keys_on_device)
 
     def host_spec(self, key=False):
         """`quantize_blocks`' (group size, scales, bits) of a K (key=True), V or X block / extent as a host pool

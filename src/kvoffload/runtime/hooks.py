@@ -1,15 +1,19 @@
-"""The hook protocol: what a policy on the layer pipeline implements (a `LayerHooks` subclass), and `GroupPlan`,
-what its plan of a GPU batch returns.
+"""The hook protocol: what a policy on the layer pipeline implements (a `LayerHooks` subclass), `Capabilities`,
+what its hooks declare about how the pool is stored and read, and `GroupPlan`, what its plan of a GPU batch
+returns.
 
 Nothing is required: the defaults are a complete policy that attends every extent in use from the pool as it is
 (a device pool) or fetched whole (a host pool). A policy sets ``name`` and overrides what it changes. Every method
 gets the `LayerPipeline` (``pipe``: its options, mesh and helpers) first.
 
-Class attributes
+Declared (class attributes, or properties of the policy's own options)
   ``name``                  the policy's name in messages and traces.
   ``kinds``                 what the pool may store: ("kv",), ("kv", "act"); `split_store` says where.
   ``x_split``               on a mesh, how activation extents are split: "hidden" (along H) or "token".
   ``extent_mb_per_device``  MiB of K per extent on each device where the options give none (None: the default).
+  ``capabilities``          a `Capabilities`: where a host pool keeps K, whether decode moves whole extents. The
+                            runtime reads its fields (``hooks.capabilities.keys_on_device``); a policy whose
+                            answer depends on its options gives a property.
 
 At prefill, fixed for the run (the layout first, then the parts that read it)
   ``group_rows(pipe, model, lengths, capacity, t_pad)``   -> the GPU batches, row ranges [(start, stop)].
@@ -17,14 +21,12 @@ At prefill, fixed for the run (the layout first, then the parts that read it)
   ``split_store(pipe, model, layout, lengths)``            -> the layout with its kv / act extent ranges.
   ``layer_parts(pipe, layer)``    -> which of "k", "v", "x" a layer stores (None: all the layout holds).
   ``device_layer(pipe, layer)``   -> whether a host pool keeps this layer's blocks in device memory.
-  ``keys_on_device(pipe)``        -> whether a host pool keeps its K extents in device memory.
   ``init_slots(pipe, model, layout, batch)`` -> the policy's own state, one pytree per layer, or ().
   ``keys_written(pipe, slots, extent, k_blocks, at)`` -> the slots after K blocks entered the pool (also at each
-                                  flush); ``keys_written_stacked(pipe, stack, extent, k_blocks, at)`` the same for a
-                                  `LayerStack` (required where `keys_written` keeps metadata and layers are looped).
-  ``recomputes(pipe, model)``     -> whether the run may recompute K/V from activations.
-  ``sliding_refusal(pipe)`` / ``loop_refusal(pipe)`` -> why the policy cannot run sliding-window layers / loop
-                                  mode, or None.
+                                  flush).
+  ``recomputes(pipe, model)``     -> whether the run may recompute K/V from activations (a method: a policy may
+                                  decide it from the model's shape).
+  ``sliding_refusal(pipe)``       -> why the policy cannot run sliding-window layers, or None.
 
 Each step, on the host (cheap: they run per GPU batch or per layer)
   ``plan_group(pipe, model, group)`` -> a `GroupPlan`: extents in use, how many to recompute, or per-extent modes.
@@ -33,20 +35,17 @@ Each step, on the host (cheap: they run per GPU batch or per layer)
   ``sources(pipe, group, plan, layer, fetched)`` -> the layer program's sources (a structure fixed for the run, so
                                   the program compiles once): `PoolSources` by default.
   ``token_recompute(pipe, group, plan, layer)`` -> on a token-split mesh, per extent whether it is recomputed.
-  ``speculates(pipe)`` / ``speculate(pipe, model, group, layer, h, positions, slot)`` -> whether work is dispatched
-                                  between layer programs / layer `layer`'s slots after it (before layer - 1 runs).
+  ``speculate(pipe, model, group, layer, h, positions, slot)`` -> layer `layer`'s slots after work dispatched
+                                  before layer - 1's program (default: unchanged).
   ``step_record(pipe, groups)``   -> what the policy adds to the step record (device values, never read here).
 
 Inside the layer program (traced; a pure function)
   ``attend(cfg, lp, q, acc, sources, tables, slots, recompute_impl, attention_impl)`` -> (acc, slots): the sources
-                                  folded into the fp32 accumulator in extent order, the layer's slots updated. In
-                                  loop mode a row buffer of the slots comes as a `state.LayerRows`. It may carry
-                                  ``split_slots(slots)`` -> (moving, fixed) and ``join_slots(moving, fixed)``: the
-                                  part the program only reads is passed but not returned.
+                                  folded into the fp32 accumulator in extent order, the layer's slots updated. It
+                                  may carry ``split_slots(slots)`` -> (moving, fixed) and ``join_slots(moving,
+                                  fixed)``: the part the program only reads is passed but not returned.
 
-For the memory plan and the execution modes
-  ``fetches_extents(pipe)``       -> whether decode moves whole host extents (False: rows read in place).
-  ``reads_rows(pipe)``            -> whether the layer program reads pool rows by token id (loop mode's layout).
+For the memory plan
   ``slot_memory(pipe, model, layouts, batch)`` -> GPU bytes of the slots by part name.
 """
 from __future__ import annotations
@@ -57,7 +56,21 @@ import numpy as np
 
 from kvoffload.runtime.attention import PoolSources, attend_pool
 from kvoffload.runtime.pool import PoolLayout
-from kvoffload.runtime.state import GroupState, LayerStack
+from kvoffload.runtime.state import GroupState
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a policy's hooks declare about how its pool is stored and read, fixed for a run (the defaults: K and
+    V where the layout puts them, host extents fetched whole)."""
+
+    # a host pool keeps its K extents in device memory (the model's dtype: prefill places them there, a flush
+    # writes them as computed, the memory plan counts them on the GPU), V alone on the host: keys scored on the
+    # GPU, the selected values read in place by the layer program
+    keys_on_device: bool = False
+    # decode moves whole host extents to the device (transfer buffers in the memory plan, the step's lookahead
+    # and waits); False where the layer program reads only selected rows of the host pool in place
+    fetches_extents: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +125,7 @@ class LayerHooks:
     # MiB of K per extent on each device where PipelineOptions.extent_mb is not given (None:
     # EXTENT_MB_PER_DEVICE, the unit a fetching policy moves, shared with a device pool for the same blocks)
     extent_mb_per_device: float | None = None
+    capabilities = Capabilities()  # what the runtime may assume of this policy's pool (a property where options decide)
 
     def recomputes(self, pipe, model) -> bool:
         """Whether this run may recompute K/V from activation extents (on a token-split mesh each device then
@@ -137,11 +151,6 @@ class LayerHooks:
         return early, late
 
     attend = staticmethod(attend_pool)  # the pure function the layer program folds the sources with
-
-    def keys_on_device(self, pipe) -> bool:
-        """Whether a host pool keeps its K extents in device memory, V alone on the host (a selective
-        policy scoring keys on the GPU, the selected values read in place by the layer program)."""
-        return False
 
     def layer_parts(self, pipe, layer: int) -> tuple | None:
         """Which of its extents' parts layer `layer` stores, of "k", "v", "x", where the layout holds that
@@ -172,28 +181,6 @@ class LayerHooks:
         Default: unchanged."""
         return slots
 
-    def keys_written_stacked(self, pipe, stack: "LayerStack", extent: int, k_blocks, at):
-        """`keys_written` for a `LayerStack`'s looped layers at once: their fixed slots ([n, ...]) after the new
-        K blocks k_blocks [n, b, n_kv, blk, d] went to slots `at` of extent `extent` (entries >= its size
-        elsewhere). Default: unchanged (a policy whose `keys_written` keeps metadata must say how it is stacked)."""
-        if type(self).keys_written is not LayerHooks.keys_written:
-            raise NotImplementedError(f"{type(self).__name__} keeps key metadata but has no keys_written_stacked")
-        return stack.fixed
-
-    def loop_refusal(self, pipe) -> str | None:
-        """What `PipelineOptions.loop_layers` needs that this policy's options do not give (completing "loop_layers
-        needs ..."), or None."""
-        return None
-
-    def reads_rows(self, pipe) -> bool:
-        """Whether the layer program reads the pool's rows by token id (`SelectSources.row_offset`: a looped step
-        then keeps every layer's blocks in one extent a kind) rather than whole blocks through the tables."""
-        return False
-
-    def speculates(self, pipe) -> bool:
-        """Whether `speculate` dispatches work between layer programs (then layers do not share a program)."""
-        return False
-
     def speculate(self, pipe, model, group: GroupState, layer: int, h, positions, slot):
         """Layer `layer`'s slots after a speculative step dispatched before layer `layer` - 1's program, with h
         the input hidden state of layer `layer` - 1 and positions the new token's (a selective policy: a guessed
@@ -205,11 +192,6 @@ class LayerHooks:
         """What the policy adds to a step's record, from the groups' state after the step (device values,
         never read on the host here: a step does not wait for the device). Default: nothing."""
         return {}
-
-    def fetches_extents(self, pipe) -> bool:
-        """Whether decode moves whole host extents (transfer buffers in the memory plan); False where the
-        layer program reads only selected rows of the host pool in place (selective policies)."""
-        return True
 
     def slot_memory(self, pipe, model, layouts, batch: int) -> dict:
         """GPU bytes of the slots (`init_slots`) by part name, for the memory plan. Default: none."""

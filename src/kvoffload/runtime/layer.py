@@ -1,5 +1,5 @@
 """The layer program: one decode layer as one jitted program (`layer_body`, `layer_step`), the new token's
-K/V written into the GPU tail (`put_rows`), and what decides whether layers share a program (`program_key`)."""
+K/V written into the GPU tail (`put_rows`), and the donated slots kept distinct (`distinct_arrays`)."""
 
 from __future__ import annotations
 
@@ -69,15 +69,6 @@ layer_step = functools.partial(jax.jit, static_argnames=("cfg", "attend", "optio
 def sliding_layers(cfg) -> tuple:
     """Per layer whether it attends a sliding window."""
     return tuple(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
-
-
-def program_key(tree):
-    """What decides a layer program's compilation: the tree's structure and every leaf's shape, dtype and memory
-    kind. Consecutive layers with equal keys can share one `layers_step` program."""
-    leaves, treedef = jax.tree.flatten(tree)
-    # the dtype objects themselves (hashable): str(dtype) cost ~150 us a layer of a selective policy, ~5 ms a 32-layer step (CPU)
-    return treedef, tuple((a.shape, a.dtype, a.sharding.memory_kind) if isinstance(a, jax.Array) else
-                          (getattr(a, "shape", None), getattr(a, "dtype", type(a))) for a in leaves)
 
 
 def distinct_arrays(tree):

@@ -8,16 +8,11 @@ from typing import Any
 
 from kvoffload import ops
 from kvoffload.device import sharding as S
-from kvoffload.errors import KVOffloadError
 
 SCHEDULES = ("row", "column")
 
 
 EXTENT_MB_PER_DEVICE = 64.0  # the default extent: MiB of K per device of the mesh (PipelineOptions.extent_mb)
-
-
-class LoopLayersError(KVOffloadError, ValueError):
-    """`PipelineOptions.loop_layers` asked of a run it cannot loop (names what to change)."""
 
 
 @dataclasses.dataclass
@@ -73,13 +68,6 @@ class PipelineOptions:
     # jax.sharding.Mesh with a 'model' axis; weights, K/V and the host pool split by head over it
     tensor_parallel: int = 1
     mesh: Any = None
-    # decode up to this many consecutive layers of equal program shapes in one program, where a step moves
-    # nothing between layers (else 1): one host call per group of layers (default 1: more gained nothing measured)
-    layers_per_program: int = 1
-    # decode each GPU batch's longest run of trailing layers of one program's shapes as ONE `loop_layers` program
-    # over state stacked at the prefill's end: one host call a step for them. Needs a step that moves nothing
-    # between layers, one device, K/V extents all in one memory; costs one more copy of the looped layers' weights
-    loop_layers: bool = False
 
     def __post_init__(self):
         from kvoffload.plan.cost import HOST_DTYPES, INT4_K_QUANTS
@@ -100,12 +88,6 @@ class PipelineOptions:
         self.block_tokens = int(self.block_tokens)
         self.sync_depth = int(self.sync_depth)
         self.extent_mb = None if self.extent_mb is None else float(self.extent_mb)
-        if isinstance(self.layers_per_program, bool) or int(self.layers_per_program) != self.layers_per_program \
-                or self.layers_per_program < 1:
-            raise ValueError(f"layers_per_program must be an integer >= 1, got {self.layers_per_program!r}")
-        self.layers_per_program = int(self.layers_per_program)
-        if not isinstance(self.loop_layers, bool):
-            raise ValueError(f"loop_layers must be true or false, got {self.loop_layers!r}")
         if self.gpu_batches < 1:
             raise ValueError(f"gpu_batches must be >= 1, got {self.gpu_batches}")
         if self.block_tokens < 1 or self.block_tokens & (self.block_tokens - 1):

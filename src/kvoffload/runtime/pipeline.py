@@ -10,7 +10,7 @@ token's q/k/v and its GPU tail (`layer`), the tail's flush into the pool (`flush
 batch through every layer; ``column``: every GPU batch through layer i before layer i+1, zig-zag, each layer's
 weights fetched once per step), how far transfers run ahead (item n+D-1's transfers are issued before item n's
 program, D = ``sync_depth``; before issuing item m the host waits for item m-D-1's program, so at most D+1 items'
-buffers are alive), the execution modes (`fused`, `loop`) and the step record (`cost`).
+buffers are alive) and the step record (`cost`).
 
 Attention of a layer (`attention`): the extents in order (``ops.paged_decode_attention`` over each extent's block
 tables, folded into an fp32 accumulator with ``ops.merge_attention_into``), then the GPU tail. A device pool runs
@@ -41,7 +41,6 @@ from kvoffload.runtime.cost import RunCost, array_bytes, tree_bytes
 from kvoffload.runtime.layer import sliding_layers
 from kvoffload.runtime.flush import Flush
 from kvoffload.runtime.hooks import GroupPlan, LayerHooks
-from kvoffload.runtime.loop import LoopedLayers
 from kvoffload.runtime.options import EXTENT_MB_PER_DEVICE, PipelineOptions
 from kvoffload.runtime.prefill import Prefill
 from kvoffload.runtime.state import DecodeState, GroupState
@@ -53,10 +52,10 @@ RECORDS_KEPT = 1024  # step records a DecodeState keeps without PipelineOptions.
 # tuple copied whole every step)
 
 
-class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
+class LayerPipeline(WeightPlacement, Prefill, Flush, RunCost):
     """Prefill and decode for one model and one policy's hooks. Holds only what is fixed for a run
     (options, memory placement, the cost model); everything that changes per step is in the state. Its jobs
-    live one per module (weights, prefill, loop mode, flush, costs), as bases that reach each other through
+    live one per module (weights, prefill, flush, costs), as bases that reach each other through
     self; this class holds the run's fixed state, the small device values shared by every step and the
     decode step."""
 
@@ -94,7 +93,6 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
         self._stand_ins: dict = {}
         self._templates: dict = {}
         self._scalars: dict = {}
-        self._loop_weights: dict = {}
 
     # -- small device values reused every step ------------------------------------------------
     def stand_ins(self, group: GroupState, layer: int):
@@ -150,7 +148,7 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
         moved = run.run()
         logits = [decode_logits(model.config, fam_params, h) for h in hs]
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
-        new_groups, d2h, flushed = self._advance(groups, run.tails, run.stacks, after)
+        new_groups, d2h, flushed = self._advance(groups, run.tails, after)
         moved.update(self.hooks.step_record(self, new_groups))
         rec = self.record(model, state, plans, moved, d2h)
         rec["flushed"] = flushed  # this step's tails became pool blocks (its time includes the writes)
@@ -190,13 +188,13 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
             after.append((nxt_pos, nxt_len))
         return hs, positions, after
 
-    def _advance(self, groups, tails, stacks, after):
+    def _advance(self, groups, tails, after):
         """(new groups, device->host bytes, whether a flush ran): each group with the step's tails, slots and
         counters, flushed where its tails hold a new block of every request."""
         new_groups, d2h, flushed = [], 0, False
-        for gr, tl, stk, (nxt_pos, nxt_len) in zip(groups, tails, stacks, after):
+        for gr, tl, (nxt_pos, nxt_len) in zip(groups, tails, after):
             gr = dataclasses.replace(gr, tail_k=tuple(tl["k"]), tail_v=tuple(tl["v"]), tail_x=tuple(tl["x"]),
-                                     slots=tuple(tl["slots"]), stack=stk, next_positions=nxt_pos,
+                                     slots=tuple(tl["slots"]), next_positions=nxt_pos,
                                      tail_len=nxt_len, n_gen=gr.n_gen + 1, since_flush=gr.since_flush + 1)
             if gr.since_flush == gr.layout.block_tokens:
                 gr, nbytes = self.flush(gr)
@@ -268,8 +266,6 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
         why = self.hooks.sliding_refusal(self)
         if why is None and self.mesh is not None:
             why = "the tensor-parallel attention paths have no sliding-window mask yet (tensor_parallel=1)"
-        if why is None and self.opts.loop_layers:
-            why = "loop_layers stacks layers of one kind; sliding and global layers differ (loop_layers=False)"
         if why:
             raise UnsupportedModelError(f"policy {self.hooks.name!r} cannot run a model with sliding-window layers: "
                                         f"{why}")
@@ -285,11 +281,4 @@ class LayerPipeline(WeightPlacement, Prefill, LoopedLayers, Flush, RunCost):
 
     def fetches(self) -> bool:
         """Whether a decode step moves pool extents to the device (a host pool the policy does not read in place)."""
-        return self.host_pool and self.hooks.fetches_extents(self)
-
-    def layers_per_program(self) -> int:
-        """Layers one decode program may run (`PipelineOptions.layers_per_program`) where the step issues no
-        transfers between layers and nothing is speculated between them; else 1."""
-        if self.fetches() or self.opts.offload_weights or self.hooks.speculates(self):
-            return 1
-        return self.opts.layers_per_program
+        return self.host_pool and self.hooks.capabilities.fetches_extents

@@ -400,48 +400,6 @@ def write_stored_blocks_many(exts, blocks, slots):
     return [rebuild([next(new) for _ in arrays]) for arrays, _, rebuild in parts]
 
 
-def write_stored_blocks_strided(ext, blocks, slots, stride: int):
-    """n layers' blocks [n, b, ...] into one extent that holds the layers one after another (a looped
-    step's stacked pool, `pipeline.LayerStack`): layer j's blocks at slots + j x stride (host ints; a
-    negative entry is dropped: that request's block is in another extent). One program for all n layers where
-    every layer's slots are one contiguous run (a lockstep flush), else layer by layer. An int4 / int8
-    extent (QuantizedInt) gets the blocks quantized once, all layers together."""
-    slots = np.asarray(slots)
-
-    def write(ext, blocks):
-        n = blocks.shape[0]
-        if (slots == slots[0] + np.arange(len(slots))).all() and slots[0] >= 0 \
-                and (n - 1) * stride + slots[-1] < ext.shape[0]:
-            out = _in_place(ext, "run", lambda: _strided_program(ext.sharding, n)(
-                ext, blocks, jnp.int32(slots[0]), jnp.int32(stride)))
-            if out is not None:
-                return out
-        for j in range(n):
-            ext = write_blocks(ext, blocks[j], np.where(slots >= 0, slots + j * stride, ext.shape[0]))
-        return ext
-
-    return _per_array(write, ext, blocks)
-
-
-@functools.lru_cache(maxsize=None)
-def _strided_program(sharding, n: int):
-    """write_blocks' "run" program for n layers at once: n dynamic_update_slices, one program."""
-    def run(ext, blocks, start, stride):
-        blocks = jax.device_put(blocks.astype(ext.dtype), sharding)
-        for j in range(n):
-            ext = jax.lax.dynamic_update_slice_in_dim(ext, blocks[j], start + j * stride, axis=0)
-        return ext
-
-    return jax.jit(run, donate_argnums=(0,), out_shardings=sharding)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def write_blocks_stacked(ext, blocks, slots):
-    """Device extents of n layers stacked [n, E, ...] with blocks [n, b, ...] written at slots [b] of each
-    (entries >= E dropped), in place: a looped step's per-layer metadata (`pipeline.LayerStack`)."""
-    return ext.at[:, slots].set(blocks.astype(ext.dtype), mode="drop")
-
-
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_blocks(ext, blocks, slots):
     # slots outside [0, E) are dropped: one program for every extent a flush touches

@@ -86,8 +86,6 @@ class Prefill:
             self.check_sliding()
         self.sliding_layers, self.window = sliding_layers(cfg), cfg.sliding_window
         rows, layouts = self.plan(model, lengths_np, t_pad, capacity)
-        if o.loop_layers:  # before any work: what the loop cannot take
-            self.check_loop(layouts)
         fam_params = without_layers(self.params(model))
         layers = self.layers(model)
         lengths = S.put(lengths_np.astype(np.int32), self.rep)  # committed, like a step's outputs
@@ -172,8 +170,6 @@ class Prefill:
                 rows=(a, z), layout=gr["layout"], alloc=gr["alloc"], tail_base=tuple(int(n) for n in lens % blk),
                 n_gen=0, since_flush=0, next_positions=lengths[a:z]))
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, 0)
-        if o.loop_layers:
-            states = [self.stack_group(model, gr) for gr in states]
         return logits, DecodeState(groups=tuple(states), batch=b)
 
     def _extents_from_prefill(self, layout: PoolLayout, srcs, alloc, k, v, x, dtype, parts=None, on_device=False):
@@ -186,7 +182,7 @@ class Prefill:
         n_kv, d = k.shape[1], k.shape[3]
         hdim = x.shape[2] if x is not None else None  # activations kept only where the layout stores them
         used = alloc.used_extents(layout)
-        k_dev_kept = self.hooks.keys_on_device(self)
+        k_dev_kept = self.hooks.capabilities.keys_on_device
         pk, pv, px, k_dev = [], [], [], []
         for e in range(layout.num_extents):
             src, valid = srcs[e]
@@ -213,7 +209,7 @@ class Prefill:
         # committed, like the written extents a flush returns (else each first write recompiles); host
         # extents in one asynchronous device->host put of the layer's extents
         on_host = [self.host_pool and not (layout.on_device(e) or on_device) for e in range(layout.num_extents)]
-        on_host = ([False] * len(on_host) if self.hooks.keys_on_device(self) else on_host) + on_host * 2  # K, V, X
+        on_host = ([False] * len(on_host) if k_dev_kept else on_host) + on_host * 2  # K, V, X
         pick = lambda want: [(a if h == want else None) for a, h in zip(pk + pv + px, on_host)]  # noqa: E731
         n = layout.num_extents
         if self.mesh is None:

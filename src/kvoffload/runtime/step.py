@@ -1,6 +1,6 @@
 """One decode step's work items (layer i of GPU batch g, in the schedule's order): each item's transfers issued
-ahead of the programs they overlap, its layer program (alone, queued for a fused call, or the looped stack's one
-call), and the fetched buffers kept alive until their program is known finished."""
+ahead of the programs they overlap, its layer program, and the fetched buffers kept alive until their program is
+known finished."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import jax
 
 from kvoffload.device import sharding as S
 from kvoffload.models.transformer import family
-from kvoffload.runtime import fused
 from kvoffload.runtime import layer as layer_program  # looked up per call: probes and tests wrap layer_step there
 from kvoffload.runtime.cost import tree_bytes
-from kvoffload.runtime.layer import program_key
 from kvoffload.runtime.state import join_slots, split_slots
 from kvoffload.runtime.weights import join_layer, split_layer
 
@@ -39,8 +37,8 @@ def decode_logits(cfg, params, h):
 class StepRun:
     """The work items of one decode step over `groups` (their `plans` made), driven from the host: `run` issues
     transfers `lookahead` items ahead of the programs they overlap and dispatches each item's program. hs and
-    positions: per GPU batch, the layers' input hidden states (updated) and the new tokens' positions; tails and
-    stacks: per GPU batch, the tails and slots the programs update, and the looped layers (or None)."""
+    positions: per GPU batch, the layers' input hidden states (updated) and the new tokens' positions; tails: per
+    GPU batch, the tails and slots the programs update."""
 
     def __init__(self, pipe, model, groups, plans, layers, hs, positions):
         o = pipe.opts
@@ -48,7 +46,6 @@ class StepRun:
         self.groups, self.plans, self.layers, self.hs, self.positions = groups, plans, layers, hs, positions
         self.tails = [dict(k=list(gr.tail_k), v=list(gr.tail_v), x=list(gr.tail_x), slots=list(gr.slots))
                       for gr in groups]
-        self.stacks = [gr.stack for gr in groups]  # looped layers (PipelineOptions.loop_layers), or None
         self.items = pipe._items(self.cfg.num_layers, len(groups))
         self.weights: dict = {}
         self.fetched: dict = {}
@@ -63,11 +60,8 @@ class StepRun:
         # themselves): no transfer buffers to bound, the host never waits in the step. Nothing to move (weights on
         # the GPU too): `issue` skips asking for the hooks' empty fetch lists (Python per layer on the host's path)
         self.moves = pipe.fetches() or o.offload_weights
-        self.fuse = pipe.layers_per_program()
         self.attend = pipe.hooks.attend
         self.options = (o.recompute_impl, o.attention_impl)
-        self.pending: dict = {g: [] for g in range(len(groups))}  # fused: (layer, weights, sources) not yet run
-        self.pending_key: dict = {}
         self.sync_depth = o.sync_depth if self.moves else 0
         # a host->GPU copy starts only after every program dispatched before it, so item n + lookahead's copies
         # are issued before item n's program; at most `window` items' buffers are alive: before issuing item m
@@ -85,8 +79,6 @@ class StepRun:
         for n, (i, g) in enumerate(self.items):
             self.issue_ahead(n)
             self.run_item(n, i, g, self.fetched.pop(n))
-        for g in self.pending:
-            self.run_pending(g)
         self.moved.update(lookahead_items=self.lookahead)
         return self.moved
 
@@ -129,47 +121,18 @@ class StepRun:
         self.fetched[n] = (early_d, late_d)
 
     def run_item(self, n: int, i: int, g: int, f):
-        """Item n (layer i of GPU batch g, f its fetched arrays): the stack's one call at its first layer, a queued
-        layer where layers share programs, else the layer's own program."""
-        pipe, o, stacks = self.pipe, self.opts, self.stacks
-        if stacks[g] is not None and i >= stacks[g].first:  # looped: one program for the stack's layers
-            if i == stacks[g].first:
-                if self.fuse > 1:
-                    self.run_pending(g)
-                self.hs[g], stacks[g] = pipe.run_stack(self.model, self.groups[g], self.plans[g], self.hs[g],
-                                                       self.positions[g], stacks[g])
-            return
+        """Item n (layer i of GPU batch g, f its fetched arrays): the layer's own program."""
+        pipe, o = self.pipe, self.opts
         if i in self.to_gather:  # the layer's first program is next: its weights are needed now anyway
             self.to_gather.discard(i)
             self.weights[i][0] = S.gather_whole(self.weights[i][0], pipe.mesh)
         lp = join_layer(self.weights[i][0], self.weights[i][1][0]) if o.offload_weights else self.layers[i]
-        if self.fuse > 1:  # no transfers, no speculation: queue the layer; equal programs share one call
-            self.queue(g, i, lp, f)
-            return
         self.run_layer(n, i, g, lp, f)
         if o.offload_weights and not any(self.items[m][0] == i for m in self.fetched):
             # no issued item needs this layer's weights any more; alive until its last program ends
             w_done = self.weights.pop(i, None)
             if self.sync_depth:
                 self.keep[self.last_item[i], "w"] = w_done
-
-    def queue(self, g: int, i: int, lp, f):
-        """Layer i of GPU batch g queued; the queue runs first where the layer's program differs or it is full."""
-        gr, tl = self.groups[g], self.tails[g]
-        src = self.pipe.hooks.sources(self.pipe, gr, self.plans[g], i, f)
-        key = program_key((lp, src, tl["k"][i], tl["v"][i], tl["x"][i], tl["slots"][i] if tl["slots"] else None))
-        if self.pending[g] and (self.pending_key[g] != key or len(self.pending[g]) == self.fuse):
-            self.run_pending(g)
-        self.pending[g].append((i, lp, src))
-        self.pending_key[g] = key
-
-    def run_pending(self, g: int):
-        """Group g's pending layers in one `layers_step` program."""
-        if not self.pending[g]:
-            return
-        self.hs[g] = fused.run_layers(self.cfg, self.pending[g], self.hs[g], self.positions[g], self.tails[g],
-                                      self.groups[g], self.attend, self.options)
-        self.pending[g] = []
 
     def run_layer(self, n: int, i: int, g: int, lp, f):
         """Layer i of GPU batch g as its own program, after the policy's speculation for layer i + 1."""

@@ -252,7 +252,7 @@ def reuse_or_select(reuse, slots, select, conditionals=True):
 def hit_rates(state) -> dict:
     """Selection-cache hit rates over every request of the run: per layer and KV head, per layer, overall;
     and per layer the fraction of steps on which the scoring ran."""
-    by_group = [gr.slots_by_layer() for gr in state.groups]  # a looped run's copied out of its stack
+    by_group = [gr.slots for gr in state.groups]
     hits = sum(np.stack([np.asarray(s.hits).sum(0) for s in sl]) for sl in by_group)  # [L, n_kv]
     looks = sum(np.asarray([int(np.asarray(s.steps).sum()) for s in sl]) for sl in by_group)  # [L]
     scored = sum(np.asarray([int(s.scored) for s in sl]) for sl in by_group)

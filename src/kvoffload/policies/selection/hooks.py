@@ -7,7 +7,8 @@ the replayed cache decision (`replay_hit_rate`).
 
 A subclass gives its `attend` (with token_budget, token_ratio, token_min, num_sink, num_recent and
 page_size), its slots (`slot_maker`, `slot_specs`, `slot_parts`), `name`, `option_error` and, for a host
-pool, `keys_on_device`; with heads that select their whole context, `persistent_for_stores`."""
+pool, where K lives (`capabilities`' keys_on_device); with heads that select their whole context,
+`persistent_for_stores`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from kvoffload.device import sharding as S
 from kvoffload.runtime.attention import PoolSources
-from kvoffload.runtime.hooks import LayerHooks
+from kvoffload.runtime.hooks import Capabilities, LayerHooks
 from kvoffload.policies.options import PolicyOptionError
 from kvoffload.policies.selection.cache import device_shapes, place_slots, replay_rates
 from kvoffload.policies.selection.rows import SelectSources
@@ -106,7 +107,7 @@ class SelectionHooks(LayerHooks):
             n_p = int(persistent[layer].sum())
             kv_tokens = batch * (n_p * bound + (n_kv - n_p) * K) / n_kv
             x_tokens = batch * (bound if n_p else expected_union(K, bound, n_kv, forced))
-            plan = choose_row_store(pipe.cost, pipe.shape(model), k_on_device=self.keys_on_device(pipe),
+            plan = choose_row_store(pipe.cost, pipe.shape(model), k_on_device=self.capabilities.keys_on_device,
                                     kv_tokens=kv_tokens, x_tokens=x_tokens)
             if self.store == "auto":
                 stores.append(plan.store), reasons.append(plan.reason)
@@ -132,7 +133,7 @@ class SelectionHooks(LayerHooks):
     def layer_parts(self, pipe, layer):
         if not self.stores or "act" not in self.stores:
             return None
-        keys = ("k",) if self.keys_on_device(pipe) else ()
+        keys = ("k",) if self.capabilities.keys_on_device else ()
         return keys + (("x",) if self.stores[layer] == "act" else ("v",) if keys else ("k", "v"))
 
     def store_report(self, state=None) -> dict:
@@ -146,8 +147,11 @@ class SelectionHooks(LayerHooks):
                        x_bytes_fetched_per_layer=[int(r * self.x_row_bytes) for r in rows])
         return out
 
-    def fetches_extents(self, pipe) -> bool:
-        return not self.split  # kv=split reads the selected rows in place; kv=gpu: a device pool
+    @property
+    def capabilities(self) -> Capabilities:
+        # kv=split reads the selected rows in place (nothing fetched); kv=gpu: a device pool. A subclass says
+        # where a host pool's K lives
+        return Capabilities(fetches_extents=not self.split)
 
     def slot_maker(self, pipe, model, layout, batch):
         """A function of no arguments making the slots' arrays (every host-side decision taken before), so
@@ -205,9 +209,6 @@ class SelectionHooks(LayerHooks):
         # committed, like a step's outputs (no recompilation); on a mesh split by head (`slot_specs`)
         slots = self.slot_maker(pipe, model, layout, batch)()
         return place_slots(pipe, slots, tuple(self.slot_specs(s) for s in slots))
-
-    def reads_rows(self, pipe) -> bool:
-        return True  # selected rows by token id (`HostRows`), from extents read in place or fetched
 
     def sources(self, pipe, group, plan, layer, fetched):
         if self.split:  # the pool's arrays as they are, as for a device pool (no zero stand-ins: nothing fetched)

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 from kvoffload import ops
 from kvoffload.runtime.attention import native_extent
-from kvoffload.runtime.state import LayerRows
 from kvoffload.policies.selection.space import (
     pool_block_tokens,
     sorted_positions,
@@ -41,12 +40,9 @@ class SelectSources:
     # static: the most blocks one request owns (`request_token_bound` / blk), the size of the per-request
     # token space the selection scores and ranks (`TokenSpace`); 0: not known (the whole pool's space)
     request_blocks: int = 0
-    # [] int32 added to every pool token id a row is read at, or None (0): an extent holding several layers'
-    # blocks, layer j's at j x E x blk (a step run as one loop over stacked layers: `loop_layers`)
-    row_offset: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len", "row_offset"],
+jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len"],
                                  meta_fields=["request_blocks"])
 
 
@@ -99,15 +95,9 @@ def stores_acts(pool) -> bool:
 
 
 def rows_attention(q, k_rows, v_rows, num_valid, impl):
-    """Attention over a selection's row buffers [B, n_kv, K, d] (the first num_valid valid): arrays, or
-    `LayerRows` read in place at the layer's offset (`ops.rows_attention`)."""
-    if isinstance(k_rows, LayerRows):
-        if not isinstance(v_rows, LayerRows) or v_rows.dtype != k_rows.dtype or v_rows.rows != k_rows.rows:
-            raise ValueError("K and V row buffers must both be LayerRows of one dtype and row count")
-        return ops.rows_attention(q, k_rows.stacked, v_rows.stacked, num_valid, k_rows.rows, row_offset=k_rows.offset,
-                                  impl=impl)
-    return ops.rows_attention(q, k_rows, jnp.asarray(v_rows).astype(k_rows.dtype), num_valid, k_rows.shape[2],
-                              impl=impl)
+    """Attention over a selection's row buffers [B, n_kv, K, d] (the first num_valid valid:
+    `ops.rows_attention`)."""
+    return ops.rows_attention(q, k_rows, v_rows.astype(k_rows.dtype), num_valid, k_rows.shape[2], impl=impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,17 +112,14 @@ class HostRows:
     lp: object = None
     positions: object = None  # [N] int32
     impl: str = "reference"
-    offset: object = None  # [] int32 added to the token ids read from the extents (`SelectSources.row_offset`)
 
     @classmethod
-    def of(cls, cfg, lp, pool, tables, parts, impl="reference", offset=None):
-        """The rows of parts ("v", or "k" and "v") of a layer's sources; offset: `SelectSources.row_offset`."""
+    def of(cls, cfg, lp, pool, tables, parts, impl="reference"):
+        """The rows of parts ("v", or "k" and "v") of a layer's sources."""
         if stores_acts(pool):
-            if offset is not None:
-                raise ValueError("a row offset (several layers' blocks in one extent) needs K/V extents, not X")
             return cls(acts=pool.x, cfg=cfg, lp=lp, positions=token_positions(tables, pool_block_tokens(pool)),
                        impl=impl)
-        return cls(extents=tuple(pool.k if p == "k" else pool.v for p in parts), offset=offset)
+        return cls(extents=tuple(pool.k if p == "k" else pool.v for p in parts))
 
     @staticmethod
     def wanted(indices, num_valid):
@@ -140,9 +127,8 @@ class HostRows:
         return jnp.arange(indices.shape[-1]) < num_valid[..., None]
 
     def tokens(self, indices, num_valid):
-        """The token ids read: indices (+ offset) for the first num_valid of each row, -1 (read nothing) after."""
-        ids = indices if self.offset is None else indices + self.offset
-        return jnp.where(self.wanted(indices, num_valid), ids, -1)
+        """The token ids read: indices for the first num_valid of each row, -1 (read nothing) after."""
+        return jnp.where(self.wanted(indices, num_valid), indices, -1)
 
     def __call__(self, indices, num_valid, dtypes, blk):
         """(rows [B, n_kv, K, d], one per part in `dtypes`, x_rows [B] int32: the X rows read) for indices
@@ -163,12 +149,8 @@ class HostRows:
         per buffer writing only the replaced rows, in place); X rows: recomputed (``__call__``) and merged."""
         if self.acts is None:
             tokens = self.tokens(indices, num_valid)
-            return (tuple(buf.with_stacked(ops.refill_block_rows(buf.stacked, ext, tokens, blk, row_offset=buf.offset))
-                          if isinstance(buf, LayerRows) else ops.refill_block_rows(buf, ext, tokens, blk)
-                          for buf, ext in zip(buffers, self.extents)),
+            return (tuple(ops.refill_block_rows(buf, ext, tokens, blk) for buf, ext in zip(buffers, self.extents)),
                     jnp.zeros(indices.shape[:1], jnp.int32))
-        if any(isinstance(b, LayerRows) for b in buffers):
-            raise ValueError("row buffers of stacked layers (LayerRows) take K/V extents, not X")
         rows, x_rows = self(indices, num_valid, tuple(b.dtype for b in buffers), blk)
         keep = self.wanted(indices, num_valid)[..., None]
         return tuple(jnp.where(keep, r, buf) for r, buf in zip(rows, buffers)), x_rows
