@@ -19,6 +19,7 @@ from kvoffload.models import tiny_random_model
 from kvoffload.runtime.attention import PoolSources
 from kvoffload.plan.clo import CloProfile, kv_thresholds, plan_persistent_heads, save_clo_profile
 from kvoffload.policies import clo as clo_mod
+from kvoffload.policies.clo import rows as clo_rows
 from kvoffload.policies import make_policy
 from kvoffload.policies.clo import CloAttend, CloOptionError, CloSlots, exact_scores
 from kvoffload.policies.selection.cache import COUNTS, SelectionCache
@@ -389,8 +390,10 @@ def test_plan_uses_plan_persistent_heads_with_the_profile(tmp_path, monkeypatch)
     prof = tmp_path / "profile.json"
     save_clo_profile(str(prof), CloProfile(model="tiny", date="now", s_hat_q=np.repeat(s_hat, 2, -1), s_hat=s_hat,
                                            aggregation="mean", num_sequences=1, num_pairs=10, skip=0))
-    monkeypatch.setattr(clo_mod, "SHIPPED_SCORES", str(scores))
-    monkeypatch.setattr(clo_mod, "SHIPPED_PROFILE", str(prof))
+    from kvoffload.policies.clo import hooks as clo_hooks  # where the shipped files are looked up
+
+    monkeypatch.setattr(clo_hooks, "SHIPPED_SCORES", str(scores))
+    monkeypatch.setattr(clo_hooks, "SHIPPED_PROFILE", str(prof))
     pol, _, state = _decode(model, "clo", 1, persistent_heads="plan", topk=8, num_recent=4)
     gr = state.groups[0]
     pipe = pol.pipeline
@@ -852,7 +855,7 @@ def test_miss_fetch_is_exactly_the_true_selection_minus_the_guess():
     want[1, 1, :6], want_nv[1, 1] = held[1, 1, :6], 6  # one head wholly held: nothing to gather
     marker = np.full((B, n_kv, K, d), 7.0, np.float32)  # the buffer: a value no gather gives
     host = [M.to_host(jnp.asarray(e)) for e in ext]
-    _, _, missing, count = jax.jit(clo_mod.missing_rows)(*map(jnp.asarray, (held, held_nv, want, want_nv)))
+    _, _, missing, count = jax.jit(clo_rows.missing_rows)(*map(jnp.asarray, (held, held_nv, want, want_nv)))
     (rows,), fetched, _ = jax.jit(clo_mod.refill_rows, static_argnums=6)(
         jnp.asarray(held), jnp.asarray(held_nv), (jnp.asarray(marker),), jnp.asarray(want), jnp.asarray(want_nv),
         (host,), blk)
