@@ -80,6 +80,8 @@ VARIANTS = {
     "full": ("full", {}, None),
     "tokenselect_gpu": ("tokenselect", {"kv": "gpu"}, "tokenselect"),
     "tokenselect_split": ("tokenselect", {"kv": "split"}, "tokenselect"),
+    # the vote over an int8 copy of the keys (`selection.vote_keys`)
+    "tokenselect_gpu_int8vote": ("tokenselect", {"kv": "gpu", "vote_keys": "int8"}, "tokenselect"),
     "clo_exact": ("clo", {"retrieval": "exact", "topk_of_context": 0.1}, "clo"),
     "clo_hata": ("clo", {"retrieval": "hata", "topk_of_context": 0.1}, "clo"),
     "clo_quest": ("clo", {"retrieval": "quest", "topk_of_context": 0.1}, "clo"),
@@ -92,7 +94,7 @@ VARIANTS = {
 }
 DEFAULT_POLICIES = ("full", "tokenselect_gpu", "tokenselect_split", "offload", "clo_exact", "clo_hata")
 COST_RANK = {name: i for i, name in enumerate(
-    ("full", "tokenselect_gpu", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_quest",
+    ("full", "tokenselect_gpu", "tokenselect_gpu_int8vote", "tokenselect_split", "clo_exact", "clo_exact_int4", "clo_hata", "clo_quest",
      "clo_naive", "clo_quest_naive", "offload"))}
 GB = 1e9
 

@@ -579,3 +579,47 @@ def test_reuse_criteria_replay_counts_hits_per_layer_and_per_kv_head():
     moved[0, 1:, 0] = -same[0, 1:, 0]  # query head 0 (KV head 0) turns at step 1, then stays
     assert mod.replay(moved, 2, 0.9, per_layer=False)[0] == 7 / 8  # KV head 0 misses once, then reuses
     assert mod.replay(moved, 2, 0.999, per_layer=True)[0] == 3 / 4  # the layer misses once, then reuses
+
+
+@pytest.mark.parametrize("kv", ["gpu", "split"])
+def test_vote_over_an_int8_copy_of_the_keys(kv):
+    """vote_keys=int8: every layer's copy holds the pool's K blocks within half a code step, the blocks flushed
+    while decoding included (20 steps cross a flush), and the memory plan counts it; at a small budget the vote
+    over it selects nearly what the exact vote selects; at the whole context it gives `full`'s tokens."""
+    from kvoffload.policies.selection.vote_keys import vote_key_values
+
+    model = tiny_random_model("llama", seed=1)
+    small = dict(kv=kv, token_budget=28, num_recent=8, cache_threshold=1.5)
+    _, _, exact = _decode(model, "tokenselect", NEW, **small)
+    pol, _, state = _decode(model, "tokenselect", NEW, vote_keys="int8", **small)
+    gr = state.groups[0]
+    assert gr.since_flush == NEW - BLOCK  # a flush wrote blocks into the pool, and into the copy
+    for layer, slot in enumerate(gr.slots):
+        assert len(slot.vote) == len(gr.pool_k[layer]) and not exact.groups[0].slots[layer].vote
+        for copy, k in zip(slot.vote, gr.pool_k[layer]):
+            k = np.asarray(k, np.float32)
+            got = np.asarray(vote_key_values(copy, jnp.float32))
+            step = np.repeat(np.asarray(copy.step), copy.group_size, axis=-1)
+            assert np.all(np.abs(got - k) <= 0.5 * step + 1e-6)
+        assert max(float(np.abs(np.asarray(k)).max()) for k in gr.pool_k[layer]) > 0  # blocks were written
+    kept, total = 0, 0
+    for a, b in zip(exact.groups[0].slots, gr.slots):
+        for r in range(len(PROMPTS)):
+            for h in range(a.indices.shape[1]):
+                want = set(np.asarray(a.indices)[r, h, :int(a.num_valid[r, h])].tolist())
+                got = set(np.asarray(b.indices)[r, h, :int(b.num_valid[r, h])].tolist())
+                kept, total = kept + len(want & got), total + len(want)
+    assert total and kept / total > 0.9, kept / total
+    parts = pol.pipeline.hooks.slot_parts(gr.slots[0])
+    assert parts["vote keys (int8)"] == sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(gr.slots[0].vote))
+    assert pol.describe(state)["selection"]["vote_keys"] == "int8"
+    _, want, _ = _decode(model, "full", 6)
+    _, got, _ = _decode(model, "tokenselect", 6, kv=kv, vote_keys="int8", token_budget=10**6, cache_threshold=1.5)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_vote_keys_is_checked():
+    with pytest.raises(ValueError, match="vote_keys"):
+        make_policy("tokenselect", vote_keys="int2")
+    with pytest.raises(TokenSelectOptionError, match="store=kv"):
+        make_policy("tokenselect", kv="split", store="act", vote_keys="int8")

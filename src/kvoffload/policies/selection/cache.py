@@ -37,6 +37,9 @@ class SelectionCache:
     # per-layer values are written alike into every head's column, so the array splits by head like the rest
     counts: jax.Array
     replay: "ReplayDraw | None" = None  # with replay_hit_rate: the replayed reuse decisions (else None)
+    # per extent, the copy of the pool's keys the vote reads ([E, n_kv, blk, ...] in block-slot order, kept by the
+    # policy's `keys_written`; `selection.vote_keys`), or () where the vote reads the pool's keys themselves
+    vote: tuple = ()
 
     num_valid = property(lambda self: self.counts[..., COUNTS["num_valid"]])  # [B, n_kv]
     pool_tokens = property(lambda self: self.counts[:, 0, COUNTS["pool_tokens"]])  # [B]: when selected (-1: never)
@@ -168,7 +171,8 @@ def selection_specs(sel: SelectionCache) -> SelectionCache:
     in every head's column); the replayed draw's rate and key replicated."""
     heads, rep = S.KV_SPEC, S.REPLICATED
     return SelectionCache(query=heads, indices=heads, counts=heads,
-                          replay=None if sel.replay is None else ReplayDraw(rate=rep, key=rep))
+                          replay=None if sel.replay is None else ReplayDraw(rate=rep, key=rep),
+                          vote=jax.tree.map(lambda _: heads, sel.vote))
 
 
 def _is_spec(x) -> bool:

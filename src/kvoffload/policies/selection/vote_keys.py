@@ -5,7 +5,7 @@ exact keys. An int8 copy (a code per value, a float32 step and min per 64 values
 bytes of bf16 keys at head_dim 128, an int4 copy 0.31x. On SmolLM2's RULER prompts the int8 vote keeps
 99.2-99.8% of the exact vote's top-k and the same vote mass to 1e-5; int4 keeps 88-97% of it and 99.7-99.9%
 of the mass (tests/test_selection_recall.py measures it). Only the vote reads the copy: the selected rows are
-attended from the exact K/V.
+attended from the exact K/V. tokenselect keeps it in its slots (``vote_keys``).
 """
 
 from __future__ import annotations
@@ -33,11 +33,23 @@ def vote_key_copy(k, form: str):
     return quantize(k, vote_group(k.shape[-1]))
 
 
+def vote_key_zeros(shape, form: str, dtype):
+    """An empty copy for keys of `shape` [..., d] (`vote_key_copy`'s form), made without the keys themselves."""
+    if form == "native":
+        return jnp.zeros(shape, dtype)
+    d = shape[-1]
+    g = vote_group(d)
+    codes = jnp.zeros(tuple(shape[:-1]) + (d if form == "int8" else d // 2,), jnp.uint8)
+    step, mn = (jnp.zeros(tuple(shape[:-1]) + (d // g,), jnp.float32) for _ in "sm")  # two buffers (donated)
+    return ops.QuantizedInt(codes, step, mn, g, "token", 8 if form == "int8" else 4)
+
+
 def vote_key_values(keys, dtype):
-    """The keys a vote multiplies the query with, in dtype: a quantized copy's values (`vote_key_copy`)."""
+    """The keys a vote multiplies the query with: a quantized copy's values in dtype (`vote_key_copy`), exact keys
+    as they are."""
     if isinstance(keys, ops.QuantizedInt):
         return ops.dequantize(keys, dtype)
-    return keys.astype(dtype)
+    return keys
 
 
 def vote_key_bytes(form: str, head_dim: int, native_itemsize: int) -> float:
