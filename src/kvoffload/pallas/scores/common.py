@@ -1,12 +1,23 @@
-"""What the score kernels share: the GQA group's reduction (outside a kernel and inside one), a masked load of
-a ref's rows as a power-of-two tile, and the valid-position mask of lengths."""
+"""What the score kernels share: the GQA group's logits and their reduction (outside a kernel and inside one), a
+masked load of a ref's rows as a power-of-two tile, and the valid-position mask of lengths."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.pallas.common import load
+
+
+def group_logits(q, k, scale):
+    """q [B, n_heads, d], k [B, n_kv, S, d] -> scale * q.k [B, n_kv, G, S] in float32, each query head against
+    its KV head's keys (the references' exact form)."""
+    B, H, d = q.shape
+    n_kv = k.shape[1]
+    qg = q.reshape(B, n_kv, H // n_kv, d)
+    return jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST) * scale
 
 
 def check_group_reduce(group_reduce):

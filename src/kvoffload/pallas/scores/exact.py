@@ -9,19 +9,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvoffload.pallas.common import NEG_INF, cdiv, default_scale, dot, load, next_pow2, pallas_call, triton_params
-from kvoffload.pallas.scores.common import check_group_reduce, reduce_group, reduce_group_rows, valid_mask
+from kvoffload.pallas.scores.common import group_logits, check_group_reduce, reduce_group, reduce_group_rows, valid_mask
 
 
 def topk_scores_exact_reference(q, k, lengths=None, *, scale=None, group_reduce="sum"):
     """q [B, n_heads, d], k [B, n_kv, S, d] -> scale * q.k aggregated over the group; -inf at positions >=
     lengths ([B], or [B, n_kv] per KV head: a head of length 0 is not scored, e.g. one that reuses a selection)."""
-    B, H, d = q.shape
-    _, n_kv, S, _ = k.shape
-    G = H // n_kv
-    scale = default_scale(d, scale)
-    qg = q.reshape(B, n_kv, G, d)
-    s = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST) * scale
+    B, _, d = q.shape
+    S = k.shape[2]
+    s = group_logits(q, k, default_scale(d, scale))
     s = reduce_group(s, group_reduce)
     return jnp.where(valid_mask(lengths, S, B), s, NEG_INF)
 

@@ -27,20 +27,16 @@ from kvoffload.pallas.common import (
     triton_params,
 )
 from kvoffload.pallas.decode_attention import load_padded, store_padded
-from kvoffload.pallas.scores.common import load_rows, valid_mask
+from kvoffload.pallas.scores.common import group_logits, load_rows, valid_mask
 
 
 def tokenselect_scores_reference(q, k, lengths=None, *, scale=None, shared=False):
     """Soft vote: per query head softmax over valid positions of scale*q.K, summed over
     the heads of each GQA group ([B, n_kv, S]); with shared=True summed over all heads
     and broadcast to every KV head (one selection for all heads, as TokenSelect)."""
-    B, H, d = q.shape
-    _, n_kv, S, _ = k.shape
-    G = H // n_kv
-    scale = default_scale(d, scale)
-    qg = q.reshape(B, n_kv, G, d)
-    s = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST) * scale
+    B, _, d = q.shape
+    S = k.shape[2]
+    s = group_logits(q, k, default_scale(d, scale))
     valid = valid_mask(lengths, S, B)[:, :, None]
     s = jnp.where(valid, s, NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
