@@ -101,7 +101,7 @@ def _layer_choice(spec: RetrievalSpec, q, k, w, blk: int):
     elif spec.retrieval == "vote":  # TokenSelect's soft vote (`tokenselect.soft_vote`) over the keys it reads
         from kvoffload.policies.selection.vote_keys import vote_key_copy, vote_key_values
 
-        kv = vote_key_values(vote_key_copy(k, spec.vote_keys), jnp.float32).astype(jnp.float32)
+        kv = vote_key_values(vote_key_copy(k, spec.vote_keys), jnp.float32)
         scores = jax.nn.softmax(jnp.einsum("kgd,ktd->kgt", q.reshape(n_kv, G, d), kv) / np.sqrt(d), -1).sum(1)
     elif spec.retrieval == "quest":
         kmin, kmax = clo.key_metadata(blocks, None, "quest", spec.page)

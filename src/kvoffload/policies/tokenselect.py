@@ -85,7 +85,7 @@ from kvoffload.policies.selection.options import (
 from kvoffload.policies.selection.rows import HostRows
 from kvoffload.policies.selection.space import TokenSpace, token_space
 from kvoffload.policies.selection.vote_keys import VOTE_KEYS, vote_key_copy, vote_key_values, vote_key_zeros
-from kvoffload.runtime.pool import write_blocks_many
+from kvoffload.runtime.pool import write_block_trees
 
 PLACEMENTS = ("gpu", "split")
 DEFAULT_BUDGET = 2048  # the paper's top-k (pzs19/TokenSelect config: top_k 2048)
@@ -213,19 +213,13 @@ class TokenSelectHooks(SelectionHooks):
 
     def keys_written(self, pipe, slots, extent, k_blocks, at):
         """The vote's key copy (vote_keys int8 / int4) written where the blocks entered the pool: every layer's
-        copy made in one program and written in one (`write_blocks_many`)."""
+        copy made in one program and written in one (`write_block_trees`)."""
         if self.attend.vote_keys == "native":
             return slots
         form = self.attend.vote_keys
-        new = _vote_copies(tuple(k_blocks), form)
-        dst = [leaf for sl in slots for leaf in jax.tree.leaves(sl.vote[extent])]
-        written = iter(write_blocks_many(dst, [leaf for c in new for leaf in jax.tree.leaves(c)], at))
-        out = []
-        for sl in slots:
-            copy = jax.tree.unflatten(jax.tree.structure(sl.vote[extent]),
-                                      [next(written) for _ in jax.tree.leaves(sl.vote[extent])])
-            out.append(dataclasses.replace(sl, vote=sl.vote[:extent] + (copy,) + sl.vote[extent + 1:]))
-        return tuple(out)
+        written = write_block_trees([sl.vote[extent] for sl in slots], _vote_copies(tuple(k_blocks), form), at)
+        return tuple(dataclasses.replace(sl, vote=sl.vote[:extent] + (c,) + sl.vote[extent + 1:])
+                     for sl, c in zip(slots, written))
 
     def slot_specs(self, slot):
         """Where one layer's slots live on a tensor-parallel mesh (`selection_specs`)."""

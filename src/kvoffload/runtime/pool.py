@@ -490,3 +490,12 @@ def write_blocks_many(exts, blocks, slots):
         for i, a in zip(idx, new):
             out[i] = a
     return out
+
+
+def write_block_trees(dsts, srcs, slots):
+    """`write_blocks_many` over pytrees: each dsts[i] (extent arrays [E, ...], a policy's per-block metadata) with
+    srcs[i] (the same structure, blocks [n, ...]) written at slots, one program per sharding for all their leaves."""
+    flat = [jax.tree.leaves(d) for d in dsts]
+    written = iter(write_blocks_many([a for f in flat for a in f], [a for s in srcs for a in jax.tree.leaves(s)],
+                                     slots))
+    return [jax.tree.unflatten(jax.tree.structure(d), [next(written) for _ in f]) for d, f in zip(dsts, flat)]

@@ -26,7 +26,7 @@ from kvoffload.policies.selection.cache import empty_selection, with_replay
 from kvoffload.policies.selection.hooks import SelectionHooks, tree_nbytes
 from kvoffload.policies.selection.space import request_token_bound
 from kvoffload.runtime.hooks import Capabilities
-from kvoffload.runtime.pool import write_blocks_many
+from kvoffload.runtime.pool import write_block_trees
 
 
 PRETRAINED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "importance", "pretrained")
@@ -147,13 +147,11 @@ class CloHooks(SelectionHooks):
         # placed as the extent's (split by head under a mesh) by the write
         new = key_metadata_layers(tuple(k_blocks[j] for j in live), tuple(slots[j].hata_w for j in live), r,
                                    self.attend.page_size, self.attend.quest_dtype)
-        written = iter(write_blocks_many([a for j in live for a in slots[j].meta[extent]],
-                                         [a for m in new for a in m], at))
+        written = write_block_trees([slots[j].meta[extent] for j in live], new, at)
         out = list(slots)
-        for j in live:
+        for j, m in zip(live, written):
             meta = slots[j].meta
-            out[j] = dataclasses.replace(slots[j], meta=meta[:extent] + (tuple(next(written) for _ in meta[extent]),)
-                                         + meta[extent + 1:])
+            out[j] = dataclasses.replace(slots[j], meta=meta[:extent] + (m,) + meta[extent + 1:])
         return tuple(out)
 
     def persistent_for_stores(self, pipe, model, layout, batch, K):

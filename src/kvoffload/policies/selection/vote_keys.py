@@ -10,6 +10,7 @@ attended from the exact K/V. tokenselect keeps it in its slots (``vote_keys``).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kvoffload import ops
@@ -34,14 +35,9 @@ def vote_key_copy(k, form: str):
 
 
 def vote_key_zeros(shape, form: str, dtype):
-    """An empty copy for keys of `shape` [..., d] (`vote_key_copy`'s form), made without the keys themselves."""
-    if form == "native":
-        return jnp.zeros(shape, dtype)
-    d = shape[-1]
-    g = vote_group(d)
-    codes = jnp.zeros(tuple(shape[:-1]) + (d if form == "int8" else d // 2,), jnp.uint8)
-    step, mn = (jnp.zeros(tuple(shape[:-1]) + (d // g,), jnp.float32) for _ in "sm")  # two buffers (donated)
-    return ops.QuantizedInt(codes, step, mn, g, "token", 8 if form == "int8" else 4)
+    """An empty copy for keys of `shape` [..., d] in `vote_key_copy`'s form: its shapes traced, never the keys made."""
+    like = jax.eval_shape(lambda: vote_key_copy(jnp.zeros(shape, dtype), form))
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), like)
 
 
 def vote_key_values(keys, dtype):
@@ -50,11 +46,3 @@ def vote_key_values(keys, dtype):
     if isinstance(keys, ops.QuantizedInt):
         return ops.dequantize(keys, dtype)
     return keys
-
-
-def vote_key_bytes(form: str, head_dim: int, native_itemsize: int) -> float:
-    """Bytes the vote reads per key row and KV head."""
-    if form == "native":
-        return head_dim * native_itemsize
-    codes = head_dim if form == "int8" else head_dim / 2
-    return codes + 2 * 4 * (head_dim // vote_group(head_dim))
