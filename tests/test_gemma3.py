@@ -303,11 +303,114 @@ def test_offload_moves_no_extent_outside_every_window(tiny):
     assert np.abs(logits_of["window", "full"] - logits_of["wide", "offload"]).max() > 1e-2
 
 
-@pytest.mark.parametrize("policy", ["clo", "tokenselect"])
-def test_policies_without_sliding_support_refuse(tiny, policy):
-    with pytest.raises(UnsupportedModelError, match="cannot run a model with sliding-window layers: .+") as e:
-        generate(tiny, PROMPTS, 2, policy=policy, policy_options=BASE)
-    assert "window" in str(e.value).split(": ", 1)[1]
+# ------------------------------------------------------------------ the selective policies: sliding layers are device layers
+
+# a window of 32 tokens under ragged prompts of 200 and 150, blocks of 16 (extents of 3 blocks): every sliding layer's
+# window starts mid-pool, and 20 new tokens cross a flush of the GPU tail
+SEL_PROMPTS = [[(7 * i) % 250 + 1 for i in range(200)], [(11 * i) % 250 + 3 for i in range(150)]]
+SEL_NEW = 20
+SEL_BASE = dict(block_tokens=16, extent_mb=3 * 16 * 2 * 16 * 4 / 2**20)
+EVERYTHING = {"clo": dict(topk_ratio=1.0, fixed_threshold=2.0, layer0_full=False),  # selected, never reused
+              "tokenselect": dict(token_budget=10**6, cache_threshold=1.5)}
+SMALL = {"clo": dict(topk=8, num_recent=4), "tokenselect": dict(token_budget=8, num_recent=4)}
+
+
+def _greedy(model, policy, **opts):
+    """(tokens [steps, B], logits [steps + 1, B, V], policy, state) of a greedy decode of SEL_PROMPTS."""
+    from kvoffload.engine import pad_prompts
+    from kvoffload.policies import make_policy
+
+    pol = make_policy(policy, **{**SEL_BASE, **opts})
+    tokens, lengths = pad_prompts(SEL_PROMPTS)
+    logits, state = pol.prefill(model, tokens, lengths, 256)
+    out, toks = [np.asarray(logits)], []
+    for _ in range(SEL_NEW):
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        toks.append(np.asarray(nxt))
+        logits, state = pol.decode_step(model, state, nxt)
+        out.append(np.asarray(logits))
+    return np.stack(toks), np.stack(out), pol, state
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """(model, full's tokens and logits): sliding, global, sliding, global with a window of 32."""
+    model = tiny_random_model("gemma3", sliding_window=32)
+    return (model,) + _greedy(model, "full")[:2]
+
+
+@pytest.fixture(scope="module")
+def only_sliding():
+    """(model, full's tokens and logits): every layer sliding, so no layer selects whatever the budget."""
+    model = tiny_random_model("gemma3", sliding_window=32, layer_types=["sliding_attention"] * 4)
+    return (model,) + _greedy(model, "full")[:2]
+
+
+def _pool_bytes(state, where):
+    """Bytes of the pool's K, V and X extents in host ("pinned_host") or device memory."""
+    arrays = [a for gr in state.groups for p in (gr.pool_k, gr.pool_v, gr.pool_x) for layer in p for e in layer
+              for a in jax.tree.leaves(e)]
+    host = lambda a: getattr(a.sharding, "memory_kind", None) == "pinned_host"  # noqa: E731
+    return sum(a.nbytes for a in arrays if host(a) == (where == "host"))
+
+
+@pytest.mark.parametrize("policy,opts", [("clo", {}), ("tokenselect", {}), ("tokenselect", dict(kv="split")),
+                                         pytest.param("clo", dict(retrieval="quest", quest_page_tokens=4,
+                                                                  topk_min=0), marks=pytest.mark.slow),
+                                         pytest.param("clo", dict(store="act"), marks=pytest.mark.slow),
+                                         pytest.param("tokenselect", dict(vote_keys="int8"), marks=pytest.mark.slow)],
+                         ids=["clo", "tokenselect", "tokenselect-split", "clo-quest", "clo-act", "tokenselect-int8"])
+def test_selective_policies_selecting_everything_equal_full(mixed, policy, opts):
+    """clo / tokenselect selecting every token of the global layers, the sliding layers device layers attending
+    their window: full's greedy tokens and logits; the sliding layers' K/V on the GPU (the memory plan counts
+    them there), the global layers' V (clo, tokenselect kv=split) on the host."""
+    model, want, want_logits = mixed
+    toks, logits, pol, state = _greedy(model, policy, **EVERYTHING[policy], **opts)
+    assert (toks == want).all()
+    np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
+    hooks = pol.pipeline.hooks
+    assert hooks.device_layers == hooks.sliding_layers == (True, False, True, False)
+    d = pol.describe(state)
+    if policy == "clo":
+        assert d["clo"]["sliding_device_layers"] == [0, 2] and d["clo"]["device_layers"] == [0, 2]
+        assert d["clo"]["selected_per_head"] > 1
+    else:
+        assert d["selection"]["device_layers"] == [0, 2] and d["selection"]["selected_per_head"] > 1
+        sel = d["selection"]["scored_fraction_per_layer"]
+        assert sel[0] == sel[2] == 0.0 and sel[1] == sel[3] == 1.0  # the sliding layers select nothing
+    if pol.host_pool:
+        kinds = d["layer_kinds"]
+        assert kinds["sliding"]["pool_bytes_per_token"]["host"] == 0 and kinds["global"]["pool_bytes_per_token"]["host"] > 0
+        assert kinds["sliding"]["fetched"].startswith("nothing (a device layer")
+        plan = pol.pipeline.memory_plan
+        assert plan.gpu["K/V blocks (GPU-resident)"] + plan.gpu["activation blocks (GPU-resident)"] == \
+            _pool_bytes(state, "gpu")
+        assert plan.host["K/V blocks"] + plan.host["activation blocks"] == _pool_bytes(state, "host") > 0
+
+
+@pytest.mark.parametrize("policy,opts", [("clo", {}), ("tokenselect", {}),
+                                         pytest.param("tokenselect", dict(kv="split"), marks=pytest.mark.slow)],
+                         ids=["clo", "tokenselect", "tokenselect-split"])
+def test_sliding_layers_attend_their_window_under_any_budget(only_sliding, mixed, policy, opts):
+    """A small budget: a model of sliding layers only gives full's tokens (no layer selects, each attends its
+    window); with global layers the selection changes the result."""
+    model, want, want_logits = only_sliding
+    toks, logits, pol, state = _greedy(model, policy, **SMALL[policy], **opts)
+    assert (toks == want).all()
+    np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
+    if policy == "clo":  # no row buffers: each layer's slots hold one row
+        assert all(s.dense and s.v_rows.shape[2] == 1 for s in state.groups[0].slots)
+    model, want, _ = mixed
+    toks, _, _, _ = _greedy(model, policy, **SMALL[policy], **opts)
+    assert not (toks == want).all()
+
+
+def test_tokenselect_extrapolation_refuses_sliding_layers(tiny):
+    from kvoffload.policies.extrapolation import ExtrapolationError
+
+    with pytest.raises(ExtrapolationError, match="extrapolate=True cannot run a model with sliding-window layers"):
+        generate(tiny, PROMPTS, 2, policy="tokenselect", policy_options=dict(BASE, extrapolate=True, token_budget=96,
+                                                                             num_recent=8, prefill_chunk=8))
 
 
 def test_converted_checkpoint_keeps_layer_kinds(tiny, full_ref, tmp_path):

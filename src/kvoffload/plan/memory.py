@@ -207,7 +207,8 @@ def pool_memory(cfg: ModelConfig, dtype, layouts, batch: int, t_pad: int, *, hos
     prefill to the end of the run. layer_parts: per layer, the parts ("k", "v", "x") it stores where the
     layout holds them, or None (all; `LayerHooks.layer_parts`: clo / tokenselect store=act keep X in place
     of V, or of K and V). device_layers: per layer, whether a host pool keeps that layer's K/V extents in
-    device memory in the model's dtype (`LayerHooks.device_layer`: clo's all-persistent layers).
+    device memory in the model's dtype (`LayerHooks.device_layer`: clo's all-persistent layers, the selective
+    policies' sliding-window layers).
     kv_gathered: the bytes a layer's W_K / W_V gain when their head shards are gathered whole before its
     programs (streamed weights, activations split by token: `sharding.gather_whole`), per layer in flight.
     prefill_chunk_tokens: the prefill runs each layer in token chunks (the workspace is a chunk's) and

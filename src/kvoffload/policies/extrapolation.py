@@ -63,6 +63,11 @@ class Extrapolation:
     prefill_chunk: int
 
     def check(self, cfg) -> None:
+        if cfg.has_sliding_layers:  # the runner attends a selection renumbered 0..n-1: no window of positions
+            raise ExtrapolationError(
+                "tokenselect extrapolate=True cannot run a model with sliding-window layers: its dense runner "
+                "renumbers the attended tokens' positions, so no layer can keep a window of positions; run "
+                "tokenselect with extrapolate=False (sliding layers then attend their window as `full` does)")
         if cfg.family != "llama":
             raise ExtrapolationError(
                 f"length extrapolation (extrapolate=True) needs RoPE positions (LLaMA family); "

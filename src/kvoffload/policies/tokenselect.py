@@ -50,10 +50,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvoffload import ops
 from kvoffload.device import sharding as S
-from kvoffload.runtime.attention import native_extent
+from kvoffload.runtime.attention import attend_pool, native_extent
 from kvoffload.runtime.hooks import Capabilities
 from kvoffload.policies import extrapolation
 from kvoffload.policies.base import register_policy
@@ -143,6 +144,10 @@ class TokenSelectAttend:
 
     def __call__(self, cfg, lp, q, acc, src, tables, slots: SelectionCache, recompute_impl, attention_impl):
         pool = src.pool
+        if pool.key_start is not None:  # a sliding-window layer is a device layer (`TokenSelectHooks.device_layer`):
+            # no vote, no selection; its window attended as `full` does (the window mask on the pool's blocks)
+            acc, _ = attend_pool(cfg, lp, q, acc, pool, tables, None, recompute_impl, attention_impl)
+            return acc, dataclasses.replace(slots, counts=slots.counted(steps=1))
         keys = pool.k
         B, H, d = q.shape
         n_kv, blk = keys[0].shape[1], keys[0].shape[2]
@@ -214,12 +219,16 @@ class TokenSelectHooks(SelectionHooks):
     def keys_written(self, pipe, slots, extent, k_blocks, at):
         """The vote's key copy (vote_keys int8 / int4) written where the blocks entered the pool: every layer's
         copy made in one program and written in one (`write_block_trees`)."""
-        if self.attend.vote_keys == "native":
+        live = [j for j, sl in enumerate(slots) if sl.vote]  # a device layer (sliding window) votes on nothing
+        if not live:
             return slots
         form = self.attend.vote_keys
-        written = write_block_trees([sl.vote[extent] for sl in slots], _vote_copies(tuple(k_blocks), form), at)
-        return tuple(dataclasses.replace(sl, vote=sl.vote[:extent] + (c,) + sl.vote[extent + 1:])
-                     for sl, c in zip(slots, written))
+        written = write_block_trees([slots[j].vote[extent] for j in live],
+                                    _vote_copies(tuple(k_blocks[j] for j in live), form), at)
+        out = list(slots)
+        for j, c in zip(live, written):
+            out[j] = dataclasses.replace(slots[j], vote=slots[j].vote[:extent] + (c,) + slots[j].vote[extent + 1:])
+        return tuple(out)
 
     def slot_specs(self, slot):
         """Where one layer's slots live on a tensor-parallel mesh (`selection_specs`)."""
@@ -236,10 +245,13 @@ class TokenSelectHooks(SelectionHooks):
         shapes = [(layout.size(e), cfg.num_kv_heads, layout.block_tokens, cfg.head_dim)
                   for e in range(layout.num_extents)]
 
+        dense = [self.device_layer(pipe, i) for i in range(cfg.num_layers)]
+
         def make():  # each layer its own arrays: a layer's program donates its slots
             def one(i):
-                sel = empty_selection(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, K)
-                if form != "native":  # the vote's key copy, written with the keys (`keys_written`)
+                # a device layer (sliding window) selects nothing: one row, no vote copy
+                sel = empty_selection(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1 if dense[i] else K)
+                if form != "native" and not dense[i]:  # the vote's key copy, written with the keys (`keys_written`)
                     sel = dataclasses.replace(sel, vote=tuple(vote_key_zeros(sh, form, dtype) for sh in shapes))
                 return sel if rates is None else with_replay(sel, rates[i], i)
             return tuple(one(i) for i in range(cfg.num_layers))
@@ -357,8 +369,16 @@ class TokenSelectPolicy(LayeredPolicy):
         if self.pipeline.hooks.split:
             d["selection"].update(self.pipeline.hooks.store_report(state))
         d["selection"].update(self.pipeline.hooks.replay_description())
+        dev = [int(i) for i in np.flatnonzero(self.pipeline.hooks.device_layers)]
+        if dev:
+            d["selection"]["device_layers"] = dev
+            d["selection"]["device_layer_placement"] = (
+                "sliding-window layers select nothing: their K/V blocks stay on the GPU and each attends its window "
+                "as `full` does (the window mask); hit rates count no hits there")
         if state is not None and state.groups and state.groups[0].slots:
-            d["selection"]["selected_per_head"] = int(state.groups[0].slots[0].indices.shape[-1])
+            slots = state.groups[0].slots
+            selecting = [i for i in range(len(slots)) if i not in dev] or [0]
+            d["selection"]["selected_per_head"] = int(slots[selecting[0]].indices.shape[-1])
             d["selection"].update(hit_rates(state))
         return d
 

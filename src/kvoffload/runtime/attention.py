@@ -55,6 +55,11 @@ class PoolSources:
     def x_by_token(self) -> bool:
         return bool(self.token_recompute)
 
+    def windowed(self, key_start) -> "PoolSources":
+        """These sources for a sliding-window layer whose first attended position is key_start [B] (every
+        layer program's sources answer `windowed`: a policy's own sources pass it to the pool they hold)."""
+        return dataclasses.replace(self, key_start=key_start)
+
 
 jax.tree_util.register_dataclass(PoolSources, data_fields=["k", "v", "x", "recompute", "key_start"],
                                  meta_fields=["prompt_extents", "token_recompute"])

@@ -26,14 +26,15 @@ At prefill, fixed for the run (the layout first, then the parts that read it)
                                   flush).
   ``recomputes(pipe, model)``     -> whether the run may recompute K/V from activations (a method: a policy may
                                   decide it from the model's shape).
-  ``sliding_refusal(pipe)``       -> why the policy cannot run sliding-window layers, or None.
 
 Each step, on the host (cheap: they run per GPU batch or per layer)
   ``plan_group(pipe, model, group)`` -> a `GroupPlan`: extents in use, how many to recompute, or per-extent modes.
   ``fetch(pipe, group, plan, layer)`` -> (early, late) host arrays to move: early (X) right after W_K / W_V, late
                                   (K/V) after the rest of the weights.
   ``sources(pipe, group, plan, layer, fetched)`` -> the layer program's sources (a structure fixed for the run, so
-                                  the program compiles once): `PoolSources` by default.
+                                  the program compiles once): `PoolSources` by default. A sliding-window layer's
+                                  program gives `attend` ``sources.windowed(key_start)`` (its window's first
+                                  position per request): a policy's own sources pass it on to their `PoolSources`.
   ``token_recompute(pipe, group, plan, layer)`` -> on a token-split mesh, per extent whether it is recomputed.
   ``speculate(pipe, model, group, layer, h, positions, slot)`` -> layer `layer`'s slots after work dispatched
                                   before layer - 1's program (default: unchanged).
@@ -134,11 +135,6 @@ class LayerHooks:
 
     def plan_group(self, pipe, model, group: GroupState) -> GroupPlan:
         return GroupPlan(used_extents=group.used_extents)
-
-    def sliding_refusal(self, pipe) -> str | None:
-        """Why this policy cannot run a model with sliding-window layers, or None: the default attention
-        (`attend_pool`) masks each extent's keys older than a sliding layer's window."""
-        return None
 
     def fetch(self, pipe, group: GroupState, plan: GroupPlan, layer: int):
         """(early, late) lists of host arrays to move for this layer (empty for a device pool)."""

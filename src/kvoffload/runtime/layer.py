@@ -3,7 +3,6 @@ K/V written into the GPU tail (`put_rows`), and the donated slots kept distinct 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -41,8 +40,8 @@ def layer_body(cfg, lp, h, positions, tail_k, tail_v, tail_x, tail_len, sources,
         q = q[:, :, 0]
     recompute_impl, attention_impl = options
     window = attention_window(cfg, lp)
-    if window is not None:  # a sliding layer (pool sources only: `sliding_refusal`): keys at positions > p - window
-        sources = dataclasses.replace(sources, key_start=positions[:, 0] - window + 1)
+    if window is not None:  # a sliding layer: keys at positions > p - window (the pool's attention masks the rest)
+        sources = sources.windowed(positions[:, 0] - window + 1)
     with jax.named_scope("pool_attention"):
         acc, slots = attend(cfg, lp, q, ops.empty_attention(q), sources, tables, slots, recompute_impl,
                             attention_impl)

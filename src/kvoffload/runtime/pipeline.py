@@ -237,12 +237,18 @@ class LayerPipeline(WeightPlacement, Prefill, Flush, RunCost):
             out[kind] = {"layers": sum(1 for s in self.sliding_layers if s == flag),
                          "pool_bytes_per_token": {k: v / tokens for k, v in where.items()},
                          "tail_bytes_per_token": tail / slots}
-            if flag:
-                out[kind].update(window=window, fetched=("extents holding a block of some request's window; all its "
-                                                         "tokens stay in the pool (masked)") if self.host_pool else
-                                 "nothing (device pool; the window's blocks attended)")
+            if not self.host_pool:
+                fetched = "nothing (device pool)"
+            elif self.hooks.device_layer(self, i):
+                fetched = "nothing (a device layer: its blocks stay in GPU memory)"
+            elif not self.fetches():
+                fetched = "no whole extent (the layer program reads the rows it selects in place)"
             else:
-                out[kind]["fetched"] = "every extent in use" if self.host_pool else "nothing (device pool)"
+                fetched = ("extents holding a block of some request's window; all its tokens stay in the pool "
+                           "(masked)") if flag else "every extent in use"
+            out[kind]["fetched"] = fetched
+            if flag:
+                out[kind]["window"] = window
         return out
 
     def window_plan(self, cfg, gr: GroupState, plan: GroupPlan) -> GroupPlan:
@@ -263,12 +269,10 @@ class LayerPipeline(WeightPlacement, Prefill, Flush, RunCost):
     def check_sliding(self):
         """One clear UnsupportedModelError where this run cannot give a model with sliding-window layers the right
         answer (before any work)."""
-        why = self.hooks.sliding_refusal(self)
-        if why is None and self.mesh is not None:
-            why = "the tensor-parallel attention paths have no sliding-window mask yet (tensor_parallel=1)"
-        if why:
+        if self.mesh is not None:
             raise UnsupportedModelError(f"policy {self.hooks.name!r} cannot run a model with sliding-window layers: "
-                                        f"{why}")
+                                        "the tensor-parallel attention paths have no sliding-window mask yet "
+                                        "(tensor_parallel=1)")
 
     def _items(self, n_layers, n_groups):
         if self.opts.schedule == "row":

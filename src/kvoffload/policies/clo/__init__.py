@@ -21,7 +21,8 @@ the rows, ``ops.gather_pool_rows``); what differs:
    re-made only when the pool grows); layer 0 always (``layer0_full``). A layer whose every head is
    persistent (layer 0 then) is a device layer (``CloHooks.device_layer``): its K/V blocks stay on the GPU in
    the model's dtype and it attends them with `full`'s own ``attend_pool`` (no scores, no top-k, no row
-   buffers; ``CloSlots.dense``). ``persistent_heads="plan"``
+   buffers; ``CloSlots.dense``); so is every sliding-window layer (gemma3), attending its window with the
+   window mask. ``persistent_heads="plan"``
    uses ``plan_persistent_heads`` with the shipped profile of the embedded model; "auto" (the default)
    does so where that profile is the model's and keeps none elsewhere (RULER on SmolLM2, exact: -1.3 / -2.6
    points without persistent heads, -0.5 / -0.0 with them).

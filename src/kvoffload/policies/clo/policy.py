@@ -144,15 +144,19 @@ class CloPolicy(LayeredPolicy):
                      persistent_heads=[list(map(int, x)) for x in np.argwhere(ch["persistent"])],
                      selected_per_head=ch["K"], persistent_tokens_per_head=ch["bound"],
                      device_layers=[int(x) for x in np.flatnonzero(h.device_layers)],
+                     sliding_device_layers=[int(x) for x in np.flatnonzero(h.sliding_layers)],
                      persistent_v_placement="a layer whose every head is persistent (device_layers: layer 0 with "
                                             "layer0_full): its K/V blocks in GPU memory, attended whole as `full` "
                                             "does; another layer's persistent heads: V in the host pool (gathered "
-                                            "whole on re-selection), K on the GPU")
+                                            "whole on re-selection), K on the GPU",
+                     sliding_placement="a sliding-window layer is a device layer (sliding_device_layers): no "
+                                       "selection, its K/V blocks in GPU memory, its window attended as `full` does")
             if ch["plan"] is not None:
                 c["plan"] = {k: ch["plan"][k] for k in ("n_d", "n_p", "n_persist", "n_kept", "total_bytes")}
         if state is not None and state.groups and state.groups[0].slots:
             c.update(hit_rates(state))  # persistent heads count no hits (they re-select only at a flush)
-            cached = ~h.chosen["persistent"]
+            # heads that may reuse a cached selection: not persistent, not in a device layer (which selects nothing)
+            cached = ~h.chosen["persistent"] & ~np.asarray(h.device_layers, bool)[:, None]
             per_head = np.asarray(c["hit_rate_per_layer_head"])
             c["hit_rate_cached_heads"] = float(per_head[cached].mean()) if cached.any() else None
             by_group = [gr.slots for gr in state.groups]

@@ -22,6 +22,7 @@ import numpy as np
 from kvoffload.device import sharding as S
 from kvoffload.runtime.attention import PoolSources
 from kvoffload.runtime.hooks import Capabilities, LayerHooks
+from kvoffload.runtime.layer import sliding_layers
 from kvoffload.policies.options import PolicyOptionError
 from kvoffload.policies.selection.cache import device_shapes, place_slots, replay_rates
 from kvoffload.policies.selection.rows import SelectSources
@@ -53,15 +54,13 @@ class SelectionHooks(LayerHooks):
         self.split = split  # kv=split: K extents on the device, V extents in the host pool
         self.store = store  # kv | act | auto: per layer, the host pool holds V (or K/V) rows or activations X
         self.stores: tuple = ()  # per layer, decided at prefill (`pool_layouts`)
-        self.device_layers: tuple = ()  # per layer: every head persistent (`device_layer`), decided with the stores
+        # per layer: a device layer (`device_layer`: a sliding-window layer, or every head persistent), decided at
+        # prefill (`pool_layouts`)
+        self.device_layers: tuple = ()
+        self.sliding_layers: tuple = ()  # per layer: a sliding-window layer (a device layer), set with device_layers
         self.store_reasons: tuple = ()
         self.x_row_bytes = 0.0  # one token's X as the host pool stores it
         self.replay_hit_rate = replay_hit_rate  # checked values (a number or one per layer), or None
-
-    def sliding_refusal(self, pipe) -> str | None:
-        return (f"{self.name}'s selection scores and gathers rows of the whole context, so a sliding layer would "
-                "attend keys older than its window (a local layer as full attention over its window is not built "
-                "yet); use 'full', 'offload', 'kvpr' or 'hybrid'")
 
     def replay_rates(self, cfg) -> np.ndarray | None:
         """[L] the replayed reuse probability per layer, or None (the similarity rule decides)."""
@@ -95,13 +94,16 @@ class SelectionHooks(LayerHooks):
         bound = request_token_bound(layout, batch)
         persistent = self.persistent_for_stores(pipe, model, layout, batch, K)
         forced = self.attend.num_sink + self.attend.num_recent
-        # a layer whose every head selects its whole context keeps its K/V blocks on the GPU (`device_layer`)
-        self.device_layers = tuple(bool(x) for x in persistent.all(1))
+        # a layer whose every head selects its whole context keeps its K/V blocks on the GPU (`device_layer`), as
+        # does a sliding-window layer
+        self.device_layers = tuple(bool(p) or s for p, s in zip(persistent.all(1), self.sliding_layers))
         stores, reasons = [], []
         for layer in range(L):
             if self.device_layers[layer]:
                 stores.append("kv")
-                reasons.append("kv: every head persistent, so the layer's K/V blocks stay on the GPU in the model's "
+                reasons.append("kv: a sliding-window layer, so its K/V blocks stay on the GPU in the model's dtype and "
+                               "it attends its window as `full` does" if cfg.layer_window(layer) is not None else
+                               "kv: every head persistent, so the layer's K/V blocks stay on the GPU in the model's "
                                "dtype and it attends them whole, as `full` does")
                 continue
             n_p = int(persistent[layer].sum())
@@ -117,11 +119,15 @@ class SelectionHooks(LayerHooks):
         return tuple(stores), tuple(reasons)
 
     def device_layer(self, pipe, layer) -> bool:
+        """A sliding-window layer selects nothing: its K/V blocks stay on the GPU and it attends its window whole,
+        with the window mask of `full` (`attend_pool`); so does a layer whose every head is persistent (clo)."""
         return bool(self.device_layers and self.device_layers[layer])
 
     def pool_layouts(self, pipe, model, dtype, rows, lengths, capacity):
         layouts = super().pool_layouts(pipe, model, dtype, rows, lengths, capacity)
-        if not self.split:
+        self.sliding_layers = sliding_layers(model.config)
+        if not self.split:  # a device pool: only the sliding layers are device layers (their slots select nothing)
+            self.device_layers = self.sliding_layers
             return layouts
         a, z = rows[0]
         self.stores, self.store_reasons = self.choose_stores(pipe, model, layouts[0], z - a)

@@ -41,6 +41,11 @@ class SelectSources:
     # token space the selection scores and ranks (`TokenSpace`); 0: not known (the whole pool's space)
     request_blocks: int = 0
 
+    def windowed(self, key_start) -> "SelectSources":
+        """A sliding-window layer's sources (`PoolSources.windowed`): the pool's attention masks keys before
+        key_start; such a layer is a device layer and attends its pool as `full` does (`attend_pool`)."""
+        return dataclasses.replace(self, pool=self.pool.windowed(key_start))
+
 
 jax.tree_util.register_dataclass(SelectSources, data_fields=["pool", "tail_len"],
                                  meta_fields=["request_blocks"])
